@@ -1,0 +1,26 @@
+"""A Llama-3.2-1B-shaped model: 16 layers, width 2048, 32 heads / 8 KV heads, SwiGLU 8192.
+
+A recipe for accelerators; the BPE tokenizer (32768 ids) is trained on your corpus.
+"""
+
+from lm.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.model.update(
+        num_layers=16,
+        embed_dim=2048,
+        num_heads=32,
+        num_kv_heads=8,
+        mlp_dim=8192,
+        rope_theta=500_000.0,
+        tie_embeddings=True,
+        remat="full",
+    )
+    c.data.update(tokenizer="bpe", vocab_size=32768)
+    c.train.update(steps=100_000, batch_size=64, seq_len=2048, log_every=20, eval_every=1000, eval_batches=10)
+    c.optim.update(lr=3e-4, min_lr_ratio=0.1, warmup_steps=2000, b2=0.95, weight_decay=0.1)
+    c.checkpoint.every_steps = 1000
+    c.precision.compute_dtype = "bfloat16"
+    return c

@@ -1,0 +1,156 @@
+"""The config schema: every key meshlm reads, its default, and the checks run before training.
+
+Recipe files in `configs/` start from `default_config()` and change what they need; the result
+is locked, so a misspelt key (in a file or on the command line) is an error, not a new field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import ml_collections
+from ml_collections import config_dict
+
+
+class UserError(Exception):
+    """A mistake the user can fix: printed as one line, with a non-zero exit and no traceback."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+
+    c.model = dict(
+        num_layers=2,
+        embed_dim=128,
+        num_heads=4,
+        num_kv_heads=4,  # < num_heads: grouped-query attention
+        head_dim=0,  # 0: embed_dim // num_heads
+        mlp_dim=512,
+        norm="rmsnorm",  # rmsnorm | layernorm
+        position="rope",  # rope | learned
+        mlp="swiglu",  # swiglu | gelu
+        use_bias=False,
+        tie_embeddings=False,
+        rope_theta=10_000.0,
+        norm_eps=1e-5,
+        vocab_multiple=128,  # the vocabulary is padded up to a multiple of this
+        remat="none",  # none | full | dots (save matmul outputs) | dots_no_batch
+        scan_layers=True,  # False unrolls the layer loop (faster to run on CPU, slower to compile)
+    )
+    c.data = dict(
+        path=config_dict.placeholder(str),  # None: this interpreter's standard-library sources
+        tokenizer="byte",  # byte | bpe | path/to/tokenizer.json
+        vocab_size=4096,  # for tokenizer=bpe
+        val_fraction=0.1,
+        cache_dir=config_dict.placeholder(str),  # None: $XDG_CACHE_HOME/meshlm
+        prefetch=2,
+    )
+    c.train = dict(
+        steps=1000,
+        batch_size=16,  # global, in sequences
+        seq_len=128,
+        seed=0,
+        grad_accum=1,
+        log_every=10,
+        eval_every=200,
+        eval_batches=8,
+    )
+    c.optim = dict(
+        lr=1e-3,
+        min_lr_ratio=0.1,
+        warmup_steps=100,
+        decay_steps=0,  # 0: train.steps
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        clip_norm=1.0,  # 0: no clipping
+    )
+    c.checkpoint = dict(every_steps=500, keep=3, async_save=True)
+    c.mesh = dict(data=-1, stage=1, fsdp=1, tensor=1)
+    c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)
+    c.precision = dict(param_dtype="float32", compute_dtype="float32")
+    return c
+
+
+_CHOICES = {
+    "model.norm": ("rmsnorm", "layernorm"),
+    "model.position": ("rope", "learned"),
+    "model.mlp": ("swiglu", "gelu"),
+    "model.remat": ("none", "full", "dots", "dots_no_batch"),
+    "precision.param_dtype": ("float32", "bfloat16"),
+    "precision.compute_dtype": ("float32", "bfloat16", "float16"),
+}
+
+_POSITIVE = (
+    "model.num_layers", "model.embed_dim", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
+    "model.vocab_multiple", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
+    "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint.every_steps",
+    "checkpoint.keep", "data.vocab_size",
+)
+
+
+def _get(c, dotted: str):
+    for part in dotted.split("."):
+        c = c[part]
+    return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Checks that need no devices or data; raises UserError naming the key and the fix."""
+    for key, choices in _CHOICES.items():
+        if _get(c, key) not in choices:
+            raise UserError(f"--config.{key}={_get(c, key)!r} is not one of {', '.join(choices)}")
+    for key in _POSITIVE:
+        if _get(c, key) <= 0:
+            raise UserError(f"--config.{key} must be positive, got {_get(c, key)}")
+    m = c.model
+    if m.num_heads % m.num_kv_heads:
+        raise UserError(
+            f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}"
+        )
+    if not m.head_dim and m.embed_dim % m.num_heads:
+        raise UserError(
+            f"model.embed_dim={m.embed_dim} is not divisible by model.num_heads={m.num_heads}; "
+            "set model.head_dim explicitly"
+        )
+    if m.position == "rope" and head_dim(c) % 2:
+        raise UserError(f"RoPE needs an even head_dim, got {head_dim(c)}")
+    if c.train.batch_size % c.train.grad_accum:
+        raise UserError(
+            f"train.batch_size={c.train.batch_size} is not divisible by "
+            f"train.grad_accum={c.train.grad_accum}"
+        )
+    if not 0.0 < c.data.val_fraction < 1.0:
+        raise UserError(f"data.val_fraction must be in (0, 1), got {c.data.val_fraction}")
+
+
+def head_dim(c: ml_collections.ConfigDict) -> int:
+    return c.model.head_dim or c.model.embed_dim // c.model.num_heads
+
+
+def shape_fields(c: ml_collections.ConfigDict) -> dict:
+    """The fields that decide parameter shapes: a checkpoint only resumes when they match."""
+    fields = {f"model.{k}": v for k, v in c.model.items() if k not in ("remat", "scan_layers")}
+    fields["data.tokenizer"] = c.data.tokenizer
+    if c.data.tokenizer == "bpe":
+        fields["data.vocab_size"] = c.data.vocab_size
+    if c.model.position == "learned":
+        fields["train.seq_len"] = c.train.seq_len
+    return fields
+
+
+def to_json(c: ml_collections.ConfigDict) -> str:
+    return json.dumps(c.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+def from_json(text: str) -> ml_collections.ConfigDict:
+    """A saved config, merged over the current defaults (keys added since then keep defaults)."""
+    saved = json.loads(text)
+    c = default_config()
+    for group, values in saved.items():
+        if group in c:
+            for key, value in values.items():
+                if key in c[group]:
+                    c[group][key] = tuple(map(tuple, value)) if key == "rules" and value else value
+    return c

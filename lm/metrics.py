@@ -1,0 +1,108 @@
+"""FLOPs, MFU and where metrics go (JSONL and TensorBoard).
+
+FLOPs per trained token, the convention used for MFU (`flops_per_token`):
+  * every matmul weight (Q, K, V, O, the MLP matrices, the output head) costs 2 FLOPs per
+    weight per token forward and 4 backward: 6 * matmul_params;
+  * attention scores (Q K^T) and the weighted sum (A V) each cost 2 * T * heads * head_dim
+    FLOPs per token forward for a full T x T attention; causal attention halves that (each
+    query sees T/2 keys on average), so forward is 2 * T * heads * head_dim per layer and
+    training, at 3x forward, is 6 * layers * T * heads * head_dim;
+  * embedding lookups, norms, activations, softmax and the optimizer are not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lm.model import ModelConfig
+
+# Dense peak FLOP/s per device for known accelerators (vendor figures, no sparsity).
+PEAK_FLOPS = {
+    ("H200", "bfloat16"): 989e12,
+    ("H100", "bfloat16"): 989e12,
+    ("H100", "float32"): 67e12,
+    ("H200", "float32"): 67e12,
+    ("A100", "bfloat16"): 312e12,
+    ("A100", "float32"): 19.5e12,
+    ("TPU v4", "bfloat16"): 275e12,
+    ("TPU v5p", "bfloat16"): 459e12,
+    ("TPU v5 lite", "bfloat16"): 197e12,
+}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    d, h, g, k, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    attention = d * h * k + 2 * d * g * k + h * k * d
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    return cfg.num_layers * (attention + mlp) + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token; see the module docstring."""
+    attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+    return 6.0 * matmul_params(cfg) + attention
+
+
+def param_count(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+@functools.cache
+def peak_flops(dtype: str = "float32") -> tuple[float, str]:
+    """(FLOP/s per device, where the figure came from): a table, or a measured matmul on CPU."""
+    device = jax.devices()[0]
+    for (kind, table_dtype), flops in PEAK_FLOPS.items():
+        if kind in device.device_kind and table_dtype == dtype:
+            return flops, f"table: {device.device_kind} {dtype}"
+    n = 1024
+    a = jnp.ones((n, n), dtype)
+    matmul = jax.jit(lambda a: (a @ a) * 1e-3)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        out = a
+        for _ in range(4):
+            out = matmul(out)
+        out.block_until_ready()
+        best = min(best, (time.perf_counter() - start) / 4)
+    return 2 * n**3 / best, f"measured: {n}x{n} {dtype} matmul on {device.device_kind}"
+
+
+def peak_memory_bytes() -> int | None:
+    """Peak bytes in use on the first local device, where the backend reports it."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+class MetricsWriter:
+    """Appends metrics rows to WORKDIR/metrics.jsonl and TensorBoard event files in WORKDIR/tb."""
+
+    def __init__(self, workdir: Path, enabled: bool = True):
+        self.enabled = enabled
+        self.path = workdir / "metrics.jsonl"
+        self.tb_dir = workdir / "tb"
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.tb_dir))
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self._tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self._tb.close()

@@ -1,0 +1,257 @@
+"""A decoder-only Transformer in Flax NNX, Llama-style or GPT-2-style by config.
+
+Every parameter carries logical axis names (`out_sharding` metadata) and large activations are
+constrained by logical names, so the `sharding` rules alone decide how the model is split. The
+layers are stacked along a leading `layers` axis and run by `lax.scan`: one compiled block
+whatever the depth. Shape suffixes: b batch, t query length, s key length, d embed, h heads,
+g kv heads, k head dim, f mlp hidden, v vocab, l layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lm.precision import Policy
+from sharding import constrain
+
+# Parameters exempt from weight decay: norms, biases and embeddings.
+NO_DECAY = frozenset({"embedding", "pos_embedding", "scale", "bias", "bq", "bk", "bv", "bo", "b_in", "b_out"})
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int  # padded
+    max_len: int  # rows of the learned position table
+    num_layers: int = 2
+    embed_dim: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    mlp_dim: int = 512
+    norm: str = "rmsnorm"
+    position: str = "rope"
+    mlp: str = "swiglu"
+    use_bias: bool = False
+    tie_embeddings: bool = False
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    remat: str = "none"
+    scan_layers: bool = True
+    policy: Policy = Policy()
+
+    @classmethod
+    def from_config(cls, c, vocab_size: int) -> ModelConfig:
+        """From the `model` group of a meshlm config and the tokenizer's vocabulary size."""
+        m = c.model
+        multiple = m.vocab_multiple
+        fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len", "policy", "head_dim"}
+        return cls(
+            vocab_size=-(-vocab_size // multiple) * multiple,
+            max_len=c.train.seq_len,
+            head_dim=m.head_dim or m.embed_dim // m.num_heads,
+            policy=Policy.from_config(c.precision),
+            **{k: m[k] for k in fields},
+        )
+
+
+def _param(key, shape, logical_axes, std: float | None, dtype, fill: float = 0.0) -> nnx.Param:
+    """A parameter with logical axis names; normal(std) when std is given, else constant."""
+    value = std * jax.random.normal(key, shape, dtype) if std else jnp.full(shape, fill, dtype)
+    # Sharding is applied by `sharding` rules at state creation, not eagerly by flax.
+    return nnx.Param(value, out_sharding=logical_axes, eager_sharding=False)
+
+
+class Norm(nnx.Module):
+    """RMSNorm or LayerNorm; statistics in float32."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        dtype = cfg.policy.param_dtype
+        self.scale = _param(None, (cfg.embed_dim,), ("embed",), None, dtype, fill=1.0)
+        if cfg.norm == "layernorm":
+            self.bias = _param(None, (cfg.embed_dim,), ("embed",), None, dtype)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x = x_btd.astype(jnp.float32)
+        if self.cfg.norm == "layernorm":
+            x = x - jnp.mean(x, axis=-1, keepdims=True)
+        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.cfg.norm_eps)
+        y = y * self.scale[...]
+        if self.cfg.norm == "layernorm":
+            y = y + self.bias[...]
+        return self.cfg.policy.cast(y)
+
+
+def _dense(cfg: ModelConfig, spec: str, x: jax.Array, w: nnx.Param) -> jax.Array:
+    policy = cfg.policy
+    return jnp.einsum(spec, policy.cast(x), policy.cast(w[...]), _dot_general=policy.dot_general)
+
+
+def rope(x_bthk: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form), computed in float32."""
+    half = x_bthk.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions_bt[..., None, None].astype(jnp.float32) * freq  # b t 1 k/2
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, g, k, dt = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.policy.param_dtype
+        out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
+        self.wq = _param(rngs.params(), (d, h, k), ("embed", "heads", "head_dim"), 0.02, dt)
+        self.wk = _param(rngs.params(), (d, g, k), ("embed", "kv_heads", "head_dim"), 0.02, dt)
+        self.wv = _param(rngs.params(), (d, g, k), ("embed", "kv_heads", "head_dim"), 0.02, dt)
+        self.wo = _param(rngs.params(), (h, k, d), ("heads", "head_dim", "embed"), out_std, dt)
+        if cfg.use_bias:
+            self.bq = _param(None, (h, k), ("heads", "head_dim"), None, dt)
+            self.bk = _param(None, (g, k), ("kv_heads", "head_dim"), None, dt)
+            self.bv = _param(None, (g, k), ("kv_heads", "head_dim"), None, dt)
+            self.bo = _param(None, (d,), ("embed",), None, dt)
+
+    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
+        cfg = self.cfg
+        q = _dense(cfg, "btd,dhk->bthk", x_btd, self.wq)
+        k = _dense(cfg, "btd,dgk->btgk", x_btd, self.wk)
+        v = _dense(cfg, "btd,dgk->btgk", x_btd, self.wv)
+        if cfg.use_bias:
+            q, k, v = q + cfg.policy.cast(self.bq[...]), k + cfg.policy.cast(self.bk[...]), v + cfg.policy.cast(self.bv[...])
+        if cfg.position == "rope":
+            q, k = rope(q, positions_bt, cfg.rope_theta), rope(k, positions_bt, cfg.rope_theta)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"), "queries")
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"), "keys")
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"), "values")
+        if cache is None:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:  # decoding: write this chunk into the cache, attend to every filled position
+            start = (0, cache_index, 0, 0)
+            cache = {
+                "k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start),
+                "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start),
+            }
+            key_positions = jnp.arange(cache["k"].shape[1])
+            mask_bts = key_positions[None, None, :] <= positions_bt[:, :, None]
+            k_all, v_all = cfg.policy.cast(cache["k"]), cfg.policy.cast(cache["v"])
+            out = jax.nn.dot_product_attention(q, k_all, v_all, mask=mask_bts[:, None])
+        y = _dense(cfg, "bthk,hkd->btd", out, self.wo)
+        if cfg.use_bias:
+            y = y + cfg.policy.cast(self.bo[...])
+        return y, cache
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, f, dt = cfg.embed_dim, cfg.mlp_dim, cfg.policy.param_dtype
+        out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
+        self.w_in = _param(rngs.params(), (d, f), ("embed", "mlp"), 0.02, dt)
+        if cfg.mlp == "swiglu":
+            self.w_gate = _param(rngs.params(), (d, f), ("embed", "mlp"), 0.02, dt)
+        self.w_out = _param(rngs.params(), (f, d), ("mlp", "embed"), out_std, dt)
+        if cfg.use_bias:
+            self.b_in = _param(None, (f,), ("mlp",), None, dt)
+            self.b_out = _param(None, (d,), ("embed",), None, dt)
+
+    def __call__(self, x_btd):
+        cfg = self.cfg
+        h = _dense(cfg, "btd,df->btf", x_btd, self.w_in)
+        if cfg.use_bias:
+            h = h + cfg.policy.cast(self.b_in[...])
+        if cfg.mlp == "swiglu":
+            h = jax.nn.silu(_dense(cfg, "btd,df->btf", x_btd, self.w_gate)) * h
+        else:
+            h = jax.nn.gelu(h)
+        h = constrain(h, ("batch", "length", "mlp"), "mlp hidden")
+        y = _dense(cfg, "btf,fd->btd", h, self.w_out)
+        if cfg.use_bias:
+            y = y + cfg.policy.cast(self.b_out[...])
+        return y
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = Norm(cfg)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = Norm(cfg)
+        self.mlp = Mlp(cfg, rngs)
+
+    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
+        y, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index)
+        x_btd = constrain(x_btd + y, ("batch", "length", "act_embed"), "residual")
+        x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
+        return constrain(x_btd, ("batch", "length", "act_embed"), "residual"), cache
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt = cfg.policy.param_dtype
+        self.embedding = _param(rngs.params(), (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), 0.02, dt)
+        if cfg.position == "learned":
+            self.pos_embedding = _param(rngs.params(), (cfg.max_len, cfg.embed_dim), (None, "embed"), 0.01, dt)
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(layer_rngs):
+            return Block(cfg, layer_rngs)
+
+        self.blocks = stacked_blocks(rngs.fork(split=cfg.num_layers))
+        self.final_norm = Norm(cfg)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs.params(), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), 0.02, dt)
+
+    def init_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
+        """An empty KV cache for `length` positions: {'k', 'v'} of shape [l, b, s, g, k]."""
+        c = self.cfg
+        shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+        return {"k": jnp.zeros(shape, c.policy.compute_dtype), "v": jnp.zeros(shape, c.policy.compute_dtype)}
+
+    def __call__(self, tokens_bt: jax.Array, cache=None, cache_index=0):
+        """Float32 logits [b, t, v] and the updated cache (None when not decoding).
+
+        With a cache, `tokens_bt` continues the sequence at position `cache_index`.
+        """
+        cfg = self.cfg
+        positions_bt = cache_index + jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        x = cfg.policy.cast(jnp.take(self.embedding[...], tokens_bt, axis=0))
+        if cfg.position == "learned":
+            x = x + cfg.policy.cast(jnp.take(self.pos_embedding[...], positions_bt, axis=0))
+        x = constrain(x, ("batch", "length", "act_embed"), "embeddings")
+        x, cache = self._layers(x, positions_bt, cache, cache_index)
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, cfg.policy.cast(self.embedding[...]), preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("btd,dv->btv", x, cfg.policy.cast(self.head[...]), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"), "logits"), cache
+
+    def _layers(self, x, positions_bt, cache, cache_index):
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x, params_and_cache):
+            params, layer_cache = params_and_cache
+            return nnx.merge(graphdef, params)(x, positions_bt, layer_cache, cache_index)
+
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
+        if self.cfg.scan_layers:
+            return jax.lax.scan(layer, x, (stacked, cache))
+        new_caches = []
+        for i in range(self.cfg.num_layers):
+            x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], (stacked, cache)))
+            new_caches.append(layer_cache)
+        return x, None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_caches)

@@ -1,0 +1,37 @@
+"""The optax chain from config: global-norm clipping, then AdamW with warm-up + cosine decay.
+
+Weight decay skips norms, biases and embeddings (decided by parameter name, see
+`lm.model.NO_DECAY`).
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from lm.model import NO_DECAY
+
+
+def schedule(c) -> optax.Schedule:
+    """Linear warm-up to `optim.lr`, then cosine decay to `lr * min_lr_ratio` at `decay_steps`."""
+    o = c.optim
+    decay_steps = o.decay_steps or c.train.steps
+    warmup = min(o.warmup_steps, max(decay_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=o.lr / (warmup + 1),
+        peak_value=o.lr,
+        warmup_steps=warmup,
+        decay_steps=max(decay_steps, warmup + 1),
+        end_value=o.lr * o.min_lr_ratio,
+    )
+
+
+def decay_mask(params):
+    """True for the parameters weight decay applies to: matmul weights."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY, params)
+
+
+def optimizer(c) -> optax.GradientTransformation:
+    o = c.optim
+    adamw = optax.adamw(schedule(c), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm else adamw

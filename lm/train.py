@@ -1,0 +1,320 @@
+"""Train state creation (born sharded), the train and eval steps, the loop, `python -m lm.train`.
+
+    python -m lm.train --config=configs/tiny.py --workdir=runs/tiny [--config.train.steps=100]
+
+Running the same command again with the same workdir resumes from its latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import sharding
+from lm import config as lm_config
+from lm import data as lm_data
+from lm.checkpoint import Checkpointer, abstract_like
+from lm.config import UserError
+from lm.metrics import MetricsWriter, flops_per_token, peak_flops
+from lm.model import ModelConfig, Transformer
+from lm.optim import optimizer, schedule
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy in float32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+    return jnp.mean(losses)
+
+
+def rules_from(config) -> tuple:
+    rules = config.sharding.rules
+    if not rules:
+        return sharding.DEFAULT_RULES
+    return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The compiled pieces of one training setup: state layout, train step, eval step."""
+
+    config: object
+    model_cfg: ModelConfig
+    mesh: jax.sharding.Mesh
+    rules: tuple
+
+    def __post_init__(self):
+        c = self.config
+        abstract_model = nnx.eval_shape(lambda: Transformer(self.model_cfg, rngs=nnx.Rngs(0)))
+        self.graphdef, abstract_params = nnx.split(abstract_model)
+        self.logical_axes = nnx.get_partition_spec(abstract_params).to_pure_dict()
+        self.tx = optimizer(c)
+        self.schedule = schedule(c)
+        self.abstract_state = jax.eval_shape(lambda: self._init(0))
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        param_shardings = sharding.tree_shardings(self.abstract_state["params"], self.logical_axes, self.mesh, self.rules)
+        opt_shardings = optax.tree_map_params(
+            self.tx,
+            lambda _, s: s,
+            self.abstract_state["opt_state"],
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        self.state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+        batch_size, length = c.train.batch_size, c.train.seq_len + 1
+        self.batch_sharding = sharding.named_sharding(
+            self.mesh, ("batch", "length"), self.rules, shape=(batch_size, length), name="batch"
+        )
+        self.replicated = replicated
+        self.init_state = jax.jit(self._init, static_argnums=0, out_shardings=self.state_shardings)
+        self.train_step = jax.jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(
+            self._eval_loss, in_shardings=(param_shardings, self.batch_sharding), out_shardings=replicated
+        )
+
+    # -- pure functions, traced under jit
+
+    def _init(self, seed: int) -> dict:
+        params = nnx.state(Transformer(self.model_cfg, rngs=nnx.Rngs(seed))).to_pure_dict()
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+
+    def _loss(self, params, tokens_bl: jax.Array) -> jax.Array:
+        logits, _ = nnx.merge(self.graphdef, params)(tokens_bl[:, :-1])
+        return cross_entropy(logits, tokens_bl[:, 1:])
+
+    def _eval_loss(self, params, tokens_bl):
+        return self._loss(params, tokens_bl)
+
+    def _grads(self, params, tokens_bl):
+        """(mean loss, mean grads) over the batch, accumulated over `train.grad_accum` microbatches."""
+        accum = self.config.train.grad_accum
+        grad_fn = jax.value_and_grad(self._loss)
+        if accum == 1:
+            return grad_fn(params, tokens_bl)
+        b, l = tokens_bl.shape
+        # Microbatch j takes rows j, j+accum, ...: every data-parallel shard holds part of each.
+        micro = tokens_bl.reshape(b // accum, accum, l).swapaxes(0, 1)
+        micro = sharding.constrain(micro, (None, "batch", "length"), "microbatches")
+
+        def add(carry, tokens):
+            loss, grads = grad_fn(params, tokens)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(add, zeros, micro)
+        return jax.tree.map(lambda x: x / accum, (loss, grads))
+
+    def _train_step(self, state, tokens_bl):
+        loss, grads = self._grads(state["params"], tokens_bl)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": self.schedule(state["step"])}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    # -- host side
+
+    def global_batch(self, local_rows: np.ndarray) -> jax.Array:
+        """This process's rows -> one global array sharded over `batch`."""
+        return jax.make_array_from_process_local_data(self.batch_sharding, local_rows)
+
+    def abstract_sharded_state(self):
+        return abstract_like(self.abstract_state, self.state_shardings)
+
+
+def data_parallel_size(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_batch(config, mesh) -> None:
+    b, dp, accum = config.train.batch_size, data_parallel_size(mesh), config.train.grad_accum
+    if b % (dp * accum):
+        raise UserError(
+            f"train.batch_size={b} is not divisible by the data-parallel size {dp} (mesh data x fsdp)"
+            + (f" times train.grad_accum={accum}" if accum > 1 else "")
+            + f"; use a multiple of {dp * accum} or change the mesh"
+        )
+    if b % jax.process_count():
+        raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
+
+
+def check_workdir(config, workdir: Path) -> None:
+    """A workdir trained with a different model shape is an error; nothing in it is touched."""
+    saved_path = workdir / "config.json"
+    if not saved_path.exists():
+        return
+    saved = lm_config.shape_fields(lm_config.from_json(saved_path.read_text()))
+    now = lm_config.shape_fields(config)
+    diffs = [f"{k}: {saved.get(k)!r} saved, {now.get(k)!r} now" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diffs:
+        raise UserError(
+            f"workdir {workdir} holds a run of an incompatible config ({'; '.join(diffs)}); "
+            "use a new --workdir or the saved settings"
+        )
+
+
+def model_config(config, vocab_size: int) -> ModelConfig:
+    return ModelConfig.from_config(config, vocab_size)
+
+
+def _kill_self_after_saves(step: int, ckpt: Checkpointer) -> None:
+    """Fault injection for tests: make checkpoints durable, then die as a killed process would."""
+    ckpt.wait()
+    print(f"debug: SIGKILL at step {step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int | None = None) -> dict:
+    """Trains (or resumes) the run in `workdir`; returns the last logged metrics."""
+    from tqdm import tqdm
+
+    lm_config.validate(config)
+    workdir = Path(workdir)
+    check_workdir(config, workdir)
+    mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
+    check_batch(config, mesh)
+    rules = rules_from(config)
+    lead = jax.process_index() == 0
+
+    files = lm_data.corpus_files(config.data.path)
+    workdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = lm_data.tokenizer_for(config.data, workdir, files)
+    tokens = lm_data.corpus_tokens(config.data, tokenizer, files)
+    where = config.data.path or f"{lm_data.default_corpus_root()} (standard library)"
+    train_windows, val_windows = lm_data.split(tokens, config.train.seq_len, config.data.val_fraction, where)
+
+    mcfg = model_config(config, tokenizer.vocab_size)
+    trainer = Trainer(config, mcfg, mesh, rules)
+    ckpt = Checkpointer(workdir / "checkpoints", config.checkpoint.keep, config.checkpoint.async_save)
+    pi, pc = jax.process_index(), jax.process_count()
+    batches = lm_data.train_batches(train_windows, config.train.batch_size, config.train.seed, pi, pc, config.data.prefetch)
+    val_batches = lm_data.eval_batches(val_windows, config.train.batch_size, config.train.eval_batches, pi, pc)
+    if lead:
+        (workdir / "config.json").write_text(lm_config.to_json(config))
+
+    with sharding.activate(mesh, rules):
+        start = ckpt.latest_step()
+        if start is None:
+            state, start = trainer.init_state(config.train.seed), 0
+        else:
+            state, data_state = ckpt.restore(trainer.abstract_sharded_state(), start)
+            if data_state is not None:
+                batches.set_state(data_state)
+            if lead:
+                print(f"resuming from step {start} ({ckpt.directory / str(start)})", flush=True)
+        steps = config.train.steps
+        writer = MetricsWriter(workdir, enabled=lead)
+        tokens_per_step = config.train.batch_size * config.train.seq_len
+        flops = flops_per_token(mcfg, config.train.seq_len) * tokens_per_step
+        peak, _ = peak_flops(config.precision.compute_dtype)
+        peak *= mesh.size
+        last: dict = {}
+        if lead:
+            from lm.metrics import param_count
+
+            print(
+                f"model: {param_count(state['params']) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
+                f"mesh {dict(mesh.shape)}, {steps} steps of {tokens_per_step} tokens",
+                flush=True,
+            )
+        step_fn = trainer.train_step.lower(state, trainer.global_batch(val_batches[0])).compile() if start < steps else None
+        bar = tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True, file=sys.stdout)
+        pending, t_last = [], time.perf_counter()
+        for step in range(start + 1, steps + 1):
+            state, metrics = step_fn(state, trainer.global_batch(next(batches)))
+            pending.append(metrics)
+            if step % config.train.log_every == 0 or step == steps:
+                host = jax.device_get(pending)
+                now = time.perf_counter()
+                step_time = (now - t_last) / len(host)
+                loss = float(np.mean([m["loss"] for m in host]))
+                last = {
+                    "step": step,
+                    "loss": loss,
+                    "perplexity": math.exp(min(loss, 50.0)),
+                    "grad_norm": float(np.mean([m["grad_norm"] for m in host])),
+                    "lr": float(host[-1]["lr"]),
+                    "tokens_per_sec": tokens_per_step / step_time,
+                    "step_time_s": step_time,
+                    "mfu": flops / step_time / peak,
+                }
+                writer.write(last)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
+                pending, t_last = [], now
+            if step % config.train.eval_every == 0 or step == steps:
+                losses = [trainer.eval_step(state["params"], trainer.global_batch(b)) for b in val_batches]
+                eval_loss = float(np.mean(jax.device_get(losses)))
+                writer.write({"step": step, "eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))})
+                last["eval_loss"] = eval_loss
+                if lead:
+                    bar.write(f"step {step}: eval loss {eval_loss:.4f}")
+                t_last = time.perf_counter()
+            if step % config.checkpoint.every_steps == 0 or step == steps:
+                ckpt.save(step, state, batches.get_state())
+            bar.update(1)
+            if kill_at_step == step:
+                _kill_self_after_saves(step, ckpt)
+        bar.close()
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
+    if lead:
+        print(f"checkpoints: {ckpt.directory}", flush=True)
+        print(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})", flush=True)
+    return last
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    if len(argv) > 1:
+        raise UserError(f"unexpected arguments {argv[1:]}; settings go in --config.KEY=VALUE")
+    flags_ = flags.FLAGS
+    config = flags_.config
+    train(config, flags_.workdir, kill_at_step=flags_.debug_kill_at_step)
+
+
+def define_config_flags():
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config recipe file; override keys with --config.KEY=VALUE.", lock_config=True)
+
+
+def run_cli(entry) -> None:
+    """absl's app.run with user mistakes printed as one line (exit 2) instead of a traceback."""
+    from absl import app, logging
+
+    def guarded(argv):
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+        try:
+            entry(argv)
+        except (UserError, sharding.ShardingError) as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    app.run(guarded)
+
+
+if __name__ == "__main__":
+    from absl import flags
+
+    define_config_flags()
+    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, tokenizer.", required=True)
+    flags.DEFINE_integer("debug_kill_at_step", None, "Fault injection for tests: SIGKILL this process after this step.")
+    run_cli(main)

@@ -1,0 +1,147 @@
+"""Logical-axis rules: logical names of array dimensions -> mesh axes -> shardings.
+
+A rule table is plain data: `((logical_name, mesh_axes), ...)` where `mesh_axes` is a mesh axis
+name, a tuple of them, or None (replicated). A logical name without a rule is an error rather
+than a silent replication, and so is a dimension that its mesh axes do not divide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.mesh import ShardingError
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = Sequence[tuple[str, MeshAxes]]
+
+DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("act_embed", None),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("vocab", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+)
+
+
+def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+    if mesh_axes is None:
+        return ()
+    return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    rules: Rules = DEFAULT_RULES,
+    *,
+    mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
+    name: str = "array",
+) -> PartitionSpec:
+    """The PartitionSpec for one array; with `mesh` and `shape`, also checks it fits that mesh."""
+    table = dict(rules)
+    described = f"{name} (shape {tuple(shape) if shape is not None else '?'}, logical axes {tuple(logical_axes)})"
+    if shape is not None and len(shape) != len(logical_axes):
+        raise ShardingError(f"{described}: {len(logical_axes)} logical names for {len(shape)} dimensions")
+    spec, used = [], {}
+    for dim, logical in enumerate(logical_axes):
+        if logical is None:
+            spec.append(None)
+            continue
+        if logical not in table:
+            raise ShardingError(
+                f"{described}: logical axis {logical!r} has no rule; add ({logical!r}, mesh_axes) "
+                f"to the rules (known: {', '.join(sorted(table))})"
+            )
+        mesh_axes = _as_tuple(table[logical])
+        for axis in mesh_axes:
+            if mesh is not None and axis not in mesh.axis_names:
+                raise ShardingError(
+                    f"{described}: rule {logical!r} -> {axis!r} names a mesh axis that does not "
+                    f"exist (mesh axes: {', '.join(mesh.axis_names)})"
+                )
+            if axis in used:
+                raise ShardingError(
+                    f"{described}: mesh axis {axis!r} is used by both {used[axis]!r} and "
+                    f"{logical!r}; a mesh axis may shard only one dimension of an array"
+                )
+            used[axis] = logical
+        if mesh is not None and shape is not None:
+            ways = math.prod(mesh.shape[a] for a in mesh_axes)
+            if shape[dim] % ways:
+                raise ShardingError(
+                    f"{described}: dimension {dim} ({logical!r}, size {shape[dim]}) is not "
+                    f"divisible by mesh axes {mesh_axes} of total size {ways}; change the mesh "
+                    f"or the model size"
+                )
+        spec.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    return PartitionSpec(*spec)
+
+
+def named_sharding(
+    mesh: Mesh,
+    logical_axes: Sequence[str | None],
+    rules: Rules = DEFAULT_RULES,
+    *,
+    shape: Sequence[int] | None = None,
+    name: str = "array",
+) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh=mesh, shape=shape, name=name))
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules: Rules = DEFAULT_RULES):
+    """NamedShardings for every array of `abstract_tree` from a same-shaped tree of logical specs.
+
+    `logical_tree` holds a PartitionSpec (or tuple) of logical names per array, as
+    `flax.nnx.get_partition_spec` gives for annotated variables; errors name the array's path.
+    """
+    flat_logical = dict(jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=_is_spec)[0])
+
+    def one(path, leaf):
+        logical = flat_logical.get(path, ())
+        return named_sharding(mesh, tuple(logical or ()), rules, shape=leaf.shape, name=_path_name(path))
+
+    return jax.tree_util.tree_map_with_path(one, abstract_tree)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec) or (isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
+
+
+class _Active(threading.local):
+    stack: list[tuple[Mesh, Rules]] = []
+
+
+_ACTIVE = _Active()
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
+    """Within this context, `constrain` places activations on `mesh` by `rules` (traced code too)."""
+    _ACTIVE.stack = [*_ACTIVE.stack, (mesh, tuple(rules))]
+    try:
+        yield
+    finally:
+        _ACTIVE.stack = _ACTIVE.stack[:-1]
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str = "activation") -> jax.Array:
+    """Constrain an activation's sharding by logical names; a no-op outside `activate`."""
+    if not _ACTIVE.stack:
+        return x
+    mesh, rules = _ACTIVE.stack[-1]
+    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules, shape=x.shape, name=name))
