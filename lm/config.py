@@ -154,3 +154,57 @@ def from_json(text: str) -> ml_collections.ConfigDict:
                 if key in c[group]:
                     c[group][key] = tuple(map(tuple, value)) if key == "rules" and value else value
     return c
+
+
+def load_file(path: str) -> ml_collections.ConfigDict:
+    """The config returned by `get_config()` in a recipe file."""
+    import importlib.util
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {path!r} does not exist; pick one in configs/ (e.g. --config=configs/tiny.py)")
+    spec = importlib.util.spec_from_file_location(f"meshlm_config_{p.stem}", p)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise UserError(f"config file {path!r} defines no get_config()")
+    return module.get_config()
+
+
+def _parse_value(text: str, current):
+    import ast
+
+    if isinstance(current, str) or current is None and not text[:1].isdigit() and text not in ("None", "True", "False"):
+        return text
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def apply_overrides(c: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
+    """`{'train.steps': '100'}` applied to a copy of `c`, then locked; unknown keys are errors."""
+    import difflib
+
+    c = ml_collections.ConfigDict(c.to_dict(), type_safe=True)
+    for dotted, text in overrides.items():
+        *groups, key = dotted.split(".")
+        node = c
+        for g in groups:
+            if not isinstance(node, ml_collections.ConfigDict) or g not in node:
+                raise UserError(f"unknown config key --config.{dotted}; groups are {', '.join(sorted(c))}")
+            node = node[g]
+        if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+            known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean --config.{'.'.join(groups + close)}?" if close else f"; known keys: {', '.join(sorted(known))}"
+            raise UserError(f"unknown config key --config.{dotted}{hint}")
+        value = _parse_value(text, node[key])
+        try:
+            node[key] = value
+        except TypeError:
+            kind = type(node[key]).__name__
+            raise UserError(f"--config.{dotted}={text!r} is not a valid {kind}") from None
+    c.lock()
+    return c

@@ -238,3 +238,12 @@ def eval_batches(windows: Windows, global_batch: int, num_batches: int, process_
         ids = (np.arange(global_batch) + i * global_batch) % windows.count
         out.append(windows.rows(ids[lo : lo + local]))
     return out
+
+
+def nominal_vocab_size(data_config) -> int:
+    """The vocabulary size a config implies, without training or reading a corpus."""
+    if data_config.tokenizer == "byte":
+        return ByteTokenizer.vocab_size
+    if data_config.tokenizer == "bpe":
+        return data_config.vocab_size
+    return HFTokenizer(Path(data_config.tokenizer).expanduser()).vocab_size

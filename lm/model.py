@@ -209,7 +209,7 @@ class Transformer(nnx.Module):
         def stacked_blocks(layer_rngs):
             return Block(cfg, layer_rngs)
 
-        self.blocks = stacked_blocks(rngs.fork(split=cfg.num_layers))
+        self.blocks = stacked_blocks(rngs.split(cfg.num_layers))
         self.final_norm = Norm(cfg)
         if not cfg.tie_embeddings:
             self.head = _param(rngs.params(), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), 0.02, dt)

@@ -7,6 +7,7 @@ Running the same command again with the same workdir resumes from its latest che
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -23,8 +24,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
+from lm import cli
 from lm import config as lm_config
 from lm import data as lm_data
+from lm.cli import Parser
 from lm.checkpoint import Checkpointer, abstract_like
 from lm.config import UserError
 from lm.metrics import MetricsWriter, flops_per_token, peak_flops
@@ -58,7 +61,7 @@ class Trainer:
         c = self.config
         abstract_model = nnx.eval_shape(lambda: Transformer(self.model_cfg, rngs=nnx.Rngs(0)))
         self.graphdef, abstract_params = nnx.split(abstract_model)
-        self.logical_axes = nnx.get_partition_spec(abstract_params).to_pure_dict()
+        self.logical_axes = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
         self.tx = optimizer(c)
         self.schedule = schedule(c)
         self.abstract_state = jax.eval_shape(lambda: self._init(0))
@@ -91,7 +94,7 @@ class Trainer:
     # -- pure functions, traced under jit
 
     def _init(self, seed: int) -> dict:
-        params = nnx.state(Transformer(self.model_cfg, rngs=nnx.Rngs(seed))).to_pure_dict()
+        params = nnx.to_pure_dict(nnx.state(Transformer(self.model_cfg, rngs=nnx.Rngs(seed))))
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
 
     def _loss(self, params, tokens_bl: jax.Array) -> jax.Array:
@@ -124,7 +127,7 @@ class Trainer:
         loss, grads = self._grads(state["params"], tokens_bl)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": self.schedule(state["step"])}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(state["step"])}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     # -- host side
@@ -279,42 +282,13 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
     return last
 
 
-def main(argv) -> None:
-    from absl import flags
-
-    if len(argv) > 1:
-        raise UserError(f"unexpected arguments {argv[1:]}; settings go in --config.KEY=VALUE")
-    flags_ = flags.FLAGS
-    config = flags_.config
-    train(config, flags_.workdir, kill_at_step=flags_.debug_kill_at_step)
-
-
-def define_config_flags():
-    from absl import flags
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config recipe file; override keys with --config.KEY=VALUE.", lock_config=True)
-
-
-def run_cli(entry) -> None:
-    """absl's app.run with user mistakes printed as one line (exit 2) instead of a traceback."""
-    from absl import app, logging
-
-    def guarded(argv):
-        logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
-        try:
-            entry(argv)
-        except (UserError, sharding.ShardingError) as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(2)
-
-    app.run(guarded)
+def main(argv: list[str]) -> None:
+    parser = Parser(prog="python -m lm.train", description="Train (or resume) a language model.")
+    parser.add_argument("--workdir", required=True, help="run directory: checkpoints, metrics, tokenizer")
+    parser.add_argument("--debug_kill_at_step", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse(argv)
+    train(args.config, args.workdir, kill_at_step=args.debug_kill_at_step)
 
 
 if __name__ == "__main__":
-    from absl import flags
-
-    define_config_flags()
-    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, tokenizer.", required=True)
-    flags.DEFINE_integer("debug_kill_at_step", None, "Fault injection for tests: SIGKILL this process after this step.")
-    run_cli(main)
+    cli.run(main)

@@ -1,0 +1,91 @@
+"""`python -m lm.bench`: step time, tokens/s, MFU and memory of a config's train step, as JSON.
+
+    python -m lm.bench --config=configs/shakespeare_char.py [--config.KEY=VALUE ...] [--steps=N]
+
+Runs `--warmup` steps (compilation included), then N timed steps, each timed to completion, on
+synthetic tokens (speed does not depend on the text). The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import sharding
+from lm import cli
+from lm import config as lm_config
+from lm.cli import Parser
+from lm import data as lm_data
+from lm.metrics import flops_per_token, param_count, peak_flops, peak_memory_bytes
+from lm.train import Trainer, check_batch, model_config, rules_from
+
+
+def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
+    lm_config.validate(config)
+    mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
+    check_batch(config, mesh)
+    rules = rules_from(config)
+    mcfg = model_config(config, lm_data.nominal_vocab_size(config.data))
+    trainer = Trainer(config, mcfg, mesh, rules)
+    rng = np.random.default_rng(config.train.seed)
+    local_rows = config.train.batch_size // jax.process_count()
+    make_batch = lambda: trainer.global_batch(  # noqa: E731
+        rng.integers(0, mcfg.vocab_size, (local_rows, config.train.seq_len + 1), dtype=np.int32)
+    )
+    with sharding.activate(mesh, rules):
+        state = trainer.init_state(config.train.seed)
+        start = time.perf_counter()
+        compiled = trainer.train_step.lower(state, make_batch()).compile()
+        compile_s = time.perf_counter() - start
+        batches = [make_batch() for _ in range(4)]
+        for i in range(warmup):
+            state, metrics = compiled(state, batches[i % 4])
+        jax.block_until_ready(metrics)
+        times = []
+        for i in range(steps):
+            start = time.perf_counter()
+            state, metrics = compiled(state, batches[i % 4])
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+    step_time = statistics.median(times)
+    tokens = config.train.batch_size * config.train.seq_len
+    fpt = flops_per_token(mcfg, config.train.seq_len)
+    peak, source = peak_flops(config.precision.compute_dtype)
+    memory = compiled.memory_analysis()
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+        "devices": mesh.size,
+        "mesh": dict(mesh.shape),
+        "params": param_count(state["params"]),
+        "tokens_per_step": tokens,
+        "compute_dtype": config.precision.compute_dtype,
+        "compile_time_s": round(compile_s, 3),
+        "step_time_s": step_time,
+        "step_time_min_s": min(times),
+        "tokens_per_sec": tokens / step_time,
+        "flops_per_token": fpt,
+        "mfu": fpt * tokens / step_time / (peak * mesh.size),
+        "peak_flops": peak,
+        "peak_flops_source": source,
+        "peak_memory_bytes": peak_memory_bytes(),
+        "compiled_temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+        "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+        "final_loss": float(metrics["loss"]),
+    }
+
+
+def main(argv: list[str]) -> None:
+    parser = Parser(prog="python -m lm.bench", description="Time a config's train step; prints JSON.")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+    args = parser.parse(argv)
+    print(json.dumps(bench(args.config, args.steps, args.warmup)))
+
+
+if __name__ == "__main__":
+    cli.run(main)

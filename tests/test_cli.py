@@ -1,0 +1,68 @@
+"""Every user mistake ends in one line naming the problem and the fix: non-zero exit, no traceback."""
+
+import json
+
+import pytest
+
+from conftest import ROOT, run_module
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+TRAIN = ("lm.train", "--config=configs/tiny.py")
+
+
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--config.train.stepz=3"], ["unknown config key --config.train.stepz", "did you mean --config.train.steps"]),
+        (["--config.data.path=/no/such/file.txt"], ["does not exist", "--config.data.path"]),
+        (["--config.mesh.data=4"], ["needs 4 devices but 1 are available"]),
+        (["--config.train.steps=abc"], ["not a valid int"]),
+    ],
+    ids=["unknown-key", "missing-data", "mesh-too-large", "bad-value"],
+)
+def test_bad_input(tmp_path, extra, fragments):
+    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path / 'run'}", *extra), *fragments)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_empty_corpus_and_sequence_longer_than_corpus(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path / 'a'}", f"--config.data.path={empty}"), "holds no text")
+    short = tmp_path / "short.txt"
+    short.write_text("to be or not to be " * 20)
+    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path / 'b'}", f"--config.data.path={short}"), "train.seq_len=128 is longer than the corpus")
+
+
+def test_batch_not_divisible_by_data_parallel_size(tmp_path):
+    result = run_module(*TRAIN, f"--workdir={tmp_path}", "--config.train.batch_size=12",
+                        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    assert_one_line_error(result, "train.batch_size=12 is not divisible by the data-parallel size 8")
+
+
+def test_workdir_of_an_incompatible_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"embed_dim": 256}}))
+    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path}"), "incompatible config (model.embed_dim: 256 saved, 128 now)")
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_generate_without_a_run(tmp_path):
+    assert_one_line_error(run_module("lm.generate", f"--workdir={tmp_path}"), "not a meshlm run")
+
+
+def test_bench_prints_json_last(tmp_path):
+    result = run_module("lm.bench", "--config=configs/tiny.py", "--steps=2", "--warmup=1", "--config.train.batch_size=4")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    for key in ("step_time_s", "tokens_per_sec", "flops_per_token", "mfu", "peak_flops", "peak_flops_source", "peak_memory_bytes"):
+        assert key in report
+    assert report["tokens_per_sec"] > 0 and 0 < report["mfu"] < 1 and report["peak_flops_source"].startswith("measured")

@@ -1,0 +1,81 @@
+import jax
+import numpy as np
+import pytest
+
+from conftest import metrics_rows, recipe, run_module
+from lm.config import UserError
+from lm.optim import decay_mask
+from lm.train import train
+
+FAST = dict(
+    model__num_layers=2, model__embed_dim=64, model__num_heads=4, model__num_kv_heads=2, model__mlp_dim=128,
+    train__batch_size=8, train__seq_len=32, train__log_every=1, train__eval_every=10, train__eval_batches=2,
+    optim__warmup_steps=5,
+)
+
+
+def fast_config(corpus, **kw):
+    return recipe("tiny", data__path=str(corpus), **{**FAST, **kw})
+
+
+def test_loss_falls_and_everything_is_written(tmp_path, small_corpus):
+    last = train(fast_config(small_corpus, train__steps=40), tmp_path, jax.devices()[:1])
+    rows = metrics_rows(tmp_path)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 41))
+    assert {"step", "loss", "perplexity", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu"} <= set(train_rows[0])
+    assert np.mean([r["loss"] for r in train_rows[-5:]]) < train_rows[0]["loss"] - 1.5
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20, 30, 40] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert last["eval_loss"] == evals[-1]["eval_loss"]
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["40"]
+
+
+def losses(workdir):
+    """Loss per step, the last logged value winning (a resumed run re-logs some steps)."""
+    return {r["step"]: r["loss"] for r in metrics_rows(workdir) if "loss" in r}
+
+
+def test_data_parallel_over_8_devices_matches_one_device(tmp_path, small_corpus):
+    one = train(fast_config(small_corpus, train__steps=5, mesh__data=1), tmp_path / "one", jax.devices()[:1])
+    eight = train(fast_config(small_corpus, train__steps=5), tmp_path / "eight")
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "eight")
+    np.testing.assert_allclose([b[s] for s in range(1, 6)], [a[s] for s in range(1, 6)], rtol=1e-5)
+    assert one["eval_loss"] == pytest.approx(eight["eval_loss"], rel=1e-5)
+
+
+def test_gradient_accumulation_matches_the_full_batch(tmp_path, small_corpus):
+    train(fast_config(small_corpus, train__steps=4), tmp_path / "full", jax.devices()[:1])
+    train(fast_config(small_corpus, train__steps=4, train__grad_accum=4), tmp_path / "accum", jax.devices()[:1])
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "accum")
+    np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=1e-5)
+
+
+def test_resume_after_kill_logs_the_same_losses(tmp_path, small_corpus):
+    args = ["lm.train", "--config=configs/tiny.py", f"--config.data.path={small_corpus}", "--config.train.steps=20",
+            "--config.checkpoint.every_steps=10"] + [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]
+    straight = run_module(*args, f"--workdir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr
+    killed = run_module(*args, f"--workdir={tmp_path / 'resumed'}", "--debug_kill_at_step=13")
+    assert killed.returncode == -9, killed.stderr  # SIGKILL
+    assert sorted(losses(tmp_path / "resumed")) == list(range(1, 14))
+    resumed = run_module(*args, f"--workdir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step 10" in resumed.stdout
+    a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    np.testing.assert_array_equal([b[s] for s in range(11, 21)], [a[s] for s in range(11, 21)])
+
+
+def test_incompatible_workdir_is_refused_and_left_intact(tmp_path, small_corpus):
+    train(fast_config(small_corpus, train__steps=2), tmp_path, jax.devices()[:1])
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(UserError, match=r"incompatible config \(model.embed_dim: 64 saved, 96 now\)"):
+        train(fast_config(small_corpus, train__steps=4, model__embed_dim=96), tmp_path, jax.devices()[:1])
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_weight_decay_skips_norms_biases_and_embeddings():
+    params = {"embedding": 0, "blocks": {"attn": {"wq": 0, "bq": 0}, "attn_norm": {"scale": 0, "bias": 0}}, "head": 0}
+    mask = decay_mask(params)
+    assert mask == {"embedding": False, "blocks": {"attn": {"wq": True, "bq": False}, "attn_norm": {"scale": False, "bias": False}}, "head": True}
