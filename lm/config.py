@@ -183,8 +183,11 @@ def _parse_value(text: str, current):
         return text
 
 
-def apply_overrides(c: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
-    """`{'train.steps': '100'}` applied to a copy of `c`, then locked; unknown keys are errors."""
+def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+    """`{'train.steps': '100'}` applied to a copy of `c`, then locked; unknown keys are errors.
+
+    String values are parsed as the command line's are; other values are assigned as they are.
+    """
     import difflib
 
     c = ml_collections.ConfigDict(c.to_dict(), type_safe=True)
@@ -200,11 +203,16 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict[str, str]) -> 
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean --config.{'.'.join(groups + close)}?" if close else f"; known keys: {', '.join(sorted(known))}"
             raise UserError(f"unknown config key --config.{dotted}{hint}")
-        value = _parse_value(text, node[key])
+        value = _parse_value(text, node[key]) if isinstance(text, str) else text
         try:
             node[key] = value
         except TypeError:
-            kind = type(node[key]).__name__
+            kind = type(node[key]).__name__ if node[key] is not None else "value"
             raise UserError(f"--config.{dotted}={text!r} is not a valid {kind}") from None
     c.lock()
     return c
+
+
+def load(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """A recipe file with dotted-key overrides, locked: `load("configs/tiny.py", {"train.steps": 50})`."""
+    return apply_overrides(load_file(path), overrides or {})

@@ -51,7 +51,7 @@ def test_batch_not_divisible_by_data_parallel_size(tmp_path):
 
 def test_workdir_of_an_incompatible_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model": {"embed_dim": 256}}))
-    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path}"), "incompatible config (model.embed_dim: 256 saved, 128 now)")
+    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path}"), "incompatible config (model.embed_dim: 256 saved, 128 now", "use a new --workdir")
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
