@@ -18,10 +18,11 @@ import numpy as np
 import sharding
 from lm import cli
 from lm import config as lm_config
-from lm.cli import Parser
 from lm import data as lm_data
+from lm.cli import Parser
 from lm.metrics import flops_per_token, param_count, peak_flops, peak_memory_bytes
-from lm.train import Trainer, check_batch, model_config, rules_from
+from lm.model import ModelConfig
+from lm.train import Trainer, check_batch, rules_from
 
 
 def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
@@ -29,7 +30,7 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
     mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
     check_batch(config, mesh)
     rules = rules_from(config)
-    mcfg = model_config(config, lm_data.nominal_vocab_size(config.data))
+    mcfg = ModelConfig.from_config(config, lm_data.nominal_vocab_size(config.data))
     trainer = Trainer(config, mcfg, mesh, rules)
     rng = np.random.default_rng(config.train.seed)
     local_rows = config.train.batch_size // jax.process_count()

@@ -208,6 +208,16 @@ def split(tokens: np.ndarray, seq_len: int, val_fraction: float, where: str) -> 
     return train, val
 
 
+def prepare(config, workdir: Path):
+    """(tokenizer, train windows, validation windows) for a run's config."""
+    files = corpus_files(config.data.path)
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    tokenizer = tokenizer_for(config.data, workdir, files)
+    tokens = corpus_tokens(config.data, tokenizer, files)
+    where = config.data.path or f"{default_corpus_root()} (standard library)"
+    return (tokenizer, *split(tokens, config.train.seq_len, config.data.val_fraction, where))
+
+
 # ---------------------------------------------------------------------------- batches
 
 

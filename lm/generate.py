@@ -20,12 +20,12 @@ from flax import nnx
 import sharding
 from lm import cli
 from lm import config as lm_config
-from lm.cli import Parser
 from lm import data as lm_data
 from lm.checkpoint import Checkpointer
+from lm.cli import Parser
 from lm.config import UserError
-from lm.model import Transformer
-from lm.train import Trainer, model_config, rules_from
+from lm.model import ModelConfig, Transformer
+from lm.train import Trainer, rules_from
 
 
 def load(workdir: str | Path, step: int | None = None):
@@ -35,7 +35,7 @@ def load(workdir: str | Path, step: int | None = None):
         raise UserError(f"{workdir} is not a meshlm run (no config.json); pass the --workdir you trained in")
     config = lm_config.from_json((workdir / "config.json").read_text())
     tokenizer = lm_data.tokenizer_for(config.data, workdir)
-    mcfg = model_config(config, tokenizer.vocab_size)
+    mcfg = ModelConfig.from_config(config, tokenizer.vocab_size)
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
     trainer = Trainer(config, mcfg, mesh, rules_from(config))
     ckpt = Checkpointer(workdir / "checkpoints")

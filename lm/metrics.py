@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import time
 from pathlib import Path
 
@@ -80,6 +81,33 @@ def peak_memory_bytes() -> int | None:
     """Peak bytes in use on the first local device, where the backend reports it."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
+
+
+class StepRate:
+    """Turns the metrics of the steps since the last log into one row: means, tokens/s, MFU."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float):
+        self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
+        self.restart()
+
+    def restart(self) -> None:
+        self.since = time.perf_counter()
+
+    def row(self, step: int, host_metrics: list[dict]) -> dict:
+        now = time.perf_counter()
+        step_time = (now - self.since) / len(host_metrics)
+        self.since = now
+        loss = float(np.mean([m["loss"] for m in host_metrics]))
+        return {
+            "step": step,
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 50.0)),
+            "grad_norm": float(np.mean([m["grad_norm"] for m in host_metrics])),
+            "lr": float(host_metrics[-1]["lr"]),
+            "tokens_per_sec": self.tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "mfu": self.flops_per_token * self.tokens_per_step / step_time / self.peak_flops,
+        }
 
 
 class MetricsWriter:

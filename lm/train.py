@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -27,10 +26,10 @@ import sharding
 from lm import cli
 from lm import config as lm_config
 from lm import data as lm_data
-from lm.cli import Parser
 from lm.checkpoint import Checkpointer, abstract_like
+from lm.cli import Parser
 from lm.config import UserError
-from lm.metrics import MetricsWriter, flops_per_token, peak_flops
+from lm.metrics import MetricsWriter, StepRate, flops_per_token, param_count, peak_flops
 from lm.model import ModelConfig, Transformer
 from lm.optim import optimizer, schedule
 
@@ -88,7 +87,7 @@ class Trainer:
             donate_argnums=0,
         )
         self.eval_step = jax.jit(
-            self._eval_loss, in_shardings=(param_shardings, self.batch_sharding), out_shardings=replicated
+            self._loss, in_shardings=(param_shardings, self.batch_sharding), out_shardings=replicated
         )
 
     # -- pure functions, traced under jit
@@ -100,9 +99,6 @@ class Trainer:
     def _loss(self, params, tokens_bl: jax.Array) -> jax.Array:
         logits, _ = nnx.merge(self.graphdef, params)(tokens_bl[:, :-1])
         return cross_entropy(logits, tokens_bl[:, 1:])
-
-    def _eval_loss(self, params, tokens_bl):
-        return self._loss(params, tokens_bl)
 
     def _grads(self, params, tokens_bl):
         """(mean loss, mean grads) over the batch, accumulated over `train.grad_accum` microbatches."""
@@ -171,10 +167,6 @@ def check_workdir(config, workdir: Path) -> None:
         )
 
 
-def model_config(config, vocab_size: int) -> ModelConfig:
-    return ModelConfig.from_config(config, vocab_size)
-
-
 def _kill_self_after_saves(step: int, ckpt: Checkpointer) -> None:
     """Fault injection for tests: make checkpoints durable, then die as a killed process would."""
     ckpt.wait()
@@ -183,7 +175,8 @@ def _kill_self_after_saves(step: int, ckpt: Checkpointer) -> None:
 
 
 def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int | None = None) -> dict:
-    """Trains (or resumes) the run in `workdir`; returns the last logged metrics."""
+    """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last
+    logged metrics (with `eval_loss`)."""
     from tqdm import tqdm
 
     lm_config.validate(config)
@@ -193,81 +186,55 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
     check_batch(config, mesh)
     rules = rules_from(config)
     lead = jax.process_index() == 0
-
-    files = lm_data.corpus_files(config.data.path)
-    workdir.mkdir(parents=True, exist_ok=True)
-    tokenizer = lm_data.tokenizer_for(config.data, workdir, files)
-    tokens = lm_data.corpus_tokens(config.data, tokenizer, files)
-    where = config.data.path or f"{lm_data.default_corpus_root()} (standard library)"
-    train_windows, val_windows = lm_data.split(tokens, config.train.seq_len, config.data.val_fraction, where)
-
-    mcfg = model_config(config, tokenizer.vocab_size)
+    tokenizer, train_windows, val_windows = lm_data.prepare(config, workdir)
+    mcfg = ModelConfig.from_config(config, tokenizer.vocab_size)
     trainer = Trainer(config, mcfg, mesh, rules)
     ckpt = Checkpointer(workdir / "checkpoints", config.checkpoint.keep, config.checkpoint.async_save)
-    pi, pc = jax.process_index(), jax.process_count()
-    batches = lm_data.train_batches(train_windows, config.train.batch_size, config.train.seed, pi, pc, config.data.prefetch)
-    val_batches = lm_data.eval_batches(val_windows, config.train.batch_size, config.train.eval_batches, pi, pc)
+    pi, pc, t = jax.process_index(), jax.process_count(), config.train
+    batches = lm_data.train_batches(train_windows, t.batch_size, t.seed, pi, pc, config.data.prefetch)
+    val_batches = lm_data.eval_batches(val_windows, t.batch_size, t.eval_batches, pi, pc)
     if lead:
         (workdir / "config.json").write_text(lm_config.to_json(config))
+    writer = MetricsWriter(workdir, enabled=lead)
+    say = print if lead else (lambda *a, **k: None)
 
     with sharding.activate(mesh, rules):
         start = ckpt.latest_step()
         if start is None:
-            state, start = trainer.init_state(config.train.seed), 0
+            state, start = trainer.init_state(t.seed), 0
         else:
             state, data_state = ckpt.restore(trainer.abstract_sharded_state(), start)
             if data_state is not None:
                 batches.set_state(data_state)
-            if lead:
-                print(f"resuming from step {start} ({ckpt.directory / str(start)})", flush=True)
-        steps = config.train.steps
-        writer = MetricsWriter(workdir, enabled=lead)
-        tokens_per_step = config.train.batch_size * config.train.seq_len
-        flops = flops_per_token(mcfg, config.train.seq_len) * tokens_per_step
-        peak, _ = peak_flops(config.precision.compute_dtype)
-        peak *= mesh.size
-        last: dict = {}
-        if lead:
-            from lm.metrics import param_count
-
-            print(
-                f"model: {param_count(state['params']) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
-                f"mesh {dict(mesh.shape)}, {steps} steps of {tokens_per_step} tokens",
-                flush=True,
-            )
-        step_fn = trainer.train_step.lower(state, trainer.global_batch(val_batches[0])).compile() if start < steps else None
-        bar = tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True, file=sys.stdout)
-        pending, t_last = [], time.perf_counter()
-        for step in range(start + 1, steps + 1):
+            say(f"resuming from step {start} ({ckpt.directory / str(start)})", flush=True)
+        tokens_per_step = t.batch_size * t.seq_len
+        rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(config.precision.compute_dtype)[0] * mesh.size)
+        say(
+            f"model: {param_count(state['params']) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
+            f"mesh {dict(mesh.shape)}, {t.steps} steps of {tokens_per_step} tokens",
+            flush=True,
+        )
+        if start >= t.steps:
+            say(f"already trained to step {start}; raise --config.train.steps to continue", flush=True)
+        else:
+            step_fn = trainer.train_step.lower(state, trainer.global_batch(val_batches[0])).compile()
+        bar = tqdm(total=t.steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True, file=sys.stdout)
+        pending, last = [], {}
+        for step in range(start + 1, t.steps + 1):
             state, metrics = step_fn(state, trainer.global_batch(next(batches)))
             pending.append(metrics)
-            if step % config.train.log_every == 0 or step == steps:
-                host = jax.device_get(pending)
-                now = time.perf_counter()
-                step_time = (now - t_last) / len(host)
-                loss = float(np.mean([m["loss"] for m in host]))
-                last = {
-                    "step": step,
-                    "loss": loss,
-                    "perplexity": math.exp(min(loss, 50.0)),
-                    "grad_norm": float(np.mean([m["grad_norm"] for m in host])),
-                    "lr": float(host[-1]["lr"]),
-                    "tokens_per_sec": tokens_per_step / step_time,
-                    "step_time_s": step_time,
-                    "mfu": flops / step_time / peak,
-                }
+            if step % t.log_every == 0 or step == t.steps:
+                last = rate.row(step, jax.device_get(pending))  # the one device->host transfer
                 writer.write(last)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
-                pending, t_last = [], now
-            if step % config.train.eval_every == 0 or step == steps:
-                losses = [trainer.eval_step(state["params"], trainer.global_batch(b)) for b in val_batches]
-                eval_loss = float(np.mean(jax.device_get(losses)))
-                writer.write({"step": step, "eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))})
-                last["eval_loss"] = eval_loss
-                if lead:
-                    bar.write(f"step {step}: eval loss {eval_loss:.4f}")
-                t_last = time.perf_counter()
-            if step % config.checkpoint.every_steps == 0 or step == steps:
+                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
+                pending = []
+            if step % t.eval_every == 0 or step == t.steps:
+                losses = jax.device_get([trainer.eval_step(state["params"], trainer.global_batch(b)) for b in val_batches])
+                last["eval_loss"] = float(np.mean(losses))
+                writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": math.exp(min(last["eval_loss"], 50.0))})
+                bar.write(f"step {step}: eval loss {last['eval_loss']:.4f}") if lead else None
+                rate.restart()  # evaluation time is not training time
+            if step % config.checkpoint.every_steps == 0 or step == t.steps:
                 ckpt.save(step, state, batches.get_state())
             bar.update(1)
             if kill_at_step == step:
@@ -276,9 +243,8 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
         ckpt.wait()
         ckpt.close()
         writer.close()
-    if lead:
-        print(f"checkpoints: {ckpt.directory}", flush=True)
-        print(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})", flush=True)
+    say(f"checkpoints: {ckpt.directory}", flush=True)
+    say(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})", flush=True)
     return last
 
 

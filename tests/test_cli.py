@@ -3,8 +3,7 @@
 import json
 
 import pytest
-
-from conftest import ROOT, run_module
+from conftest import run_module
 
 
 def assert_one_line_error(result, *fragments):

@@ -1,9 +1,9 @@
 import jax
-
 from conftest import run_module
+from test_train import fast_config
+
 from lm.generate import generate, load
 from lm.train import train
-from test_train import fast_config
 
 
 def test_sample_from_a_trained_run(tmp_path, small_corpus):

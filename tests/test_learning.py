@@ -2,8 +2,8 @@
 
 import jax
 import pytest
-
 from conftest import metrics_rows, recipe
+
 from lm.train import train
 
 

@@ -7,7 +7,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import sharding
-from sharding import DEFAULT_RULES, MeshConfig, ShardingError, logical_to_spec, make_mesh
+from sharding import (
+    DEFAULT_RULES,
+    MeshConfig,
+    ShardingError,
+    logical_to_spec,
+    make_mesh,
+)
 
 
 def test_mesh_fills_minus_one_and_orders_axes():

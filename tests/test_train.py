@@ -1,8 +1,8 @@
 import jax
 import numpy as np
 import pytest
-
 from conftest import metrics_rows, recipe, run_module
+
 from lm.config import UserError
 from lm.optim import decay_mask
 from lm.train import train
