@@ -48,7 +48,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.T
-        return F.cross_entropy(logits.view(-1, V), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
 
 
 def main():

@@ -1,0 +1,22 @@
+"""meshlm's models and training. See README.md and ../shared/DESIGN.md."""
+
+import os
+
+
+def _tune_xla_cpu() -> None:
+    """XLA:CPU flags measured to speed up training (see PERFORMANCE.md).
+
+    Set before JAX starts its backend, only for the jaxlib versions they were measured on
+    (an unknown flag aborts XLA), and never over a value the user gave.
+    """
+    try:
+        from jaxlib import version
+    except ImportError:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    # YNNPACK-fused reductions (softmax and layer-norm backward) ran 10-40x slower than XLA's own.
+    if version.__version__.startswith("0.10.") and "xla_cpu_experimental_ynn_fusion_type" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_experimental_ynn_fusion_type=-reduce".strip()
+
+
+_tune_xla_cpu()

@@ -14,38 +14,42 @@ import jax
 import jax.numpy as jnp
 
 
-@functools.lru_cache(maxsize=None)
-def _transposed_specs(spec: str) -> tuple[str, str]:
-    """For `x,w->y`: the einsums giving dx from (dy, w) and dw from (x, dy)."""
+def _transposed_specs(spec: str) -> tuple[str, str, str]:
+    """For `x,w->y`: the einsums giving dx from (dy, w), and dw from (x, dy) or from (dy, x)."""
     inputs, out = spec.split("->")
     x, w = inputs.split(",")
     for index in set(x + w + out):
         if (index in x) + (index in w) + (index in out) < 2:
             raise ValueError(f"matmul spec {spec!r}: index {index!r} must appear in two or three terms")
-    return f"{out},{w}->{x}", f"{x},{out}->{w}"
+    return f"{out},{w}->{x}", f"{x},{out}->{w}", f"{out},{x}->{w}"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _low_precision_matmul(spec: str, out_dtype, x, w):
+def _matmul(spec: str, out_dtype, x, w):
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def _matmul_fwd(spec, out_dtype, x, w):
-    return _low_precision_matmul(spec, out_dtype, x, w), (x, w)
+    return _matmul(spec, out_dtype, x, w), (x, w)
 
 
 def _matmul_bwd(spec, out_dtype, residuals, dy):
-    # The cotangent is cast to the compute dtype so both backward matmuls run on the fast
-    # low-precision units with float32 accumulation, as the forward one does.
     x, w = residuals
+    # The cotangent is cast to the compute dtype so both backward matmuls run on the same
+    # (fast, low-precision) units with float32 accumulation as the forward one.
     dy = dy.astype(x.dtype)
-    dx_spec, dw_spec = _transposed_specs(spec)
+    dx_spec, dw_spec, dw_spec_swapped = _transposed_specs(spec)
     dx = jnp.einsum(dx_spec, dy, w, preferred_element_type=jnp.float32).astype(x.dtype)
-    dw = jnp.einsum(dw_spec, x, dy, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dx, dw
+    # XLA:CPU transposes a weight-gradient matmul's first operand (and refuses to materialise
+    # what produced it, recomputing it inside the transpose); so the smaller operand goes first.
+    if x.size > dy.size:
+        dw = jnp.einsum(dw_spec_swapped, dy, x, preferred_element_type=jnp.float32)
+    else:
+        dw = jnp.einsum(dw_spec, x, dy, preferred_element_type=jnp.float32)
+    return dx, dw.astype(w.dtype)
 
 
-_low_precision_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,4 @@ class Policy:
         backward; the result is in `out_dtype` (default: the compute dtype)."""
         x, w = self.cast(x), self.cast(w)
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
-        if self.compute_dtype == jnp.float32:
-            return jnp.einsum(spec, x, w).astype(out_dtype)
-        return _low_precision_matmul(spec, out_dtype, x, w)
+        return _matmul(spec, out_dtype, x, w)
