@@ -208,15 +208,17 @@ class Mlp(nnx.Module):
             self.b_out = _param(None, (d,), ("embed",), None, dt)
 
     def __call__(self, x_btd):
-        cfg = self.cfg
-        h = _dense(cfg, "btd,df->btf", x_btd, self.w_in)
+        # The hidden activation is computed in float32 straight from the matmul accumulator and
+        # cast once: cheaper on CPU than bf16 elementwise maths (converted to f32 and back).
+        cfg, f32 = self.cfg, jnp.float32
+        h = cfg.policy.matmul("btd,df->btf", x_btd, self.w_in[...], out_dtype=f32)
         if cfg.use_bias:
             h = add_bias(h, self.b_in[...])
         if cfg.mlp == "swiglu":
-            h = jax.nn.silu(_dense(cfg, "btd,df->btf", x_btd, self.w_gate)) * h
+            h = jax.nn.silu(cfg.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=f32)) * h
         else:
             h = jax.nn.gelu(h)
-        h = constrain(h, ("batch", "length", "mlp"), "mlp hidden")
+        h = constrain(cfg.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden")
         y = _dense(cfg, "btf,fd->btd", h, self.w_out)
         if cfg.use_bias:
             y = add_bias(y, self.b_out[...])
@@ -276,9 +278,9 @@ class Transformer(nnx.Module):
         x, cache = self._layers(x, positions_bt, cache, cache_index)
         x = self.final_norm(x)
         if cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, cfg.policy.cast(self.embedding[...]), preferred_element_type=jnp.float32)
+            logits = cfg.policy.matmul("btd,vd->btv", x, self.embedding[...], out_dtype=jnp.float32)
         else:
-            logits = jnp.einsum("btd,dv->btv", x, cfg.policy.cast(self.head[...]), preferred_element_type=jnp.float32)
+            logits = cfg.policy.matmul("btd,dv->btv", x, self.head[...], out_dtype=jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"), "logits"), cache
 
     def _layers(self, x, positions_bt, cache, cache_index):
