@@ -4,7 +4,7 @@ GPT-2 block (LayerNorm, learned positions, GELU, biases, tied embeddings), 4 lay
 width 128, context 64, batch 12, vocabulary 256 (bytes), AdamW, float32, as nanoGPT's CPU
 recipe. Needs torch (not a meshlm dependency):
 
-    python benchmarks/pytorch_baseline.py [--steps=200]
+    python benchmarks/pytorch_baseline.py [--steps=200] [--bf16]
 
 Prints one JSON object: median step time and tokens/s over the timed steps, on random tokens.
 """
@@ -54,6 +54,7 @@ class GPT(nn.Module):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--bf16", action="store_true", help="autocast matmuls to bfloat16 (float32 weights)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = GPT()
@@ -63,7 +64,8 @@ def main():
     for i in range(args.steps + 5):
         batch = data[i % 8]
         start = time.perf_counter()
-        loss = model(batch[:, :-1], batch[:, 1:])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = model(batch[:, :-1], batch[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -71,7 +73,7 @@ def main():
         times.append(time.perf_counter() - start)
     times = times[5:]
     step = statistics.median(times)
-    print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "step_time_s": step,
+    print(json.dumps({"torch": torch.__version__, "bf16": args.bf16, "threads": torch.get_num_threads(), "step_time_s": step,
                       "step_time_min_s": min(times), "tokens_per_sec": B * T / step}))
 
 

@@ -12,4 +12,5 @@ def get_config():
     c.train.update(steps=500, batch_size=16, seq_len=128, log_every=10, eval_every=100, eval_batches=4)
     c.optim.update(lr=2e-3, warmup_steps=50)
     c.checkpoint.every_steps = 250
+    c.precision.compute_dtype = "bfloat16"  # float32 master weights; bf16 matmuls
     return c
