@@ -1,0 +1,25 @@
+"""The full-size recipes build (abstractly: no memory is allocated) with the sizes they claim."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import recipe
+from lm.data import nominal_vocab_size
+from lm.model import ModelConfig, Transformer
+
+
+def abstract_params(name: str) -> int:
+    config = recipe(name)
+    cfg = ModelConfig.from_config(config, nominal_vocab_size(config.data))
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model)))
+
+
+@pytest.mark.parametrize(
+    "name, low, high",
+    [("tiny", 0.8e6, 1.0e6), ("shakespeare_char", 0.8e6, 0.9e6), ("gpt2_124m", 123e6, 125e6), ("llama_1b", 1.0e9, 1.3e9)],
+)
+def test_recipe_sizes(name, low, high):
+    assert low <= abstract_params(name) <= high
