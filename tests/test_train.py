@@ -10,7 +10,7 @@ from lm.train import train
 FAST = dict(
     model__num_layers=2, model__embed_dim=64, model__num_heads=4, model__num_kv_heads=2, model__mlp_dim=128,
     train__batch_size=8, train__seq_len=32, train__log_every=1, train__eval_every=10, train__eval_batches=2,
-    optim__warmup_steps=5,
+    optim__warmup_steps=5, precision__compute_dtype="float32",  # exact comparisons across meshes
 )
 
 
