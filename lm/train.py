@@ -170,7 +170,7 @@ def check_workdir(config, workdir: Path) -> None:
 def _kill_self_after_saves(step: int, ckpt: Checkpointer) -> None:
     """Fault injection for tests: make checkpoints durable, then die as a killed process would."""
     ckpt.wait()
-    print(f"debug: SIGKILL at step {step}", flush=True)
+    print(f"debug: SIGKILL at step {step}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -196,7 +196,12 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
     if lead:
         (workdir / "config.json").write_text(lm_config.to_json(config))
     writer = MetricsWriter(workdir, enabled=lead)
-    say = print if lead else (lambda *a, **k: None)
+
+    def say(text: str) -> None:  # console output from the lead process, around the progress bar
+        if lead:
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()
+
 
     with sharding.activate(mesh, rules):
         start = ckpt.latest_step()
@@ -206,16 +211,15 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
             state, data_state = ckpt.restore(trainer.abstract_sharded_state(), start)
             if data_state is not None:
                 batches.set_state(data_state)
-            say(f"resuming from step {start} ({ckpt.directory / str(start)})", flush=True)
+            say(f"resuming from step {start} ({ckpt.directory / str(start)})")
         tokens_per_step = t.batch_size * t.seq_len
         rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(config.precision.compute_dtype)[0] * mesh.size)
         say(
             f"model: {param_count(state['params']) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
-            f"mesh {dict(mesh.shape)}, {t.steps} steps of {tokens_per_step} tokens",
-            flush=True,
+            f"mesh {dict(mesh.shape)}, {t.steps} steps of {tokens_per_step} tokens"
         )
         if start >= t.steps:
-            say(f"already trained to step {start}; raise --config.train.steps to continue", flush=True)
+            say(f"already trained to step {start}; raise --config.train.steps to continue")
         else:
             step_fn = trainer.train_step.lower(state, trainer.global_batch(val_batches[0])).compile()
         bar = tqdm(total=t.steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True, file=sys.stdout)
@@ -232,7 +236,7 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
                 losses = jax.device_get([trainer.eval_step(state["params"], trainer.global_batch(b)) for b in val_batches])
                 last["eval_loss"] = float(np.mean(losses))
                 writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": math.exp(min(last["eval_loss"], 50.0))})
-                bar.write(f"step {step}: eval loss {last['eval_loss']:.4f}") if lead else None
+                say(f"step {step}: eval loss {last['eval_loss']:.4f}")
                 rate.restart()  # evaluation time is not training time
             if step % config.checkpoint.every_steps == 0 or step == t.steps:
                 ckpt.save(step, state, batches.get_state())
@@ -243,8 +247,8 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
         ckpt.wait()
         ckpt.close()
         writer.close()
-    say(f"checkpoints: {ckpt.directory}", flush=True)
-    say(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})", flush=True)
+    say(f"checkpoints: {ckpt.directory}")
+    say(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})")
     return last
 
 
