@@ -17,27 +17,21 @@ import numpy as np
 
 import sharding
 from lm import cli
-from lm import config as lm_config
 from lm import data as lm_data
 from lm.cli import Parser
 from lm.metrics import flops_per_token, param_count, peak_flops, peak_memory_bytes
-from lm.model import ModelConfig
-from lm.train import Trainer, check_batch, rules_from
+from lm.train import setup
 
 
 def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
-    lm_config.validate(config)
-    mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
-    check_batch(config, mesh)
-    rules = rules_from(config)
-    mcfg = ModelConfig.from_config(config, lm_data.nominal_vocab_size(config.data))
-    trainer = Trainer(config, mcfg, mesh, rules)
+    trainer = setup(config, lm_data.nominal_vocab_size(config.data), devices)
+    mesh, mcfg = trainer.mesh, trainer.model_cfg
     rng = np.random.default_rng(config.train.seed)
     local_rows = config.train.batch_size // jax.process_count()
     make_batch = lambda: trainer.global_batch(  # noqa: E731
         rng.integers(0, mcfg.vocab_size, (local_rows, config.train.seq_len + 1), dtype=np.int32)
     )
-    with sharding.activate(mesh, rules):
+    with sharding.activate(mesh, trainer.rules):
         state = trainer.init_state(config.train.seed)
         start = time.perf_counter()
         compiled = trainer.train_step.lower(state, make_batch()).compile()

@@ -24,7 +24,7 @@ class Parser(argparse.ArgumentParser):
 
     def parse(self, argv: list[str]):
         overrides, rest = {}, []
-        for i, arg in enumerate(argv):
+        for arg in argv:
             if self.with_config and arg.startswith("--config."):
                 key, eq, value = arg[len("--config.") :].partition("=")
                 if not eq:

@@ -84,6 +84,10 @@ def peak_memory_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # capped: an early or diverged loss must not overflow
+
+
 class StepRate:
     """Turns the metrics of the steps since the last log into one row: means, tokens/s, MFU."""
 
@@ -94,6 +98,10 @@ class StepRate:
     def restart(self) -> None:
         self.since = time.perf_counter()
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (spent on something other than training steps) out of the rate."""
+        self.since += seconds
+
     def row(self, step: int, host_metrics: list[dict]) -> dict:
         now = time.perf_counter()
         step_time = (now - self.since) / len(host_metrics)
@@ -102,7 +110,7 @@ class StepRate:
         return {
             "step": step,
             "loss": loss,
-            "perplexity": math.exp(min(loss, 50.0)),
+            "perplexity": perplexity(loss),
             "grad_norm": float(np.mean([m["grad_norm"] for m in host_metrics])),
             "lr": float(host_metrics[-1]["lr"]),
             "tokens_per_sec": self.tokens_per_step / step_time,

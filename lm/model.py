@@ -92,10 +92,6 @@ class Norm(nnx.Module):
         return self.cfg.policy.cast(y)
 
 
-def _dense(cfg: ModelConfig, spec: str, x: jax.Array, w: nnx.Param) -> jax.Array:
-    return cfg.policy.matmul(spec, x, w[...])
-
-
 @jax.custom_vjp
 def add_bias(x: jax.Array, bias: jax.Array) -> jax.Array:
     """`x + bias` over x's trailing axes, in x's dtype."""
@@ -167,9 +163,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
         cfg = self.cfg
-        q = _dense(cfg, "btd,dhk->bthk", x_btd, self.wq)
-        k = _dense(cfg, "btd,dgk->btgk", x_btd, self.wk)
-        v = _dense(cfg, "btd,dgk->btgk", x_btd, self.wv)
+        q = cfg.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...])
+        k = cfg.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...])
+        v = cfg.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...])
         if cfg.use_bias:
             q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
         if cfg.position == "rope":
@@ -188,7 +184,7 @@ class Attention(nnx.Module):
             key_positions = jnp.arange(cache["k"].shape[1])
             mask_bts = key_positions[None, None, :] <= positions_bt[:, :, None]
             out = attention(q, cfg.policy.cast(cache["k"]), cfg.policy.cast(cache["v"]), mask_bts, cfg.policy)
-        y = _dense(cfg, "bthk,hkd->btd", out, self.wo)
+        y = cfg.policy.matmul("bthk,hkd->btd", out, self.wo[...])
         if cfg.use_bias:
             y = add_bias(y, self.bo[...])
         return y, cache
@@ -219,7 +215,7 @@ class Mlp(nnx.Module):
         else:
             h = jax.nn.gelu(h)
         h = constrain(cfg.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden")
-        y = _dense(cfg, "btf,fd->btd", h, self.w_out)
+        y = cfg.policy.matmul("btf,fd->btd", h, self.w_out[...])
         if cfg.use_bias:
             y = add_bias(y, self.b_out[...])
         return y

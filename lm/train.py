@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -29,7 +29,14 @@ from lm import data as lm_data
 from lm.checkpoint import Checkpointer, abstract_like
 from lm.cli import Parser
 from lm.config import UserError
-from lm.metrics import MetricsWriter, StepRate, flops_per_token, param_count, peak_flops
+from lm.metrics import (
+    MetricsWriter,
+    StepRate,
+    flops_per_token,
+    param_count,
+    peak_flops,
+    perplexity,
+)
 from lm.model import ModelConfig, Transformer
 from lm.optim import optimizer, schedule
 
@@ -167,10 +174,18 @@ def check_workdir(config, workdir: Path) -> None:
         )
 
 
+def setup(config, vocab_size: int, devices=None) -> Trainer:
+    """Validated config -> mesh (checked against the batch) -> the compiled training pieces."""
+    lm_config.validate(config)
+    mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
+    check_batch(config, mesh)
+    return Trainer(config, ModelConfig.from_config(config, vocab_size), mesh, rules_from(config))
+
+
 def _kill_self_after_saves(step: int, ckpt: Checkpointer) -> None:
     """Fault injection for tests: make checkpoints durable, then die as a killed process would."""
     ckpt.wait()
-    print(f"debug: SIGKILL at step {step}")
+    print(f"debug: SIGKILL at step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -182,17 +197,16 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
     lm_config.validate(config)
     workdir = Path(workdir)
     check_workdir(config, workdir)
-    mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
-    check_batch(config, mesh)
-    rules = rules_from(config)
+    # The mesh is checked before the corpus is read: a bad mesh fails fast.
+    sharding.MeshConfig.from_mapping(config.mesh).resolve(len(devices or jax.devices()))
     lead = jax.process_index() == 0
     tokenizer, train_windows, val_windows = lm_data.prepare(config, workdir)
-    mcfg = ModelConfig.from_config(config, tokenizer.vocab_size)
-    trainer = Trainer(config, mcfg, mesh, rules)
+    trainer = setup(config, tokenizer.vocab_size, devices)
+    mesh, mcfg = trainer.mesh, trainer.model_cfg
     ckpt = Checkpointer(workdir / "checkpoints", config.checkpoint.keep, config.checkpoint.async_save)
     pi, pc, t = jax.process_index(), jax.process_count(), config.train
     batches = lm_data.train_batches(train_windows, t.batch_size, t.seed, pi, pc, config.data.prefetch)
-    val_batches = lm_data.eval_batches(val_windows, t.batch_size, t.eval_batches, pi, pc)
+    val_rows = lm_data.eval_batches(val_windows, t.batch_size, t.eval_batches, pi, pc)
     if lead:
         (workdir / "config.json").write_text(lm_config.to_json(config))
     writer = MetricsWriter(workdir, enabled=lead)
@@ -202,8 +216,8 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
             tqdm.write(text, file=sys.stdout)
             sys.stdout.flush()
 
-
-    with sharding.activate(mesh, rules):
+    with sharding.activate(mesh, trainer.rules):
+        val_batches = [trainer.global_batch(rows) for rows in val_rows]  # on device once, reused
         start = ckpt.latest_step()
         if start is None:
             state, start = trainer.init_state(t.seed), 0
@@ -221,7 +235,7 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
         if start >= t.steps:
             say(f"already trained to step {start}; raise --config.train.steps to continue")
         else:
-            step_fn = trainer.train_step.lower(state, trainer.global_batch(val_batches[0])).compile()
+            step_fn = trainer.train_step.lower(state, val_batches[0]).compile()
         bar = tqdm(total=t.steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True, file=sys.stdout)
         pending, last = [], {}
         for step in range(start + 1, t.steps + 1):
@@ -233,11 +247,12 @@ def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
                 pending = []
             if step % t.eval_every == 0 or step == t.steps:
-                losses = jax.device_get([trainer.eval_step(state["params"], trainer.global_batch(b)) for b in val_batches])
+                eval_start = time.perf_counter()
+                losses = jax.device_get([trainer.eval_step(state["params"], b) for b in val_batches])
                 last["eval_loss"] = float(np.mean(losses))
-                writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": math.exp(min(last["eval_loss"], 50.0))})
+                writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": perplexity(last["eval_loss"])})
                 say(f"step {step}: eval loss {last['eval_loss']:.4f}")
-                rate.restart()  # evaluation time is not training time
+                rate.exclude(time.perf_counter() - eval_start)  # evaluation time is not training time
             if step % config.checkpoint.every_steps == 0 or step == t.steps:
                 ckpt.save(step, state, batches.get_state())
             bar.update(1)
