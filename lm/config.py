@@ -175,7 +175,7 @@ def load_file(path: str) -> ml_collections.ConfigDict:
 def _parse_value(text: str, current):
     import ast
 
-    if isinstance(current, str) or (current is None and not text[:1].isdigit() and text not in ("None", "True", "False")):
+    if isinstance(current, str) or (current is None and text[:1] not in "([{" and text not in ("None", "True", "False")):
         return text
     try:
         return ast.literal_eval(text)

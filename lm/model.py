@@ -231,10 +231,20 @@ class Block(nnx.Module):
         self.mlp = Mlp(cfg, rngs)
 
     def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
-        y, cache = self.attn(self.attn_norm(x_btd), positions_bt, cache, cache_index)
-        x_btd = constrain(x_btd + y, ("batch", "length", "act_embed"), "residual")
-        x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
-        return constrain(x_btd, ("batch", "length", "act_embed"), "residual"), cache
+        y, cache = self.attn(_gather_length(self.attn_norm(x_btd)), positions_bt, cache, cache_index)
+        x_btd = constrain(x_btd + y, ("batch", "norm_length", "act_embed"), "residual")
+        x_btd = x_btd + self.mlp(_gather_length(self.mlp_norm(x_btd)))
+        return constrain(x_btd, ("batch", "norm_length", "act_embed"), "residual"), cache
+
+
+def _gather_length(x_btd: jax.Array) -> jax.Array:
+    """The whole sequence on every tensor shard, entering a column-parallel matmul.
+
+    Under sequence parallelism this is Megatron's all-gather from the sequence-split norm region;
+    the row-parallel output's reduction then lands split again (reduce-scatter). Without it XLA
+    may instead move the heads (all-to-all) or gather the weights.
+    """
+    return constrain(x_btd, ("batch", "length", "act_embed"), "norm output")
 
 
 class Transformer(nnx.Module):
@@ -267,12 +277,16 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         positions_bt = cache_index + jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        x = cfg.policy.cast(jnp.take(self.embedding[...], tokens_bt, axis=0))
+        # The table is gathered over `fsdp` before the lookup (as every FSDP weight is before use);
+        # a lookup into a table split along `embed` makes XLA replicate its output instead.
+        table_vd = constrain(self.embedding[...], ("vocab", None), "embedding table")
+        x = cfg.policy.cast(jnp.take(table_vd, tokens_bt, axis=0))
         if cfg.position == "learned":
-            x = x + cfg.policy.cast(jnp.take(self.pos_embedding[...], positions_bt, axis=0))
-        x = constrain(x, ("batch", "length", "act_embed"), "embeddings")
+            table_td = constrain(self.pos_embedding[...], (None, None), "position table")
+            x = x + cfg.policy.cast(jnp.take(table_td, positions_bt, axis=0))
+        x = constrain(x, ("batch", "norm_length", "act_embed"), "embeddings")
         x, cache = self._layers(x, positions_bt, cache, cache_index)
-        x = self.final_norm(x)
+        x = _gather_length(self.final_norm(x))
         if cfg.tie_embeddings:
             logits = cfg.policy.matmul("btd,vd->btv", x, self.embedding[...], out_dtype=jnp.float32)
         else:

@@ -48,10 +48,11 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
 
 
 def rules_from(config) -> tuple:
-    rules = config.sharding.rules
-    if not rules:
-        return sharding.DEFAULT_RULES
-    return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
+    """The default rules, overridden by `sharding.rules`, then sequence parallelism if asked for."""
+    overrides = [config.sharding.rules or ()]
+    if config.sharding.sequence_parallel:
+        overrides.append(sharding.SEQUENCE_PARALLEL_RULES)
+    return sharding.merge_rules(sharding.DEFAULT_RULES, *overrides)
 
 
 @dataclasses.dataclass
@@ -65,14 +66,15 @@ class Trainer:
 
     def __post_init__(self):
         c = self.config
-        abstract_model = nnx.eval_shape(lambda: Transformer(self.model_cfg, rngs=nnx.Rngs(0)))
-        self.graphdef, abstract_params = nnx.split(abstract_model)
-        self.logical_axes = nnx.to_pure_dict(nnx.get_partition_spec(abstract_params))
+        abstract_model = sharding.abstract_module(lambda: Transformer(self.model_cfg, rngs=nnx.Rngs(0)))
+        self.graphdef = nnx.graphdef(abstract_model)
+        self.logical_axes = sharding.logical_axes(abstract_model)
         self.tx = optimizer(c)
         self.schedule = schedule(c)
         self.abstract_state = jax.eval_shape(lambda: self._init(0))
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        param_shardings = sharding.tree_shardings(self.abstract_state["params"], self.logical_axes, self.mesh, self.rules)
+        param_shardings = sharding.state_shardings(abstract_model, self.mesh, self.rules)
+        sharding.check_rules(self.rules, self.mesh)  # also the rules no parameter uses
         opt_shardings = optax.tree_map_params(
             self.tx,
             lambda _, s: s,
@@ -147,13 +149,19 @@ def data_parallel_size(mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def check_batch(config, mesh) -> None:
+def check_batch_split(config, mesh) -> None:
     b, dp, accum = config.train.batch_size, data_parallel_size(mesh), config.train.grad_accum
     if b % (dp * accum):
         raise UserError(
             f"train.batch_size={b} is not divisible by the data-parallel size {dp} (mesh data x fsdp)"
             + (f" times train.grad_accum={accum}" if accum > 1 else "")
             + f"; use a multiple of {dp * accum} or change the mesh"
+        )
+    tensor = mesh.shape["tensor"]
+    if config.sharding.sequence_parallel and config.train.seq_len % tensor:
+        raise UserError(
+            f"sharding.sequence_parallel splits the sequence over mesh.tensor={tensor}, which does not "
+            f"divide train.seq_len={config.train.seq_len}; change one of them"
         )
     if b % jax.process_count():
         raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
@@ -178,8 +186,8 @@ def setup(config, vocab_size: int, devices=None) -> Trainer:
     """Validated config -> mesh (checked against the batch) -> the compiled training pieces."""
     lm_config.validate(config)
     mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
-    check_batch(config, mesh)
-    return Trainer(config, ModelConfig.from_config(config, vocab_size), mesh, rules_from(config))
+    check_batch_split(config, mesh)
+    return Trainer(config, ModelConfig.from_config(config, vocab_size), mesh, sharding.check_rules(rules_from(config)))
 
 
 def _kill_self_after_saves(step: int, ckpt: Checkpointer) -> None:

@@ -3,12 +3,16 @@
 Reusable on its own: imports jax (and flax.nnx metadata helpers) only, never `lm`.
 """
 
+from sharding.flax_nnx import abstract_module, create_sharded, logical_axes, state_shardings
 from sharding.mesh import MESH_AXES, MeshConfig, ShardingError, make_mesh
 from sharding.rules import (
     DEFAULT_RULES,
+    SEQUENCE_PARALLEL_RULES,
     activate,
+    check_rules,
     constrain,
     logical_to_spec,
+    merge_rules,
     named_sharding,
     tree_shardings,
 )
@@ -16,12 +20,19 @@ from sharding.rules import (
 __all__ = [
     "DEFAULT_RULES",
     "MESH_AXES",
+    "SEQUENCE_PARALLEL_RULES",
     "MeshConfig",
     "ShardingError",
+    "abstract_module",
     "activate",
+    "check_rules",
     "constrain",
+    "create_sharded",
+    "logical_axes",
     "logical_to_spec",
     "make_mesh",
+    "merge_rules",
     "named_sharding",
+    "state_shardings",
     "tree_shardings",
 ]

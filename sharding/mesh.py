@@ -58,13 +58,50 @@ class MeshConfig:
         return sizes
 
 
+def split_over_granules(sizes: Sequence[int], granules: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(per-granule sizes, across-granule sizes) of the mesh axes.
+
+    A granule is a host (or a TPU slice): devices inside one share the fast links. The slow
+    links are given to the outermost axes first (`data`, then `stage`, ...), so `fsdp` and
+    `tensor` stay inside a host whenever the sizes allow.
+    """
+    across, left = [], granules
+    for size in sizes:
+        shared = math.gcd(size, left)
+        across.append(shared)
+        left //= shared
+    if left != 1:
+        named = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, sizes))
+        raise ShardingError(
+            f"mesh {named} cannot be split over {granules} hosts: the product of whole axes "
+            f"placed across hosts must equal {granules}; make data (or stage) a multiple of {granules}"
+        )
+    return tuple(s // a for s, a in zip(sizes, across)), tuple(across)
+
+
+def _granule_key(device) -> str:
+    """Devices of one TPU slice share fast links; elsewhere, devices of one process do."""
+    return "slice_index" if getattr(device, "slice_index", None) is not None else "process_index"
+
+
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A Mesh over `devices` (default: all), axis types Auto so logical constraints steer XLA."""
+    """A Mesh over `devices` (default: all), axis types Auto so logical constraints steer XLA.
+
+    Over several hosts the mesh is hybrid (`mesh_utils.create_hybrid_device_mesh`): `data` spans
+    the hosts and the inner axes stay on each host's fast links where the sizes allow.
+    """
+    from jax.experimental import mesh_utils
+
     devices = list(jax.devices() if devices is None else devices)
     shape = config.resolve(len(devices))
-    if devices == list(jax.devices()):
-        from jax.experimental import mesh_utils
-
+    key = _granule_key(devices[0])
+    granules = len({getattr(d, key) for d in devices})
+    if granules > 1:
+        per_granule, across = split_over_granules(shape, granules)
+        grid = mesh_utils.create_hybrid_device_mesh(
+            per_granule, across, devices, process_is_granule=key == "process_index"
+        )
+    elif devices == list(jax.devices()):
         grid = mesh_utils.create_device_mesh(shape, devices)
     else:
         grid = np.asarray(devices).reshape(shape)

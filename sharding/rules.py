@@ -22,7 +22,8 @@ Rules = Sequence[tuple[str, MeshAxes]]
 
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    ("length", None),  # the sequence inside attention / MLP, where heads and mlp use `tensor`
+    ("norm_length", None),  # the sequence in the residual stream and norms
     ("embed", "fsdp"),
     ("act_embed", None),
     ("mlp", "tensor"),
@@ -32,6 +33,47 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("head_dim", None),
     ("layers", None),
 )
+
+
+# Megatron-LM's sequence parallelism: the residual stream and norms, replicated over `tensor`
+# under plain tensor parallelism, are split along the sequence instead.
+SEQUENCE_PARALLEL_RULES: tuple[tuple[str, MeshAxes], ...] = (("norm_length", "tensor"),)
+
+
+def merge_rules(base: Rules, *overrides: Rules) -> tuple[tuple[str, MeshAxes], ...]:
+    """`base` with each override's entries replacing same-named ones (new names appended)."""
+    table = dict(check_rules(base))
+    for rules in overrides:
+        table.update(check_rules(rules))
+    return tuple(table.items())
+
+
+def check_rules(rules: Rules, mesh: Mesh | None = None) -> tuple[tuple[str, MeshAxes], ...]:
+    """The rule table as a tuple of pairs; ShardingError for a malformed entry or, given `mesh`,
+    a rule naming a mesh axis the mesh does not have."""
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+        raise ShardingError(f"sharding rules must be a sequence of (logical_name, mesh_axes) pairs, got {rules!r}")
+    checked = []
+    for entry in rules:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise ShardingError(
+                f"rule {entry!r} is not (logical_name, mesh_axes); write e.g. ('embed', 'fsdp'), "
+                "('batch', ('data', 'fsdp')) or ('length', None)"
+            )
+        logical, mesh_axes = entry[0], entry[1]
+        if isinstance(mesh_axes, list):
+            mesh_axes = tuple(mesh_axes)
+        if not (mesh_axes is None or isinstance(mesh_axes, str) or all(isinstance(a, str) for a in mesh_axes)):
+            raise ShardingError(f"rule {entry!r}: mesh axes must be a name, a tuple of names or None")
+        if mesh is not None:
+            missing = [a for a in _as_tuple(mesh_axes) if a not in mesh.axis_names]
+            if missing:
+                raise ShardingError(
+                    f"rule ({logical!r}, {mesh_axes!r}) names mesh axis {missing[0]!r}, which does "
+                    f"not exist (mesh axes: {', '.join(mesh.axis_names)})"
+                )
+        checked.append((logical, mesh_axes))
+    return tuple(checked)
 
 
 def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
@@ -50,7 +92,10 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """The PartitionSpec for one array; with `mesh` and `shape`, also checks it fits that mesh."""
     table = dict(rules)
-    described = f"{name} (shape {tuple(shape) if shape is not None else '?'}, logical axes {tuple(logical_axes)})"
+    described = f"{name} (shape {tuple(shape) if shape is not None else '?'}, logical axes {tuple(logical_axes)}"
+    if mesh is not None:
+        described += ", mesh " + " ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    described += ")"
     if shape is not None and len(shape) != len(logical_axes):
         raise ShardingError(f"{described}: {len(logical_axes)} logical names for {len(shape)} dimensions")
     spec, used = [], {}
@@ -107,13 +152,14 @@ def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules: Rules = DEFAU
     """NamedShardings for every array of `abstract_tree` from a same-shaped tree of logical specs.
 
     `logical_tree` holds a PartitionSpec (or tuple) of logical names per array, as
-    `flax.nnx.get_partition_spec` gives for annotated variables; errors name the array's path.
+    `flax.nnx.get_partition_spec` gives for annotated variables (an empty one, for an array
+    without annotations, means replicated); errors name the array's path.
     """
     flat_logical = dict(jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=_is_spec)[0])
 
     def one(path, leaf):
-        logical = flat_logical.get(path, ())
-        return named_sharding(mesh, tuple(logical or ()), rules, shape=leaf.shape, name=_path_name(path))
+        logical = tuple(flat_logical.get(path) or ()) or (None,) * len(leaf.shape)  # unannotated: replicated
+        return named_sharding(mesh, logical, rules, shape=leaf.shape, name=_path_name(path))
 
     return jax.tree_util.tree_map_with_path(one, abstract_tree)
 

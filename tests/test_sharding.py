@@ -86,3 +86,75 @@ def test_activation_constraint_is_noop_outside_and_applied_inside():
 def test_sharding_never_imports_lm():
     for path in (Path(sharding.__file__).parent).glob("*.py"):
         assert not re.search(r"^\s*(from|import)\s+lm\b", path.read_text(), re.M), path
+
+
+def test_hosts_take_the_outermost_axes_first():
+    from sharding.mesh import split_over_granules
+
+    assert split_over_granules((2, 1, 2, 2), 2) == ((1, 1, 2, 2), (2, 1, 1, 1))
+    assert split_over_granules((2, 1, 4, 1), 4) == ((1, 1, 2, 1), (2, 1, 2, 1))
+    assert split_over_granules((1, 1, 8, 2), 1) == ((1, 1, 8, 2), (1, 1, 1, 1))
+    with pytest.raises(ShardingError, match="cannot be split over 4 hosts"):
+        split_over_granules((3, 1, 1, 2), 4)
+
+
+def test_rule_overrides_replace_defaults_and_sequence_parallelism_splits_norm_length():
+    rules = sharding.merge_rules(DEFAULT_RULES, [("embed", None), ("experts", ["data"])], sharding.SEQUENCE_PARALLEL_RULES)
+    table = dict(rules)
+    assert table["embed"] is None and table["experts"] == ("data",) and table["norm_length"] == "tensor"
+    assert [name for name, _ in rules][: len(DEFAULT_RULES)] == [name for name, _ in DEFAULT_RULES]
+    with pytest.raises(ShardingError, match=r"rule 'embed' is not \(logical_name, mesh_axes\)"):
+        sharding.check_rules(["embed"])
+
+
+def _setup(**overrides):
+    from conftest import recipe
+
+    from lm.train import setup
+
+    c = recipe("tiny", model__num_layers=2, model__embed_dim=64, model__mlp_dim=128, **overrides)
+    return setup(c, 256)
+
+
+def test_config_rules_are_validated_naming_parameter_shape_logical_and_mesh_axes():
+    mesh = r"mesh data=1 stage=1 fsdp=8 tensor=1"
+    with pytest.raises(ShardingError, match=rf"blocks/attn/wk \(shape \(2, 64, 2, 16\), logical axes \('layers', 'embed', 'kv_heads', 'head_dim'\), {mesh}\): rule 'embed' -> 'model' names a mesh axis that does not exist"):
+        _setup(mesh__data=1, mesh__fsdp=8, sharding__rules="(('embed', 'model'),)")
+    with pytest.raises(ShardingError, match=r"rule \('experts', 'expert'\) names mesh axis 'expert', which does not exist"):
+        _setup(sharding__rules="(('experts', 'expert'),)")  # no parameter uses it: still an error
+    with pytest.raises(ShardingError, match=rf"blocks/mlp/w_gate \(shape \(2, 64, 128\), logical axes \('layers', 'embed', 'mlp'\), {mesh}\): mesh axis 'fsdp' is used by both 'embed' and 'mlp'"):
+        _setup(mesh__data=1, mesh__fsdp=8, sharding__rules="(('mlp', 'fsdp'),)")
+    with pytest.raises(ShardingError, match=r"blocks/attn/wk \(shape \(2, 64, 2, 16\), .*mesh data=1 stage=1 fsdp=1 tensor=8\): dimension 2 \('kv_heads', size 2\) is not divisible by mesh axes \('tensor',\) of total size 8"):
+        _setup(mesh__data=1, mesh__tensor=8)
+
+
+def test_a_logical_name_without_a_rule_names_the_parameter():
+    from lm.model import ModelConfig, Transformer
+
+    state = nnx.state(nnx.eval_shape(lambda: Transformer(ModelConfig(vocab_size=256, max_len=16), rngs=nnx.Rngs(0))))
+    rules = [r for r in DEFAULT_RULES if r[0] != "mlp"]
+    with pytest.raises(ShardingError, match=r"blocks/mlp/w_gate \(shape \(2, 128, 512\), logical axes \('layers', 'embed', 'mlp'\), mesh data=8 stage=1 fsdp=1 tensor=1\): logical axis 'mlp' has no rule"):
+        sharding.tree_shardings(nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)), make_mesh(MeshConfig()), rules)
+
+
+def test_sequence_parallelism_needs_the_sequence_to_divide():
+    from lm.config import UserError
+
+    with pytest.raises(UserError, match=r"mesh.tensor=8, which does not divide train.seq_len=12"):
+        _setup(mesh__data=1, mesh__tensor=8, model__num_heads=8, model__num_kv_heads=8, train__seq_len=12, sharding__sequence_parallel=True)
+
+
+def test_report_counts_bytes_per_device_from_shardings():
+    from sharding import report
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    tree = {
+        "w": jax.ShapeDtypeStruct((64, 32), jax.numpy.float32, sharding=sharding.named_sharding(mesh, ("embed", "mlp"))),
+        "b": jax.ShapeDtypeStruct((32,), jax.numpy.bfloat16, sharding=sharding.named_sharding(mesh, (None,))),
+    }
+    rows = {r.path: r for r in report.rows(tree, {"w": ("embed", "mlp"), "b": (None,)})}
+    assert rows["w"].device_shape == (32, 16) and rows["w"].device_bytes == 32 * 16 * 4 and rows["w"].total_bytes == 64 * 32 * 4
+    assert rows["b"].device_shape == (32,) and rows["b"].device_bytes == 64
+    assert report.device_bytes(tree) == 32 * 16 * 4 + 64
+    text = report.table(list(rows.values()))
+    assert "(embed, mlp)" in text and "(fsdp, tensor)" in text and "2.00 KiB" in text

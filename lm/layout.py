@@ -1,0 +1,94 @@
+"""`python -m lm.layout`: a config's sharding plan and what each device will hold, without training.
+
+    python -m lm.layout --config=configs/llama_1b.py --config.mesh.fsdp=8 --devices=8
+
+Prints every parameter's logical axes, PartitionSpec, global and per-device shape and bytes;
+per-device totals for parameters, gradients and optimizer state; and XLA's compiled memory
+analysis of the train step on one device. Nothing is allocated: the state is abstract and the
+step is only compiled. `--devices=N` plans on N fake CPU devices (a GPU or TPU cluster's mesh
+can be checked from a laptop); the last stdout line is the summary as one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+
+import sharding
+from lm import cli
+from lm import data as lm_data
+from lm.cli import Parser
+from lm.train import setup
+from sharding import report
+
+
+def layout(config, devices=None, compile_step: bool = True) -> tuple[list[report.Row], dict]:
+    """(parameter rows, summary): per-device bytes and the compiled train step's memory analysis."""
+    trainer = setup(config, lm_data.nominal_vocab_size(config.data), devices)
+    state = trainer.abstract_sharded_state()
+    params = report.device_bytes(state["params"])
+    summary = {
+        "mesh": dict(trainer.mesh.shape),
+        "devices": trainer.mesh.size,
+        "params": sum(int(np.prod(r.shape)) for r in report.rows(state["params"])),
+        "param_bytes_total": report.total_bytes(state["params"]),
+        "per_device": {
+            "params_bytes": params,
+            "grads_bytes": params,  # gradients take the parameters' shapes, dtypes and shardings
+            "opt_state_bytes": report.device_bytes(state["opt_state"]),
+        },
+    }
+    summary["per_device"]["total_state_bytes"] = sum(summary["per_device"].values())
+    if compile_step:
+        batch = jax.ShapeDtypeStruct(
+            (config.train.batch_size, config.train.seq_len + 1), np.int32, sharding=trainer.batch_sharding
+        )
+        with sharding.activate(trainer.mesh, trainer.rules):
+            memory = trainer.train_step.lower(state, batch).compile().memory_analysis()
+        fields = ("argument", "output", "alias", "temp", "generated_code")
+        compiled = {f"{f}_bytes": getattr(memory, f"{f}_size_in_bytes", None) for f in fields}
+        if None not in compiled.values():
+            # Donated state aliases the outputs: live at the peak are arguments, new outputs, temporaries.
+            compiled["peak_estimate_bytes"] = (
+                compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
+            )
+        summary["compiled_train_step_per_device"] = compiled
+    return report.rows(state["params"], trainer.logical_axes), summary
+
+
+def describe(param_rows: list[report.Row], summary: dict) -> str:
+    fmt = report.format_bytes
+    per_device = summary["per_device"]
+    lines = [
+        report.table(param_rows),
+        "",
+        f"mesh {summary['mesh']} ({summary['devices']} devices), {summary['params'] / 1e6:.1f}M parameters "
+        f"({fmt(summary['param_bytes_total'])} in all)",
+        "per device:",
+        *(f"  {name.removesuffix('_bytes'):<18} {fmt(b)}" for name, b in per_device.items()),
+    ]
+    compiled = summary.get("compiled_train_step_per_device")
+    if compiled:
+        lines.append("compiled train step, per device (XLA memory analysis):")
+        lines += [f"  {name.removesuffix('_bytes'):<18} {fmt(b)}" for name, b in compiled.items() if b is not None]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = Parser(prog="python -m lm.layout", description="Print a config's sharding plan and memory per device.")
+    parser.add_argument("--devices", type=int, default=0, help="plan on N fake CPU devices (default: the real ones)")
+    parser.add_argument("--no_compile", action="store_true", help="skip compiling the train step (faster)")
+    args = parser.parse(argv)
+    if args.devices:
+        # Must happen before JAX starts a backend; nothing above has asked for devices yet.
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    param_rows, summary = layout(args.config, compile_step=not args.no_compile)
+    print(describe(param_rows, summary))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    cli.run(main)
