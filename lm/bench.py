@@ -75,11 +75,13 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    parser = Parser(prog="python -m lm.bench", description="Time a config's train step; prints JSON.")
+    parser = Parser(prog="python -m lm.bench", description="Time a config's train step; prints JSON.", distributed=True)
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     args = parser.parse(argv)
-    print(json.dumps(bench(args.config, args.steps, args.warmup)))
+    result = bench(args.config, args.steps, args.warmup)
+    if jax.process_index() == 0:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

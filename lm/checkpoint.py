@@ -1,13 +1,16 @@
 """Checkpoints with orbax: asynchronous saves of the train state plus the data iterator's position.
 
 Layout: WORKDIR/checkpoints/<step>/{state, data}. Orbax writes each step into a temporary
-directory and renames it when complete, so an unfinished save is never taken as the latest.
+directory and renames it when complete, so an unfinished save (a process killed mid-write) is
+never taken as the latest. A complete checkpoint whose files were later damaged is reported,
+renamed `<step>.unreadable` (kept for inspection, never deleted) and the previous one is used.
 Restoring takes an abstract state carrying target shardings, so a checkpoint restores onto any
-mesh the arrays fit.
+mesh and process count the arrays fit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -16,17 +19,25 @@ import orbax.checkpoint as ocp
 from lm.config import UserError
 
 
+class UnreadableCheckpoint(UserError):
+    """A checkpoint whose files cannot be read back (truncated, corrupted)."""
+
+
 class Checkpointer:
     def __init__(self, directory: Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state, data_state: dict | None = None) -> None:
-        """Starts writing `state` for `step`; returns before the write is durable when async."""
+        """Starts writing `state` for `step` (every process takes part); returns before the write
+        is durable when async. A step already saved is left as it is."""
+        if step in self.manager.all_steps():
+            return
         args = {"state": ocp.args.StandardSave(state)}
         if data_state is not None:
             args["data"] = ocp.args.JsonSave(data_state)
@@ -37,22 +48,80 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise UserError(f"no checkpoint in {self.directory}; train first")
+        path = self.directory / str(step)
+        self._check_layout(abstract_state, step)
         items = {"state": ocp.args.StandardRestore(abstract_state)}
-        has_data = (self.directory / str(step) / "data").exists()
+        has_data = (path / "data").exists()
         if has_data:
             items["data"] = ocp.args.JsonRestore()
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except (ValueError, KeyError, FileNotFoundError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"checkpoint {self.directory / str(step)} cannot be restored: {first}") from None
+        except Exception as e:  # orbax / tensorstore raise many kinds; all mean "cannot read"
+            raise UnreadableCheckpoint(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
         return restored["state"], (restored["data"] if has_data else None)
+
+    def restore_latest(self, abstract_state, warn: Callable[[str], None]) -> tuple[int, object, dict | None] | None:
+        """(step, state, data state) of the newest readable checkpoint, or None if there is none.
+
+        Unreadable ones are reported through `warn` and renamed `<step>.unreadable`.
+        """
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return step, *self.restore(abstract_state, step)
+            except UnreadableCheckpoint as e:
+                warn(f"warning: {e}; it is kept as {step}.unreadable and the previous checkpoint is used")
+                self._set_aside(step)
+        return None
+
+    def _check_layout(self, abstract_state, step: int) -> None:
+        """A checkpoint of another state layout (config or meshlm version) is a user error, not damage."""
+        try:
+            saved = self.manager.item_metadata(step)["state"]
+        except Exception as e:
+            raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} has unreadable metadata: {_first_line(e)}") from None
+        if saved is None:
+            raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} has no state metadata")
+        ours, theirs = _paths(abstract_state), _paths(saved)
+        if ours != theirs:
+            diff = sorted(ours ^ theirs)[:3]
+            raise UserError(
+                f"checkpoint {self.directory / str(step)} holds a different train state layout (e.g. {', '.join(diff)}); "
+                "it was written by another config or meshlm version: use a new --workdir"
+            )
+
+    def _set_aside(self, step: int) -> None:
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(self.directory / f"{step}.unreadable")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"meshlm: checkpoint {step} set aside")
+        self.manager.reload()
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _paths(tree) -> set[str]:
+    """Paths of the arrays in a state tree, the same for its abstract form and orbax's metadata
+    (which also lists empty optimizer states: those hold no array and are left out)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        for path, leaf in leaves
+        if hasattr(leaf, "shape")
+    }
+
+
+def _first_line(error: BaseException) -> str:
+    """The innermost cause's first line: tensorstore's message says what is wrong with which file."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def abstract_like(tree, shardings):

@@ -7,17 +7,24 @@ import argparse
 import sys
 from collections.abc import Callable
 
+import sharding.distributed
 from lm.config import UserError, apply_overrides, load_file
 
 
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are UserErrors, and which collects `--config.KEY=VALUE` overrides."""
 
-    def __init__(self, *args, with_config: bool = True, **kwargs):
+    def __init__(self, *args, with_config: bool = True, distributed: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.with_config = with_config
+        self.distributed = distributed
         if with_config:
             self.add_argument("--config", default="configs/tiny.py", help="recipe file; override keys with --config.KEY=VALUE")
+        if distributed:
+            group = self.add_argument_group("several processes (default: from SLURM / Open MPI / Kubernetes, else one)")
+            group.add_argument("--coordinator", help="host:port of process 0's coordination service")
+            group.add_argument("--num_processes", type=int, help="how many processes take part")
+            group.add_argument("--process_id", type=int, help="this process's index, 0 .. num_processes-1")
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
@@ -33,6 +40,11 @@ class Parser(argparse.ArgumentParser):
             else:
                 rest.append(arg)
         args = self.parse_args(rest)
+        if self.distributed:  # before the config: nothing may touch JAX's devices first
+            try:
+                sharding.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+            except ValueError as e:
+                raise UserError(str(e)) from None
         if self.with_config:
             args.config = apply_overrides(load_file(args.config), overrides)
         return args
@@ -42,11 +54,9 @@ def run(main: Callable[[list[str]], None], argv: list[str] | None = None) -> Non
     """Calls `main(argv)`; a UserError or ShardingError ends the process with one line, exit 2."""
     from absl import logging
 
-    import sharding
-
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
     try:
         main(sys.argv[1:] if argv is None else argv)
     except (UserError, sharding.ShardingError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(getattr(e, "exit_code", 2))

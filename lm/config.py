@@ -54,6 +54,8 @@ def default_config() -> ml_collections.ConfigDict:
         log_every=10,
         eval_every=200,
         eval_batches=8,
+        on_nonfinite="skip",  # skip: drop the update, go on | stop: checkpoint the last good state, exit
+        max_consecutive_nonfinite=10,  # skipped steps in a row that end the run
     )
     c.optim = dict(
         lr=1e-3,
@@ -78,6 +80,7 @@ _CHOICES = {
     "model.position": ("rope", "learned"),
     "model.mlp": ("swiglu", "gelu"),
     "model.remat": ("none", "full", "dots", "dots_no_batch"),
+    "train.on_nonfinite": ("skip", "stop"),
     "precision.param_dtype": ("float32", "bfloat16"),
     "precision.compute_dtype": ("float32", "bfloat16"),  # float16 needs loss scaling: not yet
 }
@@ -85,7 +88,7 @@ _CHOICES = {
 _POSITIVE = (
     "model.num_layers", "model.embed_dim", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
     "model.vocab_multiple", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
-    "train.log_every", "train.eval_every", "train.eval_batches", "checkpoint.every_steps",
+    "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "checkpoint.every_steps",
     "checkpoint.keep", "data.vocab_size",
 )
 

@@ -106,12 +106,15 @@ class StepRate:
         now = time.perf_counter()
         step_time = (now - self.since) / len(host_metrics)
         self.since = now
-        loss = float(np.mean([m["loss"] for m in host_metrics]))
+        # Means over the steps whose update was applied (skipped non-finite steps would make them NaN).
+        applied = [m for m in host_metrics if np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])] or host_metrics
+        loss = float(np.mean([m["loss"] for m in applied]))
         return {
             "step": step,
             "loss": loss,
             "perplexity": perplexity(loss),
-            "grad_norm": float(np.mean([m["grad_norm"] for m in host_metrics])),
+            "grad_norm": float(np.mean([m["grad_norm"] for m in applied])),
+            "skipped_steps": int(host_metrics[-1].get("skipped_steps", 0)),
             "lr": float(host_metrics[-1]["lr"]),
             "tokens_per_sec": self.tokens_per_step / step_time,
             "step_time_s": step_time,

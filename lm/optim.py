@@ -1,4 +1,5 @@
-"""The optax chain from config: global-norm clipping, then AdamW with warm-up + cosine decay.
+"""The optax chain from config: global-norm clipping, then AdamW with warm-up + cosine decay,
+wrapped in `optax.apply_if_finite` so that an update from non-finite gradients is never applied.
 
 Weight decay skips norms, biases and embeddings (decided by parameter name, see
 `lm.model.NO_DECAY`).
@@ -34,4 +35,10 @@ def decay_mask(params):
 def optimizer(c) -> optax.GradientTransformation:
     o = c.optim
     adamw = optax.adamw(schedule(c), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm else adamw
+    tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm else adamw
+    # Skipped steps are counted in the state (`notfinite_count` in a row, `total_notfinite`); the
+    # train loop, not optax, decides when too many in a row end the run, so never let one through.
+    return optax.apply_if_finite(tx, max_consecutive_errors=NEVER)
+
+
+NEVER = 2**31 - 1

@@ -63,6 +63,7 @@ class Trainer:
     model_cfg: ModelConfig
     mesh: jax.sharding.Mesh
     rules: tuple
+    nonfinite_steps: tuple[int, ...] = ()  # fault injection for tests
 
     def __post_init__(self):
         c = self.config
@@ -130,9 +131,19 @@ class Trainer:
 
     def _train_step(self, state, tokens_bl):
         loss, grads = self._grads(state["params"], tokens_bl)
+        if self.nonfinite_steps:  # fault injection (tests): these steps' loss and gradients are NaN
+            poison = jnp.where(jnp.isin(state["step"] + 1, jnp.asarray(self.nonfinite_steps)), jnp.nan, 1.0)
+            loss, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (loss, grads))
+        # A non-finite update is not applied (optax.apply_if_finite); the step still counts.
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": self.schedule(state["step"])}
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": self.schedule(state["step"]),
+            "nonfinite_in_a_row": opt_state.notfinite_count,
+            "skipped_steps": opt_state.total_notfinite,
+        }
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     # -- host side
@@ -182,105 +193,180 @@ def check_workdir(config, workdir: Path) -> None:
         )
 
 
-def setup(config, vocab_size: int, devices=None) -> Trainer:
+def setup(config, vocab_size: int, devices=None, nonfinite_steps: tuple[int, ...] = ()) -> Trainer:
     """Validated config -> mesh (checked against the batch) -> the compiled training pieces."""
     lm_config.validate(config)
     mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
     check_batch_split(config, mesh)
-    return Trainer(config, ModelConfig.from_config(config, vocab_size), mesh, sharding.check_rules(rules_from(config)))
+    model_cfg = ModelConfig.from_config(config, vocab_size)
+    return Trainer(config, model_cfg, mesh, sharding.check_rules(rules_from(config)), tuple(nonfinite_steps))
 
 
-def _kill_self_after_saves(step: int, ckpt: Checkpointer) -> None:
-    """Fault injection for tests: make checkpoints durable, then die as a killed process would."""
-    ckpt.wait()
-    print(f"debug: SIGKILL at step {step}", flush=True)
+class TrainingHalted(UserError):
+    """The run stopped itself (non-finite steps); its last good state is checkpointed."""
+
+    exit_code = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    """Fault injection for tests: how a run should misbehave, and when."""
+
+    kill_at_step: int | None = None  # SIGKILL once this step's checkpoint is durable
+    kill_during_save_at_step: int | None = None  # SIGKILL as soon as this step's save has started
+    nonfinite_steps: tuple[int, ...] = ()  # these steps' loss and gradients are NaN
+
+
+def _kill_self(step: int, when: str) -> None:
+    print(f"debug: SIGKILL at step {step} ({when})", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train(config, workdir: str | os.PathLike, devices=None, *, kill_at_step: int | None = None) -> dict:
-    """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last
-    logged metrics (with `eval_loss`)."""
-    from tqdm import tqdm
+def _prepare_in_turn(config, workdir: Path):
+    """Process 0 tokenises (and trains a BPE) first; the others then read what it cached."""
+    if jax.process_count() == 1:
+        return lm_data.prepare(config, workdir)
+    from jax.experimental import multihost_utils
 
+    prepared = lm_data.prepare(config, workdir) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("meshlm: data prepared")
+    return prepared or lm_data.prepare(config, workdir)
+
+
+def _nonfinite_verdict(config, first_step: int, host_metrics: list[dict], say) -> str | None:
+    """Reports skipped steps; returns why the run must stop, or None."""
+    t = config.train
+    skipped = [(first_step + i, m) for i, m in enumerate(host_metrics) if m["nonfinite_in_a_row"] > 0]
+    for step, m in skipped:
+        say(f"step {step}: non-finite loss or gradients, update skipped ({m['nonfinite_in_a_row']} in a row, {m['skipped_steps']} in all)")
+    if skipped and t.on_nonfinite == "stop":
+        return f"step {skipped[0][0]}: non-finite loss or gradients (train.on_nonfinite=stop)"
+    worst = max((int(m["nonfinite_in_a_row"]) for _, m in skipped), default=0)
+    if worst >= t.max_consecutive_nonfinite:
+        return f"{worst} steps in a row had non-finite loss or gradients (train.max_consecutive_nonfinite={t.max_consecutive_nonfinite})"
+    return None
+
+
+def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = Faults()) -> dict:
+    """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last
+    logged metrics (with `eval_loss`). SIGTERM / SIGINT end it after the current step with a
+    durable checkpoint."""
     lm_config.validate(config)
     workdir = Path(workdir)
     check_workdir(config, workdir)
     # The mesh is checked before the corpus is read: a bad mesh fails fast.
     sharding.MeshConfig.from_mapping(config.mesh).resolve(len(devices or jax.devices()))
-    lead = jax.process_index() == 0
-    tokenizer, train_windows, val_windows = lm_data.prepare(config, workdir)
-    trainer = setup(config, tokenizer.vocab_size, devices)
-    mesh, mcfg = trainer.mesh, trainer.model_cfg
+    tokenizer, train_windows, val_windows = _prepare_in_turn(config, workdir)
+    trainer = setup(config, tokenizer.vocab_size, devices, faults.nonfinite_steps)
     ckpt = Checkpointer(workdir / "checkpoints", config.checkpoint.keep, config.checkpoint.async_save)
     pi, pc, t = jax.process_index(), jax.process_count(), config.train
     batches = lm_data.train_batches(train_windows, t.batch_size, t.seed, pi, pc, config.data.prefetch)
     val_rows = lm_data.eval_batches(val_windows, t.batch_size, t.eval_batches, pi, pc)
-    if lead:
+    if pi == 0:
         (workdir / "config.json").write_text(lm_config.to_json(config))
-    writer = MetricsWriter(workdir, enabled=lead)
-
-    def say(text: str) -> None:  # console output from the lead process, around the progress bar
-        if lead:
-            tqdm.write(text, file=sys.stdout)
-            sys.stdout.flush()
-
-    with sharding.activate(mesh, trainer.rules):
-        val_batches = [trainer.global_batch(rows) for rows in val_rows]  # on device once, reused
-        start = ckpt.latest_step()
-        if start is None:
-            state, start = trainer.init_state(t.seed), 0
-        else:
-            state, data_state = ckpt.restore(trainer.abstract_sharded_state(), start)
-            if data_state is not None:
-                batches.set_state(data_state)
-            say(f"resuming from step {start} ({ckpt.directory / str(start)})")
-        tokens_per_step = t.batch_size * t.seq_len
-        rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(config.precision.compute_dtype)[0] * mesh.size)
-        say(
-            f"model: {param_count(state['params']) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
-            f"mesh {dict(mesh.shape)}, {t.steps} steps of {tokens_per_step} tokens"
-        )
-        if start >= t.steps:
-            say(f"already trained to step {start}; raise --config.train.steps to continue")
-        else:
-            step_fn = trainer.train_step.lower(state, val_batches[0]).compile()
-        bar = tqdm(total=t.steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True, file=sys.stdout)
-        pending, last = [], {}
-        for step in range(start + 1, t.steps + 1):
-            state, metrics = step_fn(state, trainer.global_batch(next(batches)))
-            pending.append(metrics)
-            if step % t.log_every == 0 or step == t.steps:
-                last = rate.row(step, jax.device_get(pending))  # the one device->host transfer
-                writer.write(last)
-                bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
-                pending = []
-            if step % t.eval_every == 0 or step == t.steps:
-                eval_start = time.perf_counter()
-                losses = jax.device_get([trainer.eval_step(state["params"], b) for b in val_batches])
-                last["eval_loss"] = float(np.mean(losses))
-                writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": perplexity(last["eval_loss"])})
-                say(f"step {step}: eval loss {last['eval_loss']:.4f}")
-                rate.exclude(time.perf_counter() - eval_start)  # evaluation time is not training time
-            if step % config.checkpoint.every_steps == 0 or step == t.steps:
-                ckpt.save(step, state, batches.get_state())
-            bar.update(1)
-            if kill_at_step == step:
-                _kill_self_after_saves(step, ckpt)
-        bar.close()
+    writer = MetricsWriter(workdir, enabled=pi == 0)
+    stop = sharding.distributed.StopRequest()
+    try:
+        with sharding.activate(trainer.mesh, trainer.rules):
+            return _loop(config, trainer, ckpt, batches, val_rows, writer, stop, faults)
+    finally:
+        stop.close()
         ckpt.wait()
         ckpt.close()
         writer.close()
-    say(f"checkpoints: {ckpt.directory}")
-    say(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})")
+
+
+def _say(text: str) -> None:
+    """Console output from the lead process, around the progress bar."""
+    from tqdm import tqdm
+
+    if jax.process_index() == 0:
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+
+
+def _loop(config, trainer: Trainer, ckpt: Checkpointer, batches, val_rows, writer: MetricsWriter, stop, faults: Faults) -> dict:
+    from tqdm import tqdm
+
+    t, mesh, mcfg = config.train, trainer.mesh, trainer.model_cfg
+    val_batches = [trainer.global_batch(rows) for rows in val_rows]  # on device once, reused
+    restored = ckpt.restore_latest(trainer.abstract_sharded_state(), _say)
+    if restored is None:
+        state, start = trainer.init_state(t.seed), 0
+    else:
+        start, state, data_state = restored
+        if data_state is not None:
+            batches.set_state(data_state)
+        _say(f"resuming from step {start} ({ckpt.directory / str(start)})")
+    tokens_per_step = t.batch_size * t.seq_len
+    rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(config.precision.compute_dtype)[0] * mesh.size)
+    _say(
+        f"model: {param_count(state['params']) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
+        f"mesh {dict(mesh.shape)}, {t.steps} steps of {tokens_per_step} tokens"
+    )
+    if start >= t.steps:
+        _say(f"already trained to step {start}; raise --config.train.steps to continue")
+    else:
+        step_fn = trainer.train_step.lower(state, val_batches[0]).compile()
+    bar = tqdm(total=t.steps, initial=start, disable=jax.process_index() != 0, unit="step", dynamic_ncols=True, file=sys.stdout)
+    pending, last = [], {}
+    for step in range(start + 1, t.steps + 1):
+        state, metrics = step_fn(state, trainer.global_batch(next(batches)))
+        pending.append(metrics)
+        if step % t.log_every == 0 or step == t.steps:
+            host = jax.device_get(pending)  # the one device->host transfer
+            last = rate.row(step, host)
+            writer.write(last)
+            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
+            halt = _nonfinite_verdict(config, step - len(host) + 1, host, _say)
+            pending = []
+            if halt:
+                ckpt.save(step, state, batches.get_state())
+                ckpt.wait()
+                bar.close()
+                raise TrainingHalted(f"{halt}; no non-finite update was applied: the state is checkpointed at step {step} ({ckpt.directory / str(step)})")
+        if step % t.eval_every == 0 or step == t.steps:
+            eval_start = time.perf_counter()
+            losses = jax.device_get([trainer.eval_step(state["params"], b) for b in val_batches])
+            last["eval_loss"] = float(np.mean(losses))
+            writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": perplexity(last["eval_loss"])})
+            _say(f"step {step}: eval loss {last['eval_loss']:.4f}")
+            rate.exclude(time.perf_counter() - eval_start)  # evaluation time is not training time
+        if step % config.checkpoint.every_steps == 0 or step == t.steps:
+            ckpt.save(step, state, batches.get_state())
+            if faults.kill_during_save_at_step == step:
+                _kill_self(step, "during the checkpoint write")
+        bar.update(1)
+        if faults.kill_at_step == step:
+            ckpt.wait()
+            _kill_self(step, "after the checkpoint is durable")
+        if stop.reached(step):
+            if pending:
+                writer.write(rate.row(step, jax.device_get(pending)))
+            ckpt.save(step, state, batches.get_state())
+            ckpt.wait()
+            bar.close()
+            _say(f"{stop.signal_name}: stopped after step {step}; checkpoint {ckpt.directory / str(step)} is written; run the same command to resume")
+            break
+    bar.close()
+    _say(f"checkpoints: {ckpt.directory}")
+    _say(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})")
     return last
 
 
 def main(argv: list[str]) -> None:
-    parser = Parser(prog="python -m lm.train", description="Train (or resume) a language model.")
+    parser = Parser(prog="python -m lm.train", description="Train (or resume) a language model.", distributed=True)
     parser.add_argument("--workdir", required=True, help="run directory: checkpoints, metrics, tokenizer")
-    parser.add_argument("--debug_kill_at_step", type=int, default=None, help=argparse.SUPPRESS)
+    for flag in ("kill_at_step", "kill_during_save_at_step"):
+        parser.add_argument(f"--debug_{flag}", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--debug_nonfinite_steps", default="", help=argparse.SUPPRESS)
     args = parser.parse(argv)
-    train(args.config, args.workdir, kill_at_step=args.debug_kill_at_step)
+    faults = Faults(
+        kill_at_step=args.debug_kill_at_step,
+        kill_during_save_at_step=args.debug_kill_during_save_at_step,
+        nonfinite_steps=tuple(int(s) for s in args.debug_nonfinite_steps.split(",") if s),
+    )
+    train(args.config, args.workdir, faults=faults)
 
 
 if __name__ == "__main__":

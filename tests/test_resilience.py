@@ -1,0 +1,137 @@
+"""Several processes, preemption, crashes and bad steps: nothing is lost but the work since the
+last checkpoint, and a checkpoint restores onto any mesh."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import ROOT, metrics_rows, run_module
+from test_train import FAST, fast_config, losses
+
+from lm.checkpoint import Checkpointer
+from lm.train import Faults, TrainingHalted, setup, train
+
+MESH = dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2)
+CLI_FAST = [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]
+
+
+def cli_args(corpus, workdir, *extra):
+    return ["--config=configs/tiny.py", f"--config.data.path={corpus}", f"--workdir={workdir}", *CLI_FAST, *extra]
+
+
+def restore(workdir, step, mesh: dict, devices=None, corpus=None):
+    """The checkpointed state at `step` placed on `mesh`, fetched to the host."""
+    trainer = setup(fast_config(corpus, **{f"mesh__{k}": v for k, v in {"data": 1, **mesh}.items()}), 256, devices)
+    state, _ = Checkpointer(workdir / "checkpoints").restore(trainer.abstract_sharded_state(), step)
+    return jax.device_get(state)
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_two_processes_match_one_and_their_checkpoint_restores_on_other_meshes(tmp_path, small_corpus):
+    start = time.perf_counter()
+    launched = run_module(
+        "lm.launch", "--processes=2", "--devices_per_process=4", "--",
+        sys.executable, "-m", "lm.train", *cli_args(small_corpus, tmp_path / "two", "--config.train.steps=5",
+                                                   *[f"--config.{k.replace('__', '.')}={v}" for k, v in MESH.items()]),
+    )
+    wall = time.perf_counter() - start
+    assert launched.returncode == 0, launched.stdout[-3000:]
+    assert "[0] model:" in launched.stdout and "mesh {'data': 2, 'stage': 1, 'fsdp': 2, 'tensor': 2}" in launched.stdout
+    print(f"2 processes x 4 devices, 5 steps: {wall:.1f} s wall")
+
+    train(fast_config(small_corpus, train__steps=5, **MESH), tmp_path / "one")
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(two) == [1, 2, 3, 4, 5]
+    np.testing.assert_allclose([two[s] for s in range(1, 6)], [one[s] for s in range(1, 6)], rtol=1e-5)
+
+    # Written by 2 processes x {data 2, fsdp 2, tensor 2}; read by 1 process on three other meshes.
+    on_one_device = restore(tmp_path / "two", 5, {}, jax.devices()[:1], small_corpus)
+    assert_trees_equal(restore(tmp_path / "two", 5, {"fsdp": 8}, corpus=small_corpus), on_one_device)
+    assert_trees_equal(restore(tmp_path / "two", 5, {"fsdp": 4}, jax.devices()[:4], small_corpus), on_one_device)
+    # and it is the state the one-process run reached (same maths, other reduction order)
+    reference = restore(tmp_path / "one", 5, {}, jax.devices()[:1], small_corpus)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), on_one_device, reference)
+
+
+def test_sigterm_checkpoints_the_current_step_exits_0_and_resumes(tmp_path, small_corpus):
+    workdir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lm.train", *cli_args(small_corpus, workdir, "--config.train.steps=10000")],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    stopped = int(stdout.split("SIGTERM: stopped after step ")[1].split(";")[0])
+    assert stopped >= 3 and [p.name for p in (workdir / "checkpoints").iterdir()] == [str(stopped)]
+    assert max(losses(workdir)) == stopped
+
+    resumed = run_module("lm.train", *cli_args(small_corpus, workdir, f"--config.train.steps={stopped + 2}"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from step {stopped}" in resumed.stdout
+    assert max(losses(workdir)) == stopped + 2
+
+
+def test_sigkill_during_a_save_and_a_truncated_checkpoint_lose_only_the_work_since_the_previous(tmp_path, small_corpus):
+    every = ["--config.checkpoint.every_steps=10"]
+    straight = run_module("lm.train", *cli_args(small_corpus, tmp_path / "straight", "--config.train.steps=30", *every))
+    assert straight.returncode == 0, straight.stderr
+    expected = losses(tmp_path / "straight")
+
+    work = tmp_path / "crashed"
+    killed = run_module("lm.train", *cli_args(small_corpus, work, "--config.train.steps=30", *every, "--debug_kill_during_save_at_step=20"))
+    assert killed.returncode == -9, killed.stderr
+    assert Checkpointer(work / "checkpoints").latest_step() == 10  # the half-written 20 is not taken
+
+    resumed = run_module("lm.train", *cli_args(small_corpus, work, "--config.train.steps=30", *every))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step 10" in resumed.stdout
+    np.testing.assert_array_equal([losses(work)[s] for s in range(11, 31)], [expected[s] for s in range(11, 31)])
+
+    # Damage the newest checkpoint: the run says so in one line, keeps it aside and uses step 20.
+    biggest = max((p for p in (work / "checkpoints" / "30").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    os.truncate(biggest, biggest.stat().st_size // 2)
+    again = run_module("lm.train", *cli_args(small_corpus, work, "--config.train.steps=30", *every))
+    assert again.returncode == 0, again.stderr
+    warnings = [line for line in again.stdout.splitlines() if line.startswith("warning: checkpoint")]
+    assert len(warnings) == 1 and "30 cannot be read" in warnings[0], again.stdout
+    assert "resuming from step 20" in again.stdout and (work / "checkpoints" / "30.unreadable").is_dir()
+    np.testing.assert_array_equal([losses(work)[s] for s in range(21, 31)], [expected[s] for s in range(21, 31)])
+
+
+def test_nonfinite_steps_are_skipped_or_stop_the_run_with_the_last_good_state(tmp_path, small_corpus):
+    one = jax.devices()[:1]
+    skip = train(fast_config(small_corpus, train__steps=6), tmp_path / "skip", one, faults=Faults(nonfinite_steps=(3,)))
+    rows = {r["step"]: r for r in metrics_rows(tmp_path / "skip") if "loss" in r}
+    assert [rows[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1] and np.isfinite(skip["loss"])
+    state = restore(tmp_path / "skip", 6, {}, one, small_corpus)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state["params"]))
+
+    with pytest.raises(TrainingHalted, match=r"step 4: non-finite loss or gradients \(train.on_nonfinite=stop\).*checkpointed at step 4"):
+        train(fast_config(small_corpus, train__steps=6, optim__decay_steps=6, train__on_nonfinite="stop"), tmp_path / "stop", one, faults=Faults(nonfinite_steps=(4,)))
+    halted = restore(tmp_path / "stop", 4, {}, one, small_corpus)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(halted["params"]))
+    # nothing of step 4 was applied: the parameters are those after step 3 of an unpoisoned run
+    train(fast_config(small_corpus, train__steps=3, optim__decay_steps=6), tmp_path / "clean", one)
+    assert_trees_equal(halted["params"], restore(tmp_path / "clean", 3, {}, one, small_corpus)["params"])
+
+
+def test_too_many_nonfinite_steps_in_a_row_end_the_run(tmp_path, small_corpus):
+    c = fast_config(small_corpus, train__steps=8, train__max_consecutive_nonfinite=2)
+    with pytest.raises(TrainingHalted, match=r"2 steps in a row had non-finite loss or gradients"):
+        train(c, tmp_path, jax.devices()[:1], faults=Faults(nonfinite_steps=(2, 3)))
