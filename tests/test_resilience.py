@@ -135,3 +135,14 @@ def test_too_many_nonfinite_steps_in_a_row_end_the_run(tmp_path, small_corpus):
     c = fast_config(small_corpus, train__steps=8, train__max_consecutive_nonfinite=2)
     with pytest.raises(TrainingHalted, match=r"2 steps in a row had non-finite loss or gradients"):
         train(c, tmp_path, jax.devices()[:1], faults=Faults(nonfinite_steps=(2, 3)))
+
+
+def test_launcher_prefixes_output_and_stops_everyone_when_one_process_fails():
+    worker = (
+        "import sys, time; i = int(sys.argv[-1].split('=')[1]); print('hello from', i, flush=True); "
+        "sys.exit(3) if i == 1 else time.sleep(120)"
+    )
+    start = time.perf_counter()
+    out = run_module("lm.launch", "--processes=2", "--devices_per_process=1", "--", sys.executable, "-c", worker, timeout=60)
+    assert out.returncode == 3 and time.perf_counter() - start < 30
+    assert "[0] hello from 0" in out.stdout and "[1] hello from 1" in out.stdout
