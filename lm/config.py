@@ -70,6 +70,11 @@ def default_config() -> ml_collections.ConfigDict:
     )
     c.checkpoint = dict(every_steps=500, keep=3, async_save=True)
     c.mesh = dict(data=-1, stage=1, fsdp=1, tensor=1)
+    c.pipeline = dict(
+        microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages
+        repeats=1,  # layer chunks per stage: 1 is GPipe, more is circular (smaller bubble)
+        remat="full",  # what each tick keeps for the backward pass (as model.remat)
+    )
     c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)
     c.precision = dict(param_dtype="float32", compute_dtype="float32")
     return c
@@ -81,6 +86,7 @@ _CHOICES = {
     "model.mlp": ("swiglu", "gelu"),
     "model.remat": ("none", "full", "dots", "dots_no_batch"),
     "train.on_nonfinite": ("skip", "stop"),
+    "pipeline.remat": ("none", "full", "dots", "dots_no_batch"),
     "precision.param_dtype": ("float32", "bfloat16"),
     "precision.compute_dtype": ("float32", "bfloat16"),  # float16 needs loss scaling: not yet
 }
@@ -88,7 +94,7 @@ _CHOICES = {
 _POSITIVE = (
     "model.num_layers", "model.embed_dim", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
     "model.vocab_multiple", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
-    "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "checkpoint.every_steps",
+    "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "pipeline.repeats", "checkpoint.every_steps",
     "checkpoint.keep", "data.vocab_size",
 )
 

@@ -9,6 +9,8 @@ keys and values instead of re-running the whole prefix. The whole loop is one co
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from lm import data as lm_data
 from lm.checkpoint import Checkpointer
 from lm.cli import Parser
 from lm.config import UserError
-from lm.model import ModelConfig, Transformer
+from lm.model import ModelConfig, PipelinePlan, Transformer
 from lm.train import Trainer, rules_from
 
 
@@ -35,7 +37,7 @@ def load(workdir: str | Path, step: int | None = None):
         raise UserError(f"{workdir} is not a meshlm run (no config.json); pass the --workdir you trained in")
     config = lm_config.from_json((workdir / "config.json").read_text())
     tokenizer = lm_data.tokenizer_for(config.data, workdir)
-    mcfg = ModelConfig.from_config(config, tokenizer.vocab_size)
+    mcfg = dataclasses.replace(ModelConfig.from_config(config, tokenizer.vocab_size), pipeline=PipelinePlan())  # one device
     mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
     trainer = Trainer(config, mcfg, mesh, rules_from(config))
     ckpt = Checkpointer(workdir / "checkpoints")

@@ -17,6 +17,7 @@ from flax import nnx
 
 from lm.precision import Policy
 from sharding import constrain
+from sharding.pipeline import pipeline
 
 # Parameters exempt from weight decay: norms, biases and embeddings.
 NO_DECAY = frozenset({"embedding", "pos_embedding", "scale", "bias", "bq", "bk", "bv", "bo", "b_in", "b_out"})
@@ -26,6 +27,23 @@ _REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """How the layer stack is split over the `stage` mesh axis (stages=1: not at all)."""
+
+    stages: int = 1
+    microbatches: int = 1
+    repeats: int = 1
+    remat: str = "full"
+
+    @classmethod
+    def from_config(cls, c) -> PipelinePlan:
+        stages = c.mesh.stage
+        if stages == 1:
+            return cls()
+        return cls(stages, c.pipeline.microbatches or stages, c.pipeline.repeats, c.pipeline.remat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +66,20 @@ class ModelConfig:
     remat: str = "none"
     scan_layers: bool = True
     policy: Policy = Policy()
+    pipeline: PipelinePlan = PipelinePlan()
 
     @classmethod
     def from_config(cls, c, vocab_size: int) -> ModelConfig:
         """From the `model` group of a meshlm config and the tokenizer's vocabulary size."""
         m = c.model
         multiple = m.vocab_multiple
-        fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len", "policy", "head_dim"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len", "policy", "head_dim", "pipeline"}
         return cls(
             vocab_size=-(-vocab_size // multiple) * multiple,
             max_len=c.train.seq_len,
             head_dim=m.head_dim or m.embed_dim // m.num_heads,
             policy=Policy.from_config(c.precision),
+            pipeline=PipelinePlan.from_config(c),
             **{k: m[k] for k in fields},
         )
 
@@ -295,6 +315,8 @@ class Transformer(nnx.Module):
 
     def _layers(self, x, positions_bt, cache, cache_index):
         graphdef, stacked = nnx.split(self.blocks)
+        if self.cfg.pipeline.stages > 1 and cache is None:
+            return self._pipelined(graphdef, stacked, x), None
 
         def layer(x, params_and_cache):
             params, layer_cache = params_and_cache
@@ -309,3 +331,27 @@ class Transformer(nnx.Module):
             x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], (stacked, cache)))
             new_caches.append(layer_cache)
         return x, None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_caches)
+
+    def _pipelined(self, graphdef, stacked, x_btd):
+        """The layer stack as pipeline stages over the `stage` mesh axis, fed microbatches."""
+        plan = self.cfg.pipeline
+
+        def stage(chunk, x_btd):  # a chunk of consecutive layers on one microbatch
+            positions_bt = jnp.broadcast_to(jnp.arange(x_btd.shape[1]), x_btd.shape[:2])
+
+            def layer(x, params):
+                return nnx.merge(graphdef, params)(x, positions_bt)[0], None
+
+            return jax.lax.scan(layer, x_btd, chunk)[0]
+
+        return pipeline(
+            stage,
+            stacked,
+            nnx.get_partition_spec(stacked),
+            x_btd,
+            ("batch", "norm_length", "act_embed"),
+            stages=plan.stages,
+            microbatches=plan.microbatches,
+            repeats=plan.repeats,
+            remat_policy=_REMAT_POLICIES.get(plan.remat, "none"),
+        )

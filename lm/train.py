@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding
+import sharding.pipeline
 from lm import cli
 from lm import config as lm_config
 from lm import data as lm_data
@@ -37,7 +38,7 @@ from lm.metrics import (
     peak_flops,
     perplexity,
 )
-from lm.model import ModelConfig, Transformer
+from lm.model import ModelConfig, PipelinePlan, Transformer
 from lm.optim import optimizer, schedule
 
 
@@ -174,6 +175,10 @@ def check_batch_split(config, mesh) -> None:
             f"sharding.sequence_parallel splits the sequence over mesh.tensor={tensor}, which does not "
             f"divide train.seq_len={config.train.seq_len}; change one of them"
         )
+    if mesh.shape["stage"] > 1:
+        plan = PipelinePlan.from_config(config)
+        per_replica = b // (dp * accum)
+        sharding.pipeline.check(plan.stages, plan.microbatches, plan.repeats, config.model.num_layers, per_replica)
     if b % jax.process_count():
         raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
 

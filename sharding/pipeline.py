@@ -81,7 +81,7 @@ def _chunked(params, params_axes, stages: int, repeats: int):
         p = p.reshape(repeats, stages, p.shape[0] // (repeats * stages), *p.shape[1:])
         return constrain(p, (None, "stages", None, *tuple(axes)[1:]), "pipeline chunk")
 
-    return jax.tree.map(one, params, params_axes, is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(one, params, params_axes)
 
 
 def pipeline(

@@ -31,7 +31,8 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("kv_heads", "tensor"),
     ("vocab", "tensor"),
     ("head_dim", None),
-    ("layers", None),
+    ("layers", "stage"),  # stacked layer weights: split into pipeline stages (no-op when stage=1)
+    ("stages", "stage"),  # the stage axis of pipeline buffers
 )
 
 

@@ -1,0 +1,91 @@
+"""Pipeline parallelism over 'stage': the schedule as data, and training equal to one device."""
+
+import jax
+import numpy as np
+import pytest
+from test_parallelism import VOCAB, compiled_hlo, config, run_steps
+
+import sharding
+from lm.checkpoint import Checkpointer
+from lm.train import setup, train
+from sharding import ShardingError
+from sharding.pipeline import bubble_fraction, schedule
+
+DEEP = dict(model__num_layers=4)
+
+
+@pytest.mark.parametrize("stages, microbatches, repeats", [(2, 2, 1), (2, 4, 1), (4, 4, 1), (4, 8, 1), (2, 2, 2), (4, 4, 2), (3, 5, 3)])
+def test_schedule_visits_every_chunk_once_in_order_and_its_bubble_is_the_formula(stages, microbatches, repeats):
+    table = schedule(stages, microbatches, repeats)
+    assert len(table) == repeats * microbatches + stages - 1 and all(len(row) == stages for row in table)
+    for m in range(microbatches):
+        visits = [(t, s, work.chunk) for t, row in enumerate(table) for s, work in enumerate(row) if work and work.microbatch == m]
+        assert [chunk for _, _, chunk in visits] == list(range(repeats * stages))  # each chunk once, in order
+        assert all(s == chunk % stages for _, s, chunk in visits)  # chunk c lives on stage c mod S
+        assert all(t2 > t1 for (t1, *_), (t2, *_) in zip(visits, visits[1:]))  # one after the other
+    assert bubble_fraction(table) == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
+
+
+def test_pipeline_configuration_errors():
+    with pytest.raises(ShardingError, match="6 layers do not split into mesh.stage=4 x pipeline.repeats=1"):
+        setup(config({"data": 2, "stage": 4}, model__num_layers=6), VOCAB)
+    with pytest.raises(ShardingError, match="pipeline.microbatches=2 is fewer than the 4 stages"):
+        setup(config({"data": 2, "stage": 4}, pipeline__microbatches=2, **DEEP), VOCAB)
+    with pytest.raises(ShardingError, match="per-replica batch of 4 sequences is not divisible by pipeline.microbatches=3"):
+        setup(config({"data": 4, "stage": 2}, pipeline__microbatches=3, **DEEP), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def one_device_deep():
+    c = config({}, **DEEP)
+    return run_steps(c, jax.devices()[:1]), initial_grads(c, jax.devices()[:1])
+
+
+def initial_grads(c, devices=None):
+    """Gradients at the initial parameters on one fixed batch, fetched to the host."""
+    trainer = setup(c, VOCAB, devices)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
+    with sharding.activate(trainer.mesh, trainer.rules):
+        state = trainer.init_state(0)
+        loss, grads = jax.jit(trainer._grads)(state["params"], trainer.global_batch(tokens))
+    return jax.device_get((loss, grads))
+
+
+@pytest.mark.parametrize(
+    "mesh, extra",
+    [
+        ({"stage": 2}, {}),
+        ({"stage": 4}, {}),
+        ({"stage": 2}, {"pipeline__repeats": 2}),
+        ({"stage": 2, "data": 2, "tensor": 2}, {}),
+        ({"stage": 2, "fsdp": 4}, {"pipeline__microbatches": 4}),
+    ],
+    ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2", "stage2-fsdp4"],
+)
+def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
+    c = config({"data": -1, **mesh}, **DEEP, **extra)
+    (ref_losses, ref_params), (ref_loss, ref_grads) = one_device_deep
+    losses, params = run_steps(c)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), params, ref_params)
+    loss, grads = initial_grads(c)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
+
+
+def test_stages_exchange_activations_by_collective_permute():
+    assert "collective-permute" in compiled_hlo(config({"data": -1, "stage": 2}, **DEEP))
+
+
+def test_checkpoint_from_a_pipelined_mesh_restores_on_one_device(tmp_path, small_corpus):
+    from test_train import fast_config
+
+    pipelined = dict(model__num_layers=4, mesh__stage=2, mesh__data=4)
+    train(fast_config(small_corpus, train__steps=2, **pipelined), tmp_path)
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    saved = setup(fast_config(small_corpus, **pipelined), 256)
+    flat = setup(fast_config(small_corpus, model__num_layers=4, mesh__data=1), 256, jax.devices()[:1])
+    a = jax.device_get(ckpt.restore(saved.abstract_sharded_state(), 2)[0])
+    b = jax.device_get(ckpt.restore(flat.abstract_sharded_state(), 2)[0])
+    assert saved.state_shardings["params"]["blocks"]["mlp"]["w_in"].spec[0] == "stage"  # layers were split
+    jax.tree.map(np.testing.assert_array_equal, a, b)
