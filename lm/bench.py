@@ -8,6 +8,7 @@ synthetic tokens (speed does not depend on the text). The last stdout line is on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -21,6 +22,7 @@ from lm import data as lm_data
 from lm.cli import Parser
 from lm.metrics import flops_per_token, param_count, peak_flops, peak_memory_bytes
 from lm.train import setup
+from sharding.pipeline import bubble_fraction, schedule
 
 
 def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
@@ -71,6 +73,9 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
         "compiled_temp_bytes": getattr(memory, "temp_size_in_bytes", None),
         "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
         "final_loss": float(metrics["loss"]),
+        "pipeline": dataclasses.asdict(mcfg.pipeline),
+        # idle (tick, stage) cells of the schedule: (S-1)/(R*M+S-1); 0 without pipelining
+        "pipeline_bubble": bubble_fraction(schedule(p.stages, p.microbatches, p.repeats)) if (p := mcfg.pipeline).stages > 1 else 0.0,
     }
 
 

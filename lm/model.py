@@ -342,6 +342,8 @@ class Transformer(nnx.Module):
             def layer(x, params):
                 return nnx.merge(graphdef, params)(x, positions_bt)[0], None
 
+            if self.cfg.remat != "none":  # inside a tick too, one layer's internals live at a time
+                layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat])
             return jax.lax.scan(layer, x_btd, chunk)[0]
 
         return pipeline(

@@ -16,7 +16,7 @@ def test_layout_prints_every_parameter_and_per_device_memory_on_fake_devices():
     compiled = summary["compiled_train_step_per_device"]
     assert compiled["temp_bytes"] > 0 and compiled["argument_bytes"] >= per_device["params_bytes"] + per_device["opt_state_bytes"]
     row = next(line.split() for line in out.stdout.splitlines() if line.startswith("blocks/mlp/w_in "))
-    assert "(None, fsdp, tensor)" in " ".join(row) and "(4, 32, 192)" in " ".join(row)
+    assert "(stage, fsdp, tensor)" in " ".join(row) and "(4, 32, 192)" in " ".join(row)
 
 
 def test_layout_reports_a_bad_rule_in_one_line():

@@ -38,7 +38,7 @@ def test_mesh_errors(cfg, message):
 
 def test_default_rules():
     assert logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp"), None, None)
-    assert logical_to_spec(("layers", "embed", "mlp")) == P(None, "fsdp", "tensor")
+    assert logical_to_spec(("layers", "embed", "mlp")) == P("stage", "fsdp", "tensor")
 
 
 def test_unknown_logical_name_is_an_error():
@@ -68,7 +68,7 @@ def test_model_state_shardings_follow_rules():
     abstract = nnx.eval_shape(lambda: Transformer(ModelConfig(vocab_size=256, max_len=16), rngs=nnx.Rngs(0)))
     state = nnx.state(abstract)
     shardings = sharding.tree_shardings(nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)), mesh)
-    assert shardings["blocks"]["attn"]["wq"].spec == P(None, "fsdp", "tensor", None)
+    assert shardings["blocks"]["attn"]["wq"].spec == P("stage", "fsdp", "tensor", None)
     assert shardings["embedding"].spec == P("tensor", "fsdp")
 
 
