@@ -57,10 +57,10 @@ def initial_grads(c, devices=None):
         ({"stage": 2}, {}),
         ({"stage": 4}, {}),
         ({"stage": 2}, {"pipeline__repeats": 2}),
-        ({"stage": 2, "data": 2, "tensor": 2}, {}),
+        ({"stage": 2, "data": 2, "tensor": 2}, {"train__grad_accum": 2}),  # and gradient accumulation
         ({"stage": 2, "fsdp": 4}, {"pipeline__microbatches": 4}),
     ],
-    ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2", "stage2-fsdp4"],
+    ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2-accum2", "stage2-fsdp4"],
 )
 def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
     c = config({"data": -1, **mesh}, **DEEP, **extra)
