@@ -53,6 +53,8 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
     fpt = flops_per_token(mcfg, config.train.seq_len)
     peak, source = peak_flops(config.precision.compute_dtype)
     memory = compiled.memory_analysis()
+    plan = mcfg.pipeline  # idle (tick, stage) cells of its schedule: (S-1)/(R*M+S-1); 0 unpipelined
+    bubble = bubble_fraction(schedule(plan.stages, plan.microbatches, plan.repeats)) if plan.stages > 1 else 0.0
     return {
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
@@ -73,9 +75,8 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
         "compiled_temp_bytes": getattr(memory, "temp_size_in_bytes", None),
         "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
         "final_loss": float(metrics["loss"]),
-        "pipeline": dataclasses.asdict(mcfg.pipeline),
-        # idle (tick, stage) cells of the schedule: (S-1)/(R*M+S-1); 0 without pipelining
-        "pipeline_bubble": bubble_fraction(schedule(p.stages, p.microbatches, p.repeats)) if (p := mcfg.pipeline).stages > 1 else 0.0,
+        "pipeline": dataclasses.asdict(plan),
+        "pipeline_bubble": bubble,
     }
 
 

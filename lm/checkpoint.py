@@ -17,6 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from lm.config import UserError
+from sharding.rules import path_name
 
 
 class UnreadableCheckpoint(UserError):
@@ -108,12 +109,7 @@ class Checkpointer:
 def _paths(tree) -> set[str]:
     """Paths of the arrays in a state tree, the same for its abstract form and orbax's metadata
     (which also lists empty optimizer states: those hold no array and are left out)."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-        "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-        for path, leaf in leaves
-        if hasattr(leaf, "shape")
-    }
+    return {path_name(path) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "shape")}
 
 
 def _first_line(error: BaseException) -> str:

@@ -10,7 +10,6 @@ keys and values instead of re-running the whole prefix. The whole loop is one co
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 from pathlib import Path
 

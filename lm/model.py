@@ -316,44 +316,38 @@ class Transformer(nnx.Module):
     def _layers(self, x, positions_bt, cache, cache_index):
         graphdef, stacked = nnx.split(self.blocks)
         if self.cfg.pipeline.stages > 1 and cache is None:
-            return self._pipelined(graphdef, stacked, x), None
+            plan = self.cfg.pipeline
+
+            def stage(chunk, x_btd):  # a chunk of consecutive layers on one microbatch
+                return self._run_stack(graphdef, chunk, x_btd, positions_bt[: x_btd.shape[0]], None, None)[0]
+
+            x = pipeline(
+                stage,
+                stacked,
+                nnx.get_partition_spec(stacked),
+                x,
+                ("batch", "norm_length", "act_embed"),
+                stages=plan.stages,
+                microbatches=plan.microbatches,
+                repeats=plan.repeats,
+                remat_policy=_REMAT_POLICIES.get(plan.remat, "none"),
+            )
+            return x, None
+        return self._run_stack(graphdef, stacked, x, positions_bt, cache, cache_index)
+
+    def _run_stack(self, graphdef, stacked, x, positions_bt, cache, cache_index):
+        """The stacked layers (all of them, or one pipeline chunk) applied in order."""
 
         def layer(x, params_and_cache):
             params, layer_cache = params_and_cache
             return nnx.merge(graphdef, params)(x, positions_bt, layer_cache, cache_index)
 
-        if self.cfg.remat != "none":
+        if self.cfg.remat != "none":  # also inside a pipeline tick: one layer's internals at a time
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
         if self.cfg.scan_layers:
             return jax.lax.scan(layer, x, (stacked, cache))
         new_caches = []
-        for i in range(self.cfg.num_layers):
+        for i in range(jax.tree.leaves(stacked)[0].shape[0]):
             x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], (stacked, cache)))
             new_caches.append(layer_cache)
         return x, None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_caches)
-
-    def _pipelined(self, graphdef, stacked, x_btd):
-        """The layer stack as pipeline stages over the `stage` mesh axis, fed microbatches."""
-        plan = self.cfg.pipeline
-
-        def stage(chunk, x_btd):  # a chunk of consecutive layers on one microbatch
-            positions_bt = jnp.broadcast_to(jnp.arange(x_btd.shape[1]), x_btd.shape[:2])
-
-            def layer(x, params):
-                return nnx.merge(graphdef, params)(x, positions_bt)[0], None
-
-            if self.cfg.remat != "none":  # inside a tick too, one layer's internals live at a time
-                layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat])
-            return jax.lax.scan(layer, x_btd, chunk)[0]
-
-        return pipeline(
-            stage,
-            stacked,
-            nnx.get_partition_spec(stacked),
-            x_btd,
-            ("batch", "norm_length", "act_embed"),
-            stages=plan.stages,
-            microbatches=plan.microbatches,
-            repeats=plan.repeats,
-            remat_policy=_REMAT_POLICIES.get(plan.remat, "none"),
-        )

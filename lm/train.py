@@ -204,7 +204,7 @@ def setup(config, vocab_size: int, devices=None, nonfinite_steps: tuple[int, ...
     mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
     check_batch_split(config, mesh)
     model_cfg = ModelConfig.from_config(config, vocab_size)
-    return Trainer(config, model_cfg, mesh, sharding.check_rules(rules_from(config)), tuple(nonfinite_steps))
+    return Trainer(config, model_cfg, mesh, rules_from(config), tuple(nonfinite_steps))
 
 
 class TrainingHalted(UserError):

@@ -14,22 +14,15 @@ import signal
 
 import jax
 
-# Environment variables by which a launcher says "you are one of several processes".
-_CLUSTER_MARKERS = {
-    "SLURM_NTASKS": "SLURM",
-    "OMPI_COMM_WORLD_SIZE": "Open MPI",
-    "JAX_COORDINATOR_ADDRESS": "JAX",
-}
+# Environment variables by which SLURM, Open MPI and JAX say "you are one of several processes".
+_CLUSTER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 
 
-def _cluster_size_from_environment() -> tuple[str, int] | None:
-    for variable, name in _CLUSTER_MARKERS.items():
-        value = os.environ.get(variable)
-        if value and (not value.isdigit() or int(value) > 1):
-            return name, int(value) if value.isdigit() else -1
-    if os.environ.get("KUBERNETES_SERVICE_HOST") and os.environ.get("JOB_COMPLETION_INDEX") is not None:
-        return "Kubernetes", -1
-    return None
+def _in_a_cluster() -> bool:
+    sizes = [os.environ.get(v, "") for v in _CLUSTER_SIZES]
+    if any(size.isdigit() and int(size) > 1 for size in sizes) or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.environ.get("JOB_COMPLETION_INDEX") is not None
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
@@ -41,7 +34,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     explicit = (coordinator, num_processes, process_id)
     if any(v is not None for v in explicit) and None in explicit:
         raise ValueError("--coordinator, --num_processes and --process_id go together; give all three or none")
-    if num_processes == 1 or (num_processes is None and _cluster_size_from_environment() is None):
+    if num_processes == 1 or (num_processes is None and not _in_a_cluster()):
         return False
     # CPU devices of different processes talk through gloo (the default CPU client has no
     # cross-process collectives); harmless on GPU and TPU, whose own collectives are used.

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from sharding.rules import _is_spec, _path_name
+from sharding.rules import flat_logical_axes, path_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +32,7 @@ class Row:
 
 def rows(tree, logical_tree=None) -> list[Row]:
     """One Row per array leaf of `tree` (leaves need .shape, .dtype and .sharding)."""
-    flat_logical = {}
-    if logical_tree is not None:
-        flat_logical = dict(jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=_is_spec)[0])
+    flat_logical = {} if logical_tree is None else flat_logical_axes(logical_tree)
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         shape = tuple(leaf.shape)
@@ -42,7 +40,7 @@ def rows(tree, logical_tree=None) -> list[Row]:
         itemsize = np.dtype(leaf.dtype).itemsize
         out.append(
             Row(
-                path=_path_name(path),
+                path=path_name(path),
                 logical_axes=tuple(flat_logical.get(path) or ()),
                 spec=getattr(leaf.sharding, "spec", PartitionSpec()),
                 shape=shape,

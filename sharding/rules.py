@@ -145,7 +145,8 @@ def named_sharding(
     return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh=mesh, shape=shape, name=name))
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
+    """`a/b/0` for a pytree key path: how errors and reports name an array."""
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
@@ -156,13 +157,18 @@ def tree_shardings(abstract_tree, logical_tree, mesh: Mesh, rules: Rules = DEFAU
     `flax.nnx.get_partition_spec` gives for annotated variables (an empty one, for an array
     without annotations, means replicated); errors name the array's path.
     """
-    flat_logical = dict(jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=_is_spec)[0])
+    flat_logical = flat_logical_axes(logical_tree)
 
     def one(path, leaf):
         logical = tuple(flat_logical.get(path) or ()) or (None,) * len(leaf.shape)  # unannotated: replicated
-        return named_sharding(mesh, logical, rules, shape=leaf.shape, name=_path_name(path))
+        return named_sharding(mesh, logical, rules, shape=leaf.shape, name=path_name(path))
 
     return jax.tree_util.tree_map_with_path(one, abstract_tree)
+
+
+def flat_logical_axes(logical_tree) -> dict:
+    """{key path: logical axes} of a tree whose leaves are PartitionSpecs or tuples of names."""
+    return dict(jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=_is_spec)[0])
 
 
 def _is_spec(x) -> bool:
