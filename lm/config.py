@@ -76,7 +76,21 @@ def default_config() -> ml_collections.ConfigDict:
         remat="full",  # what each tick keeps for the backward pass (as model.remat)
     )
     c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)
-    c.precision = dict(param_dtype="float32", compute_dtype="float32")
+    c.precision = dict(
+        param_dtype="float32",  # master weights
+        compute_dtype="float32",  # float32 | bfloat16 | float16 (matmul inputs and activations)
+        mu_dtype="float32",  # Adam's first moment; bfloat16 halves its memory
+        loss_scale="auto",  # auto (dynamic for float16, else none) | none | dynamic | a number
+        loss_scale_initial=2.0**16,
+        loss_scale_growth_interval=2000,  # good steps in a row before the scale grows
+        loss_scale_growth_factor=2.0,
+        loss_scale_backoff=0.5,  # the scale is multiplied by this on overflow
+        loss_scale_min=1.0,
+        fp8="off",  # off | delayed: the blocks' dense matmuls in fp8 (e4m3 fwd, e5m2 grads)
+        fp8_history=1024,  # amax history length
+        fp8_margin=0,  # scales keep 2**margin headroom
+        fp8_skip="",  # layers kept in compute_dtype, e.g. "0,-1" (first and last)
+    )
     return c
 
 
@@ -88,7 +102,9 @@ _CHOICES = {
     "train.on_nonfinite": ("skip", "stop"),
     "pipeline.remat": ("none", "full", "dots", "dots_no_batch"),
     "precision.param_dtype": ("float32", "bfloat16"),
-    "precision.compute_dtype": ("float32", "bfloat16"),  # float16 needs loss scaling: not yet
+    "precision.compute_dtype": ("float32", "bfloat16", "float16"),
+    "precision.mu_dtype": ("float32", "bfloat16"),
+    "precision.fp8": ("off", "delayed"),
 }
 
 _POSITIVE = (
@@ -96,6 +112,8 @@ _POSITIVE = (
     "model.vocab_multiple", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
     "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "pipeline.repeats", "checkpoint.every_steps",
     "checkpoint.keep", "data.vocab_size",
+    "precision.fp8_history", "precision.loss_scale_initial", "precision.loss_scale_growth_interval",
+    "precision.loss_scale_min",
 )
 
 
@@ -132,6 +150,40 @@ def validate(c: ml_collections.ConfigDict) -> None:
         )
     if not 0.0 < c.data.val_fraction < 1.0:
         raise UserError(f"data.val_fraction must be in (0, 1), got {c.data.val_fraction}")
+    _validate_precision(c)
+
+
+def _validate_precision(c: ml_collections.ConfigDict) -> None:
+    p = c.precision
+    if str(p.loss_scale) not in ("auto", "none", "dynamic"):
+        try:
+            number = float(p.loss_scale)
+        except ValueError:
+            number = 0.0
+        if not number > 0:
+            raise UserError(f"--config.precision.loss_scale={p.loss_scale!r} is not one of auto, none, dynamic or a positive number")
+    if not p.loss_scale_growth_factor > 1.0 or not 0.0 < p.loss_scale_backoff < 1.0:
+        raise UserError(
+            f"precision.loss_scale_growth_factor must be > 1 and precision.loss_scale_backoff in (0, 1), "
+            f"got {p.loss_scale_growth_factor} and {p.loss_scale_backoff}"
+        )
+    skip = str(p.fp8_skip).replace(" ", "")
+    layers = c.model.num_layers
+    for index in filter(None, skip.split(",")):
+        try:
+            ok = -layers <= int(index) < layers
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UserError(
+                f"--config.precision.fp8_skip={p.fp8_skip!r}: {index!r} is not a layer index of the "
+                f"{layers} layers; give comma-separated indices, negative from the end (e.g. 0,-1)"
+            )
+    if p.fp8 != "off" and c.mesh.stage > 1:
+        raise UserError(
+            "precision.fp8 with pipeline stages (mesh.stage > 1) is not supported yet: the pipeline "
+            "would sum the microbatches' amaxes instead of taking their maximum; use mesh.stage=1"
+        )
 
 
 def head_dim(c: ml_collections.ConfigDict) -> int:

@@ -42,7 +42,7 @@ def load(workdir: str | Path, step: int | None = None):
     ckpt = Checkpointer(workdir / "checkpoints")
     state, _ = ckpt.restore(trainer.abstract_sharded_state(), step)
     ckpt.close()
-    return config, tokenizer, nnx.merge(trainer.graphdef, state["params"])
+    return config, tokenizer, trainer.model(state["params"], state.get("fp8"))
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "vocab_size"))

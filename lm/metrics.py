@@ -119,7 +119,7 @@ class StepRate:
             "tokens_per_sec": self.tokens_per_step / step_time,
             "step_time_s": step_time,
             "mfu": self.flops_per_token * self.tokens_per_step / step_time / self.peak_flops,
-        }
+        } | ({"loss_scale": float(host_metrics[-1]["loss_scale"])} if "loss_scale" in host_metrics[-1] else {})
 
 
 class MetricsWriter:

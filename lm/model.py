@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm.precision import Policy
+from lm.precision import Policy, fp8_suspended
 from sharding import constrain
 from sharding.pipeline import pipeline
 
@@ -175,6 +175,8 @@ class Attention(nnx.Module):
         self.wk = _param(rngs.params(), (d, g, k), ("embed", "kv_heads", "head_dim"), 0.02, dt)
         self.wv = _param(rngs.params(), (d, g, k), ("embed", "kv_heads", "head_dim"), 0.02, dt)
         self.wo = _param(rngs.params(), (h, k, d), ("heads", "head_dim", "embed"), out_std, dt)
+        # The state each dense matmul keeps under the policy (fp8 scales), or None.
+        self.wq_dot, self.wk_dot, self.wv_dot, self.wo_dot = (cfg.policy.site() for _ in range(4))
         if cfg.use_bias:
             self.bq = _param(None, (h, k), ("heads", "head_dim"), None, dt)
             self.bk = _param(None, (g, k), ("kv_heads", "head_dim"), None, dt)
@@ -183,9 +185,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
         cfg = self.cfg
-        q = cfg.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...])
-        k = cfg.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...])
-        v = cfg.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...])
+        q = cfg.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...], site=self.wq_dot)
+        k = cfg.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...], site=self.wk_dot)
+        v = cfg.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_dot)
         if cfg.use_bias:
             q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
         if cfg.position == "rope":
@@ -204,7 +206,7 @@ class Attention(nnx.Module):
             key_positions = jnp.arange(cache["k"].shape[1])
             mask_bts = key_positions[None, None, :] <= positions_bt[:, :, None]
             out = attention(q, cfg.policy.cast(cache["k"]), cfg.policy.cast(cache["v"]), mask_bts, cfg.policy)
-        y = cfg.policy.matmul("bthk,hkd->btd", out, self.wo[...])
+        y = cfg.policy.matmul("bthk,hkd->btd", out, self.wo[...], site=self.wo_dot)
         if cfg.use_bias:
             y = add_bias(y, self.bo[...])
         return y, cache
@@ -219,6 +221,8 @@ class Mlp(nnx.Module):
         if cfg.mlp == "swiglu":
             self.w_gate = _param(rngs.params(), (d, f), ("embed", "mlp"), 0.02, dt)
         self.w_out = _param(rngs.params(), (f, d), ("mlp", "embed"), out_std, dt)
+        self.w_in_dot, self.w_out_dot = cfg.policy.site(), cfg.policy.site()
+        self.w_gate_dot = cfg.policy.site() if cfg.mlp == "swiglu" else None
         if cfg.use_bias:
             self.b_in = _param(None, (f,), ("mlp",), None, dt)
             self.b_out = _param(None, (d,), ("embed",), None, dt)
@@ -227,15 +231,16 @@ class Mlp(nnx.Module):
         # The hidden activation is computed in float32 straight from the matmul accumulator and
         # cast once: cheaper on CPU than bf16 elementwise maths (converted to f32 and back).
         cfg, f32 = self.cfg, jnp.float32
-        h = cfg.policy.matmul("btd,df->btf", x_btd, self.w_in[...], out_dtype=f32)
+        h = cfg.policy.matmul("btd,df->btf", x_btd, self.w_in[...], out_dtype=f32, site=self.w_in_dot)
         if cfg.use_bias:
             h = add_bias(h, self.b_in[...])
         if cfg.mlp == "swiglu":
-            h = jax.nn.silu(cfg.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=f32)) * h
+            gate = cfg.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=f32, site=self.w_gate_dot)
+            h = jax.nn.silu(gate) * h
         else:
             h = jax.nn.gelu(h)
         h = constrain(cfg.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden")
-        y = cfg.policy.matmul("btf,fd->btd", h, self.w_out[...])
+        y = cfg.policy.matmul("btf,fd->btd", h, self.w_out[...], site=self.w_out_dot)
         if cfg.use_bias:
             y = add_bias(y, self.b_out[...])
         return y
@@ -336,7 +341,8 @@ class Transformer(nnx.Module):
         return self._run_stack(graphdef, stacked, x, positions_bt, cache, cache_index)
 
     def _run_stack(self, graphdef, stacked, x, positions_bt, cache, cache_index):
-        """The stacked layers (all of them, or one pipeline chunk) applied in order."""
+        """The stacked layers (all of them, or one pipeline chunk) applied in order; layers that
+        `precision.fp8_skip` keeps out of fp8 run as separate segments."""
 
         def layer(x, params_and_cache):
             params, layer_cache = params_and_cache
@@ -344,10 +350,25 @@ class Transformer(nnx.Module):
 
         if self.cfg.remat != "none":  # also inside a pipeline tick: one layer's internals at a time
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
-        if self.cfg.scan_layers:
-            return jax.lax.scan(layer, x, (stacked, cache))
+        num_layers = jax.tree.leaves(stacked)[0].shape[0]
+        fp8 = self.cfg.policy.fp8_layers(num_layers)
         new_caches = []
-        for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-            x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], (stacked, cache)))
-            new_caches.append(layer_cache)
-        return x, None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new_caches)
+        for start, stop in _runs(fp8):
+            segment = jax.tree.map(lambda a: a[start:stop] if (start, stop) != (0, num_layers) else a, (stacked, cache))
+            with fp8_suspended(self.cfg.policy.fp8 is not None and not fp8[start]):
+                if self.cfg.scan_layers:
+                    x, segment_cache = jax.lax.scan(layer, x, segment)
+                    new_caches.append(segment_cache)
+                    continue
+                for i in range(stop - start):
+                    x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], segment))
+                    new_caches.append(jax.tree.map(lambda a: a[None], layer_cache))
+        if cache is None:
+            return x, None
+        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *new_caches)
+
+
+def _runs(flags: list) -> list[tuple[int, int]]:
+    """[start, stop) ranges of equal consecutive flags: [T, T, F, T] -> [(0, 2), (2, 3), (3, 4)]."""
+    bounds = [0] + [i for i in range(1, len(flags)) if flags[i] != flags[i - 1]] + [len(flags)]
+    return list(zip(bounds[:-1], bounds[1:]))

@@ -34,7 +34,10 @@ def decay_mask(params):
 
 def optimizer(c) -> optax.GradientTransformation:
     o = c.optim
-    adamw = optax.adamw(schedule(c), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask)
+    adamw = optax.adamw(
+        schedule(c), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask,
+        mu_dtype=c.precision.mu_dtype,  # optax keeps the second moment in the parameters' dtype
+    )
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm else adamw
     # Skipped steps are counted in the state (`notfinite_count` in a row, `total_notfinite`); the
     # train loop, not optax, decides when too many in a row end the run, so never let one through.

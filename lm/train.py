@@ -38,8 +38,10 @@ from lm.metrics import (
     peak_flops,
     perplexity,
 )
+from lm.loss_scale import LossScaling
 from lm.model import ModelConfig, PipelinePlan, Transformer
 from lm.optim import optimizer, schedule
+from lm.precision import Fp8Meta, Probe, update_fp8
 
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
@@ -56,26 +58,44 @@ def rules_from(config) -> tuple:
     return sharding.merge_rules(sharding.DEFAULT_RULES, *overrides)
 
 
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    """Fault injection for tests: how a run should misbehave, and when."""
+
+    kill_at_step: int | None = None  # SIGKILL once this step's checkpoint is durable
+    kill_during_save_at_step: int | None = None  # SIGKILL as soon as this step's save has started
+    nonfinite_steps: tuple[int, ...] = ()  # these steps' loss and gradients are NaN
+    overflow_steps: tuple[int, ...] = ()  # these steps' gradients are 1e30 times too large
+
+
 @dataclasses.dataclass
 class Trainer:
-    """The compiled pieces of one training setup: state layout, train step, eval step."""
+    """The compiled pieces of one training setup: state layout, train step, eval step.
+
+    The train state: `step`, `params`, `opt_state`; `fp8` (scales and amax histories) with
+    `precision.fp8`; `loss_scale` with dynamic loss scaling.
+    """
 
     config: object
     model_cfg: ModelConfig
     mesh: jax.sharding.Mesh
     rules: tuple
-    nonfinite_steps: tuple[int, ...] = ()  # fault injection for tests
+    faults: Faults = Faults()
 
     def __post_init__(self):
         c = self.config
         abstract_model = sharding.abstract_module(lambda: Transformer(self.model_cfg, rngs=nnx.Rngs(0)))
-        self.graphdef = nnx.graphdef(abstract_model)
-        self.logical_axes = sharding.logical_axes(abstract_model)
+        self.graphdef, abstract_params, abstract_fp8, abstract_probes = nnx.split(abstract_model, nnx.Param, Fp8Meta, Probe)
+        self.logical_axes = sharding.logical_axes(abstract_params)
+        self.policy = self.model_cfg.policy
+        self.loss_scaling = LossScaling.from_config(c.precision)
+        self.probes = nnx.to_pure_dict(abstract_probes)  # shapes: the probes are zeros each step
+        self.zero_probes = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.probes)
         self.tx = optimizer(c)
         self.schedule = schedule(c)
         self.abstract_state = jax.eval_shape(lambda: self._init(0))
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        param_shardings = sharding.state_shardings(abstract_model, self.mesh, self.rules)
+        param_shardings = sharding.state_shardings(abstract_params, self.mesh, self.rules)
         sharding.check_rules(self.rules, self.mesh)  # also the rules no parameter uses
         opt_shardings = optax.tree_map_params(
             self.tx,
@@ -85,6 +105,10 @@ class Trainer:
             transform_non_params=lambda _: replicated,
         )
         self.state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+        if "fp8" in self.abstract_state:
+            self.state_shardings["fp8"] = sharding.state_shardings(abstract_fp8, self.mesh, self.rules)
+        if "loss_scale" in self.abstract_state:
+            self.state_shardings["loss_scale"] = jax.tree.map(lambda _: replicated, self.abstract_state["loss_scale"])
         batch_size, length = c.train.batch_size, c.train.seq_len + 1
         self.batch_sharding = sharding.named_sharding(
             self.mesh, ("batch", "length"), self.rules, shape=(batch_size, length), name="batch"
@@ -98,42 +122,72 @@ class Trainer:
             donate_argnums=0,
         )
         self.eval_step = jax.jit(
-            self._loss, in_shardings=(param_shardings, self.batch_sharding), out_shardings=replicated
+            lambda state, tokens: self._loss(state["params"], tokens, state.get("fp8")),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=replicated,
         )
 
     # -- pure functions, traced under jit
 
     def _init(self, seed: int) -> dict:
-        params = nnx.to_pure_dict(nnx.state(Transformer(self.model_cfg, rngs=nnx.Rngs(seed))))
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+        model = Transformer(self.model_cfg, rngs=nnx.Rngs(seed))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params)}
+        if self.policy.fp8:
+            state["fp8"] = nnx.to_pure_dict(nnx.state(model, Fp8Meta))
+        if (loss_scale := self.loss_scaling.init()) is not None:
+            state["loss_scale"] = loss_scale
+        return state
 
-    def _loss(self, params, tokens_bl: jax.Array) -> jax.Array:
-        logits, _ = nnx.merge(self.graphdef, params)(tokens_bl[:, :-1])
+    def model(self, params, fp8=None, probes=None) -> Transformer:
+        """The model on these parameters (and fp8 state; probes default to zeros)."""
+        return nnx.merge(self.graphdef, params, fp8 or {}, self.zero_probes() if probes is None else probes)
+
+    def _loss(self, params, tokens_bl: jax.Array, fp8=None, probes=None) -> jax.Array:
+        logits, _ = self.model(params, fp8, probes)(tokens_bl[:, :-1])
         return cross_entropy(logits, tokens_bl[:, 1:])
 
-    def _grads(self, params, tokens_bl):
-        """(mean loss, mean grads) over the batch, accumulated over `train.grad_accum` microbatches."""
+    def _grads(self, params, tokens_bl, fp8=None, loss_scale=1.0):
+        """(mean loss, mean grads of `loss * loss_scale`, matmul statistics) over the batch,
+        accumulated over `train.grad_accum` microbatches (statistics: amaxes, the maximum)."""
         accum = self.config.train.grad_accum
-        grad_fn = jax.value_and_grad(self._loss)
+
+        def scaled_loss(params, probes, tokens):
+            loss = self._loss(params, tokens, fp8, probes)
+            return loss * loss_scale, loss
+
+        grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
+
+        def one(tokens):
+            (grads, stats), loss = grad_fn(params, self.zero_probes(), tokens)
+            return loss, grads, stats
+
         if accum == 1:
-            return grad_fn(params, tokens_bl)
+            return one(tokens_bl)
         b, l = tokens_bl.shape
         # Microbatch j takes rows j, j+accum, ...: every data-parallel shard holds part of each.
         micro = tokens_bl.reshape(b // accum, accum, l).swapaxes(0, 1)
         micro = sharding.constrain(micro, (None, "batch", "length"), "microbatches")
 
         def add(carry, tokens):
-            loss, grads = grad_fn(params, tokens)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+            loss, grads, stats = one(tokens)
+            (loss_sum, grads_sum), stats_max = jax.tree.map(jnp.add, carry[:2], (loss, grads)), jax.tree.map(jnp.maximum, carry[2], stats)
+            return (loss_sum, grads_sum, stats_max), None
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(add, zeros, micro)
-        return jax.tree.map(lambda x: x / accum, (loss, grads))
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), self.zero_probes())
+        (loss, grads, stats), _ = jax.lax.scan(add, zeros, micro)
+        return loss / accum, jax.tree.map(lambda g: g / accum, grads), stats
 
     def _train_step(self, state, tokens_bl):
-        loss, grads = self._grads(state["params"], tokens_bl)
-        if self.nonfinite_steps:  # fault injection (tests): these steps' loss and gradients are NaN
-            poison = jnp.where(jnp.isin(state["step"] + 1, jnp.asarray(self.nonfinite_steps)), jnp.nan, 1.0)
+        step = state["step"] + 1
+        scale = self.loss_scaling.current(state.get("loss_scale"))
+        if self.faults.overflow_steps:  # fault injection (tests): a gradient far too large
+            scale = scale * jnp.where(jnp.isin(step, jnp.asarray(self.faults.overflow_steps)), 1e30, 1.0)
+        loss, grads, stats = self._grads(state["params"], tokens_bl, state.get("fp8"), scale)
+        if self.loss_scaling.kind != "none":
+            grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+        if self.faults.nonfinite_steps:  # fault injection (tests): these steps' loss and gradients are NaN
+            poison = jnp.where(jnp.isin(step, jnp.asarray(self.faults.nonfinite_steps)), jnp.nan, 1.0)
             loss, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (loss, grads))
         # A non-finite update is not applied (optax.apply_if_finite); the step still counts.
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
@@ -145,7 +199,15 @@ class Trainer:
             "nonfinite_in_a_row": opt_state.notfinite_count,
             "skipped_steps": opt_state.total_notfinite,
         }
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state = {"step": step, "params": params, "opt_state": opt_state}
+        if "fp8" in state:  # delayed scaling learns from applied steps only
+            updated = update_fp8(state["fp8"], stats, self.policy.fp8)
+            new_state["fp8"] = jax.tree.map(lambda n, o: jnp.where(opt_state.last_finite, n, o), updated, state["fp8"])
+        if self.loss_scaling.kind != "none":
+            metrics["loss_scale"] = scale
+        if "loss_scale" in state:
+            new_state["loss_scale"] = self.loss_scaling.update(state["loss_scale"], opt_state.last_finite)
+        return new_state, metrics
 
     # -- host side
 
@@ -198,28 +260,19 @@ def check_workdir(config, workdir: Path) -> None:
         )
 
 
-def setup(config, vocab_size: int, devices=None, nonfinite_steps: tuple[int, ...] = ()) -> Trainer:
+def setup(config, vocab_size: int, devices=None, faults: Faults = Faults()) -> Trainer:
     """Validated config -> mesh (checked against the batch) -> the compiled training pieces."""
     lm_config.validate(config)
     mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
     check_batch_split(config, mesh)
     model_cfg = ModelConfig.from_config(config, vocab_size)
-    return Trainer(config, model_cfg, mesh, rules_from(config), tuple(nonfinite_steps))
+    return Trainer(config, model_cfg, mesh, rules_from(config), faults)
 
 
 class TrainingHalted(UserError):
     """The run stopped itself (non-finite steps); its last good state is checkpointed."""
 
     exit_code = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Faults:
-    """Fault injection for tests: how a run should misbehave, and when."""
-
-    kill_at_step: int | None = None  # SIGKILL once this step's checkpoint is durable
-    kill_during_save_at_step: int | None = None  # SIGKILL as soon as this step's save has started
-    nonfinite_steps: tuple[int, ...] = ()  # these steps' loss and gradients are NaN
 
 
 def _kill_self(step: int, when: str) -> None:
@@ -239,9 +292,17 @@ def _prepare_in_turn(config, workdir: Path):
 
 
 def _nonfinite_verdict(config, first_step: int, host_metrics: list[dict], say) -> str | None:
-    """Reports skipped steps; returns why the run must stop, or None."""
+    """Reports skipped steps; returns why the run must stop, or None.
+
+    Under dynamic loss scaling, gradients overflowing from a finite loss are the scaler's
+    business (it backs off), not a reason to stop."""
     t = config.train
     skipped = [(first_step + i, m) for i, m in enumerate(host_metrics) if m["nonfinite_in_a_row"] > 0]
+    dynamic = LossScaling.from_config(config.precision).kind == "dynamic"
+    overflows = [(step, m) for step, m in skipped if dynamic and np.isfinite(m["loss"])]
+    for step, m in overflows:
+        say(f"step {step}: gradients overflowed at loss scale {m['loss_scale']:g}, update skipped and the scale lowered ({m['skipped_steps']} skipped in all)")
+    skipped = [s for s in skipped if s not in overflows]
     for step, m in skipped:
         say(f"step {step}: non-finite loss or gradients, update skipped ({m['nonfinite_in_a_row']} in a row, {m['skipped_steps']} in all)")
     if skipped and t.on_nonfinite == "stop":
@@ -262,7 +323,7 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
     # The mesh is checked before the corpus is read: a bad mesh fails fast.
     sharding.MeshConfig.from_mapping(config.mesh).resolve(len(devices or jax.devices()))
     tokenizer, train_windows, val_windows = _prepare_in_turn(config, workdir)
-    trainer = setup(config, tokenizer.vocab_size, devices, faults.nonfinite_steps)
+    trainer = setup(config, tokenizer.vocab_size, devices, faults)
     ckpt = Checkpointer(workdir / "checkpoints", config.checkpoint.keep, config.checkpoint.async_save)
     pi, pc, t = jax.process_index(), jax.process_count(), config.train
     batches = lm_data.train_batches(train_windows, t.batch_size, t.seed, pi, pc, config.data.prefetch)
@@ -332,7 +393,7 @@ def _loop(config, trainer: Trainer, ckpt: Checkpointer, batches, val_rows, write
                 raise TrainingHalted(f"{halt}; no non-finite update was applied: the state is checkpointed at step {step} ({ckpt.directory / str(step)})")
         if step % t.eval_every == 0 or step == t.steps:
             eval_start = time.perf_counter()
-            losses = jax.device_get([trainer.eval_step(state["params"], b) for b in val_batches])
+            losses = jax.device_get([trainer.eval_step(state, b) for b in val_batches])
             last["eval_loss"] = float(np.mean(losses))
             writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": perplexity(last["eval_loss"])})
             _say(f"step {step}: eval loss {last['eval_loss']:.4f}")

@@ -28,9 +28,10 @@ def logical_axes(module_or_state) -> dict:
     return nnx.to_pure_dict(nnx.get_partition_spec(state))
 
 
-def state_shardings(module: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict:
-    """Pure dict of NamedShardings for `module`'s state (an abstract module will do)."""
-    return tree_shardings(nnx.to_pure_dict(nnx.state(module)), logical_axes(module), mesh, rules)
+def state_shardings(module_or_state, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict:
+    """Pure dict of NamedShardings for a module's state, or part of it (abstract will do)."""
+    state = module_or_state if isinstance(module_or_state, nnx.State) else nnx.state(module_or_state)
+    return tree_shardings(nnx.to_pure_dict(state), logical_axes(state), mesh, rules)
 
 
 def create_sharded(make: Callable[[], nnx.Module], mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:

@@ -48,7 +48,7 @@ def initial_grads(c, devices=None):
     with sharding.activate(trainer.mesh, trainer.rules):
         state, batch = trainer.init_state(0), trainer.global_batch(tokens)
         compiled = jax.jit(trainer._grads).lower(state["params"], batch).compile()
-        return jax.device_get(compiled(state["params"], batch)), compiled.as_text()
+        return jax.device_get(compiled(state["params"], batch)[:2]), compiled.as_text()
 
 
 @pytest.mark.parametrize(
