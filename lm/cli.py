@@ -46,6 +46,7 @@ class Parser(argparse.ArgumentParser):
             except ValueError as e:
                 raise UserError(str(e)) from None
         if self.with_config:
+            args.config_overrides = overrides
             args.config = apply_overrides(load_file(args.config), overrides)
         return args
 

@@ -205,6 +205,8 @@ class Trainer:
             new_state["fp8"] = jax.tree.map(lambda n, o: jnp.where(opt_state.last_finite, n, o), updated, state["fp8"])
         if self.loss_scaling.kind != "none":
             metrics["loss_scale"] = scale
+        if self.policy.observe:
+            metrics["matmul_stats"] = stats
         if "loss_scale" in state:
             new_state["loss_scale"] = self.loss_scaling.update(state["loss_scale"], opt_state.last_finite)
         return new_state, metrics
@@ -260,12 +262,16 @@ def check_workdir(config, workdir: Path) -> None:
         )
 
 
-def setup(config, vocab_size: int, devices=None, faults: Faults = Faults()) -> Trainer:
-    """Validated config -> mesh (checked against the batch) -> the compiled training pieces."""
+def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), observe: bool = False) -> Trainer:
+    """Validated config -> mesh (checked against the batch) -> the compiled training pieces.
+
+    `observe`: every step also returns the block matmuls' statistics (`lm.numerics`)."""
     lm_config.validate(config)
     mesh = sharding.make_mesh(sharding.MeshConfig.from_mapping(config.mesh), devices)
     check_batch_split(config, mesh)
     model_cfg = ModelConfig.from_config(config, vocab_size)
+    if observe:
+        model_cfg = dataclasses.replace(model_cfg, policy=dataclasses.replace(model_cfg.policy, observe=True))
     return Trainer(config, model_cfg, mesh, rules_from(config), faults)
 
 

@@ -1,0 +1,181 @@
+"""`python -m lm.numerics`: where a number format is about to fail, layer by layer.
+
+    python -m lm.numerics --workdir=runs/shakespeare [--steps=5] [--config.precision.fp8=delayed]
+
+Runs a few training steps (nothing is saved) from the run's latest checkpoint, or from
+initialisation when there is none, with every dense matmul in the blocks recording its input
+activation (x), weight (w) and output gradient (g): the absolute maximum, and the fractions of
+values that would overflow (become inf/nan) or flush to zero in e4m3, e5m2, float16 and
+bfloat16 under the scaling in use (fp8: the delayed scales when `precision.fp8` is on, else
+each tensor's own amax; gradients carry the loss scale). Each figure is the worst over the
+steps. Writes WORKDIR/numerics.json and WORKDIR/numerics.png (heat maps, layers x tensors) and
+prints the layers to keep out of fp8 or float16. The config is the run's own (config.json),
+with `--config.KEY=VALUE` overrides; a directory without one takes `--config`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sharding
+from lm import cli
+from lm import config as lm_config
+from lm import data as lm_data
+from lm.checkpoint import Checkpointer
+from lm.cli import Parser
+from lm.config import UserError
+from lm.loss_scale import LossScaling
+from lm.precision import REPORT_FORMATS, ROLES
+from lm.train import setup
+
+FP8_ROLE_FORMAT = {"x": "e4m3", "w": "e4m3", "g": "e5m2"}
+
+
+def collect(config, workdir: Path, steps: int, devices=None) -> dict:
+    """{'step': restored step, 'rows': [{layer, tensor, absmax, <format>: {overflow, underflow}}]}."""
+    if config.mesh.stage > 1:
+        raise UserError("lm.numerics runs without pipeline stages: add --config.mesh.stage=1")
+    tokenizer, train_windows, _ = lm_data.prepare(config, workdir)
+    trainer = setup(config, tokenizer.vocab_size, devices, observe=True)
+    t = config.train
+    batches = lm_data.train_batches(train_windows, t.batch_size, t.seed, jax.process_index(), jax.process_count(), 1)
+    step = 0
+    with sharding.activate(trainer.mesh, trainer.rules):
+        if (workdir / "checkpoints").is_dir():
+            ckpt = Checkpointer(workdir / "checkpoints")
+            if ckpt.latest_step() is not None:
+                step = ckpt.latest_step()
+                state, data_state = ckpt.restore(trainer.abstract_sharded_state(), step)
+                if data_state is not None:
+                    batches.set_state(data_state)
+            ckpt.close()
+        if step == 0:
+            state = trainer.init_state(t.seed)
+        worst = None
+        for _ in range(steps):
+            state, metrics = trainer.train_step(state, trainer.global_batch(next(batches)))
+            stats = jax.device_get(metrics["matmul_stats"])
+            worst = stats if worst is None else jax.tree.map(np.maximum, worst, stats)
+    return {"step": step, "steps": steps, "rows": rows(worst, config.model.num_layers)}
+
+
+def rows(stats: dict, num_layers: int) -> list[dict]:
+    """One row per (layer, matmul, role) from the probes' statistics [layers, roles, stats]."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
+        keys = [str(getattr(k, "key", k)) for k in path]
+        # blocks/attn/wq_dot/probe -> attn.wq
+        name = ".".join(k.removesuffix("_dot") for k in keys[1:-1])
+        for layer in range(num_layers):
+            for r, role in enumerate(ROLES):
+                values = [float(v) for v in leaf[layer, r]]
+                row = {"layer": layer, "tensor": f"{name}.{role}", "absmax": values[0]}
+                for i, fmt in enumerate(REPORT_FORMATS):
+                    row[fmt] = {"overflow": values[1 + 2 * i], "underflow": values[2 + 2 * i]}
+                out.append(row)
+    return sorted(out, key=lambda r: (r["layer"], r["tensor"]))
+
+
+def advice(report_rows: list[dict], underflow_limit: float) -> dict[str, list[int]]:
+    """Layers to keep out of fp8 (their x/w in e4m3 or g in e5m2 overflow, or flush more than
+    `underflow_limit` to zero) and out of float16 (any tensor does so in float16)."""
+
+    def fails(cell):
+        return cell["overflow"] > 0 or cell["underflow"] > underflow_limit
+
+    fp8 = sorted({r["layer"] for r in report_rows if fails(r[FP8_ROLE_FORMAT[r["tensor"][-1]]])})
+    fp16 = sorted({r["layer"] for r in report_rows if fails(r["float16"])})
+    return {"fp8": fp8, "float16": fp16}
+
+
+def heat_map(report_rows: list[dict], path: Path) -> None:
+    """Panels (layers x tensors): log10 absmax, then each format's overflow + underflow fraction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted({r["layer"] for r in report_rows})
+    tensors = sorted({r["tensor"] for r in report_rows})
+    cell = {(r["layer"], r["tensor"]): r for r in report_rows}
+
+    def grid(value):
+        return np.array([[value(cell[layer, t]) for t in tensors] for layer in layers])
+
+    panels = [("log10 |max|", grid(lambda r: np.log10(max(r["absmax"], 1e-30))), "viridis", None)]
+    for fmt in REPORT_FORMATS:
+        lost = grid(lambda r, f=fmt: r[f]["overflow"] + r[f]["underflow"])
+        panels.append((f"{fmt}: overflow + underflow", lost, "magma", (0.0, max(float(lost.max()), 1e-6))))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6, 0.45 * len(tensors) + 2), 2.2 * len(panels) + 0.3 * len(layers)))
+    for ax, (title, values, cmap, limits) in zip(axes, panels):
+        image = ax.imshow(values, aspect="auto", cmap=cmap, vmin=limits and limits[0], vmax=limits and limits[1])
+        ax.set_title(title, fontsize=9)
+        ax.set_yticks(range(len(layers)), [f"layer {i}" for i in layers], fontsize=7)
+        ax.set_xticks(range(len(tensors)), tensors if ax is axes[-1] else [], rotation=60, ha="right", fontsize=7)
+        fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(config, workdir, steps: int = 5, underflow_limit: float = 0.01, devices=None) -> dict:
+    """Collects the statistics, writes numerics.json and numerics.png, returns the report."""
+    workdir = Path(workdir)
+    collected = collect(config, workdir, steps, devices)
+    result = {
+        "workdir": str(workdir.absolute()),
+        "from_step": collected["step"],
+        "steps": steps,
+        "precision": config.precision.to_dict(),
+        "formats": {name: {"max": float(jnp.finfo(d).max), "smallest_subnormal": float(jnp.finfo(d).smallest_subnormal)} for name, d in REPORT_FORMATS.items()},
+        "underflow_limit": underflow_limit,
+        "keep_out": advice(collected["rows"], underflow_limit),
+        "rows": collected["rows"],
+    }
+    if jax.process_index() == 0:
+        (workdir / "numerics.json").write_text(json.dumps(result, indent=1))
+        heat_map(collected["rows"], workdir / "numerics.png")
+    return result
+
+
+def summary(result: dict) -> str:
+    lines = [f"{'layer':>5}  {'tensor':<14} {'absmax':>10}  " + "  ".join(f"{f + ' over/under':>22}" for f in REPORT_FORMATS)]
+    for r in result["rows"]:
+        cells = "  ".join(f"{r[f]['overflow']:>10.2e} {r[f]['underflow']:>10.2e}" + " " for f in REPORT_FORMATS)
+        lines.append(f"{r['layer']:>5}  {r['tensor']:<14} {r['absmax']:>10.3e}  {cells}")
+    keep = result["keep_out"]
+    lines.append(
+        "keep out of fp8: " + (f"layers {keep['fp8']} (--config.precision.fp8_skip={','.join(map(str, keep['fp8']))})" if keep["fp8"] else "none")
+    )
+    lines.append("keep out of float16: " + (f"layers {keep['float16']} (use bfloat16)" if keep["float16"] else "none"))
+    if LossScaling.from_config(lm_config.from_json(json.dumps({"precision": result["precision"]})).precision).kind == "none":
+        lines.append("(gradients are unscaled here: add --config.precision.compute_dtype=float16 to see them under dynamic loss scaling)")
+    workdir = Path(result["workdir"])
+    lines.append(f"report: {workdir / 'numerics.json'}, heat map: {workdir / 'numerics.png'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = Parser(prog="python -m lm.numerics", description="Per-layer number-format report of a run.")
+    parser.add_argument("--workdir", required=True, help="the run directory (its config and latest checkpoint)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps to observe (not saved)")
+    parser.add_argument("--underflow_limit", type=float, default=0.01, help="flush-to-zero fraction that disqualifies a layer")
+    args = parser.parse(argv)
+    workdir = Path(args.workdir)
+    config = args.config
+    saved = workdir / "config.json"
+    if saved.exists() and not any(a == "--config" or a.startswith("--config=") for a in argv):
+        config = lm_config.apply_overrides(lm_config.from_json(saved.read_text()), args.config_overrides)
+    lm_config.validate(config)
+    if args.steps <= 0:
+        raise UserError(f"--steps must be positive, got {args.steps}")
+    print(summary(report(config, workdir, args.steps, args.underflow_limit)))
+
+
+if __name__ == "__main__":
+    cli.run(main)
