@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 import sharding
@@ -60,7 +61,7 @@ def collect(config, workdir: Path, steps: int, devices=None) -> dict:
         for _ in range(steps):
             state, metrics = trainer.train_step(state, trainer.global_batch(next(batches)))
             stats = jax.device_get(metrics["matmul_stats"])
-            worst = stats if worst is None else jax.tree.map(np.maximum, worst, stats)
+            worst = stats if worst is None else jax.tree.map(np.fmax, worst, stats)
     return {"step": step, "steps": steps, "rows": rows(worst, config.model.num_layers)}
 
 
@@ -74,9 +75,9 @@ def rows(stats: dict, num_layers: int) -> list[dict]:
         for layer in range(num_layers):
             for r, role in enumerate(ROLES):
                 values = [float(v) for v in leaf[layer, r]]
-                row = {"layer": layer, "tensor": f"{name}.{role}", "absmax": values[0]}
+                row = {"layer": layer, "tensor": f"{name}.{role}", "absmax": values[0], "nonfinite": values[1]}
                 for i, fmt in enumerate(REPORT_FORMATS):
-                    row[fmt] = {"overflow": values[1 + 2 * i], "underflow": values[2 + 2 * i]}
+                    row[fmt] = {"overflow": values[2 + 2 * i], "underflow": values[3 + 2 * i]}
                 out.append(row)
     return sorted(out, key=lambda r: (r["layer"], r["tensor"]))
 
@@ -144,16 +145,16 @@ def report(config, workdir, steps: int = 5, underflow_limit: float = 0.01, devic
 
 
 def summary(result: dict) -> str:
-    lines = [f"{'layer':>5}  {'tensor':<14} {'absmax':>10}  " + "  ".join(f"{f + ' over/under':>22}" for f in REPORT_FORMATS)]
+    lines = [f"{'layer':>5}  {'tensor':<14} {'absmax':>10} {'inf/nan':>8}  " + "  ".join(f"{f + ' over/under':>22}" for f in REPORT_FORMATS)]
     for r in result["rows"]:
         cells = "  ".join(f"{r[f]['overflow']:>10.2e} {r[f]['underflow']:>10.2e}" + " " for f in REPORT_FORMATS)
-        lines.append(f"{r['layer']:>5}  {r['tensor']:<14} {r['absmax']:>10.3e}  {cells}")
+        lines.append(f"{r['layer']:>5}  {r['tensor']:<14} {r['absmax']:>10.3e} {r['nonfinite']:>8.2e}  {cells}")
     keep = result["keep_out"]
     lines.append(
         "keep out of fp8: " + (f"layers {keep['fp8']} (--config.precision.fp8_skip={','.join(map(str, keep['fp8']))})" if keep["fp8"] else "none")
     )
     lines.append("keep out of float16: " + (f"layers {keep['float16']} (use bfloat16)" if keep["float16"] else "none"))
-    if LossScaling.from_config(lm_config.from_json(json.dumps({"precision": result["precision"]})).precision).kind == "none":
+    if LossScaling.from_config(ml_collections.ConfigDict(result["precision"])).kind == "none":
         lines.append("(gradients are unscaled here: add --config.precision.compute_dtype=float16 to see them under dynamic loss scaling)")
     workdir = Path(result["workdir"])
     lines.append(f"report: {workdir / 'numerics.json'}, heat map: {workdir / 'numerics.png'}")

@@ -35,7 +35,7 @@ ROLES = ("x", "w", "g")  # a matmul's input activation, its weight, the gradient
 FP8_DTYPES = (E4M3, E4M3, E5M2)  # HYBRID: e4m3 forward, e5m2 gradients
 # Formats a tensor's values are checked against by the numerics report, in this order.
 REPORT_FORMATS = {"e4m3": E4M3, "e5m2": E5M2, "float16": jnp.dtype(jnp.float16), "bfloat16": jnp.dtype(jnp.bfloat16)}
-FULL_STATS = 1 + 2 * len(REPORT_FORMATS)  # absmax, then (overflow, underflow) fractions per format
+FULL_STATS = 2 + 2 * len(REPORT_FORMATS)  # absmax, non-finite fraction, (overflow, underflow) per format
 
 
 class Fp8Meta(nnx.Variable):
@@ -149,8 +149,9 @@ def _map_sites(fn, meta: dict, probes: dict) -> dict:
 
 
 def tensor_stats(t: jax.Array, fp8_dtype, scale: jax.Array | None, full: bool) -> jax.Array:
-    """[absmax] of `t`; with `full`, then for each of REPORT_FORMATS the fractions of its values
-    that overflow (finite -> inf/nan) and that flush to zero (nonzero -> 0) when cast to it.
+    """[absmax] of `t`; with `full`, [absmax of its finite values, fraction already inf/nan], then
+    for each of REPORT_FORMATS the fractions of its values that overflow (finite -> inf/nan) and
+    that flush to zero (nonzero -> 0) when cast to it.
 
     fp8 formats see `t / scale` with scale (`fp8_dtype`'s multiplier back to real values) taken
     as in use, and scaled to each format's range; zero or None means just-in-time scaling from
@@ -164,13 +165,15 @@ def tensor_stats(t: jax.Array, fp8_dtype, scale: jax.Array | None, full: bool) -
     if scale is None:
         scale = jnp.zeros((), F32)
     own_max = float(jnp.finfo(fp8_dtype).max)
+    finite = jnp.isfinite(t)
+    amax = jnp.max(jnp.where(finite, jnp.abs(t), 0.0))
     scale = jnp.where(scale > 0, scale, jnp.where(amax > 0, amax / own_max, 1.0))
-    stats = [amax]
+    stats = [amax, 1.0 - jnp.mean(finite)]
     for dtype in REPORT_FORMATS.values():
         fp8 = jnp.finfo(dtype).bits == 8
         v = t * (float(jnp.finfo(dtype).max) / own_max / scale) if fp8 else t
         cast = v.astype(dtype).astype(F32)
-        stats.append(jnp.mean(jnp.isfinite(v) & ~jnp.isfinite(cast)))
+        stats.append(jnp.mean(finite & ~jnp.isfinite(cast)))
         stats.append(jnp.mean((v != 0) & (cast == 0)))
     return jnp.stack(stats).astype(F32)
 

@@ -181,9 +181,10 @@ class Trainer:
     def _train_step(self, state, tokens_bl):
         step = state["step"] + 1
         scale = self.loss_scaling.current(state.get("loss_scale"))
-        if self.faults.overflow_steps:  # fault injection (tests): a gradient far too large
-            scale = scale * jnp.where(jnp.isin(step, jnp.asarray(self.faults.overflow_steps)), 1e30, 1.0)
-        loss, grads, stats = self._grads(state["params"], tokens_bl, state.get("fp8"), scale)
+        applied_scale = scale
+        if self.faults.overflow_steps:  # fault injection (tests): gradients far too large
+            applied_scale = scale * jnp.where(jnp.isin(step, jnp.asarray(self.faults.overflow_steps)), 1e30, 1.0)
+        loss, grads, stats = self._grads(state["params"], tokens_bl, state.get("fp8"), applied_scale)
         if self.loss_scaling.kind != "none":
             grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
         if self.faults.nonfinite_steps:  # fault injection (tests): these steps' loss and gradients are NaN

@@ -1,0 +1,180 @@
+"""Number formats: bf16, float16 with dynamic loss scaling and fp8 train as well as float32; the
+loss scaler and the fp8 delayed scaling behave as specified; the numerics report counts exactly."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import metrics_rows, recipe
+from test_train import fast_config
+
+import sharding
+from lm.checkpoint import Checkpointer
+from lm.config import UserError, validate
+from lm.numerics import advice, report
+from lm.precision import Fp8Recipe, MatmulSite, Policy, tensor_stats, update_fp8
+from lm.train import Faults, _nonfinite_verdict, setup, train
+
+FORMATS = {
+    "bfloat16": dict(precision__compute_dtype="bfloat16"),
+    "float16": dict(precision__compute_dtype="float16", precision__loss_scale="dynamic"),
+    "fp8": dict(precision__compute_dtype="bfloat16", precision__fp8="delayed"),
+}
+
+
+@pytest.mark.slow
+def test_bf16_fp16_and_fp8_end_within_3_percent_of_float32_on_shakespeare(tmp_path, shakespeare):
+    def final_loss(name, **overrides):
+        c = recipe("shakespeare_char", data__path=str(shakespeare), train__steps=300, train__eval_every=300,
+                   train__eval_batches=2, checkpoint__every_steps=300, **overrides)
+        train(c, tmp_path / name, jax.devices()[:1])
+        rows = [r for r in metrics_rows(tmp_path / name) if "loss" in r]
+        return rows[-1]["loss"], rows  # the mean over the last 50 steps
+
+    reference, _ = final_loss("float32", precision__compute_dtype="float32")
+    assert reference < 2.6  # it learned: from ~5.5
+    for name, overrides in FORMATS.items():
+        loss, rows = final_loss(name, **overrides)
+        assert abs(loss - reference) <= 0.03 * reference, (name, loss, reference)
+        if name == "float16":
+            assert all(r["loss_scale"] >= 1.0 for r in rows)
+
+
+def _steps(trainer, n, seed=0):
+    """Runs n steps on random tokens; returns the state and each step's metrics."""
+    rng, out = np.random.default_rng(seed), []
+    c = trainer.config.train
+    state = trainer.init_state(0)
+    for _ in range(n):
+        state, metrics = trainer.train_step(state, trainer.global_batch(rng.integers(0, 256, (c.batch_size, c.seq_len + 1), dtype=np.int32)))
+        out.append(jax.device_get(metrics))
+    return state, out
+
+
+def test_float16_overflow_backs_off_skips_the_step_and_the_scale_grows_back(small_corpus):
+    c = fast_config(small_corpus, precision__compute_dtype="float16", precision__loss_scale_initial=1024.0,
+                    precision__loss_scale_growth_interval=3)
+    trainer = setup(c, 256, jax.devices()[:1], Faults(overflow_steps=(2,)))
+    with sharding.activate(trainer.mesh, trainer.rules):
+        state, metrics = _steps(trainer, 7)
+    assert [float(m["loss_scale"]) for m in metrics] == [1024, 1024, 512, 512, 512, 1024, 1024]
+    assert [int(m["skipped_steps"]) for m in metrics] == [0, 1, 1, 1, 1, 1, 1]
+    assert np.isfinite(metrics[1]["loss"]) and not np.isfinite(metrics[1]["grad_norm"])
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state["params"]))
+    assert float(state["loss_scale"]["scale"]) == 1024 and int(state["loss_scale"]["good_steps"]) == 2
+    # The loop reports the overflow and carries on, even with on_nonfinite=stop.
+    said = []
+    stop = fast_config(small_corpus, precision__compute_dtype="float16", train__on_nonfinite="stop")
+    assert _nonfinite_verdict(stop, 1, metrics[:2], said.append) is None
+    assert said == ["step 2: gradients overflowed at loss scale 1024, update skipped and the scale lowered (1 skipped in all)"]
+
+
+def test_fp8_scales_move_restore_bit_exactly_and_only_follow_the_amax_history(tmp_path, small_corpus):
+    # A huge weight decay and learning rate: had the optimizer touched the fp8 state, it would show.
+    c = fast_config(small_corpus, precision__fp8="delayed", precision__fp8_history=4, optim__weight_decay=10.0,
+                    optim__lr=0.1, optim__clip_norm=0.01)
+    trainer = setup(c, 256, jax.devices()[:1])
+    rng = np.random.default_rng(0)
+    batch = lambda: trainer.global_batch(rng.integers(0, 256, (8, 33), dtype=np.int32))  # noqa: E731
+    with sharding.activate(trainer.mesh, trainer.rules):
+        state = trainer.init_state(0)
+        assert not [p for p, _ in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0] if "_dot" in jax.tree_util.keystr(p)]
+        scales = []
+        for _ in range(6):
+            tokens = batch()
+            before = jax.device_get(state["fp8"])
+            _, _, stats = jax.jit(trainer._grads)(state["params"], tokens, state["fp8"])
+            expected = jax.device_get(update_fp8(before, stats, trainer.policy.fp8))
+            state, _ = trainer.train_step(state, tokens)
+            # Exactly the delayed-scaling rule applied to this step's amaxes: nothing else.
+            jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["fp8"]), expected)
+            scales.append(np.asarray(state["fp8"]["blocks"]["mlp"]["w_in_dot"]["scale"]))
+        ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
+        ckpt.save(6, state)
+        restored, _ = ckpt.restore(trainer.abstract_sharded_state(), 6)
+        ckpt.close()
+    assert not np.array_equal(scales[0], scales[-1]) and not np.array_equal(scales[0], np.ones_like(scales[0]))
+    assert all((s > 0).all() for s in scales)
+    history = np.asarray(state["fp8"]["blocks"]["mlp"]["w_in_dot"]["amax_history"])
+    assert history.shape == (2, 3, 4) and (history > 0).all()  # 6 steps filled the 4 slots
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored["fp8"], state["fp8"])
+
+
+def test_fp8_matmul_stays_within_the_e4m3_error_bound():
+    policy = Policy(compute_dtype=jnp.float32, fp8=Fp8Recipe())
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (64, 256)) * jnp.exp(jax.random.normal(kx, (64, 256)))  # wide dynamic range
+    w = jax.random.normal(kw, (256, 96)) * 0.02
+    site = MatmulSite(policy)
+    site.scale[...] = jnp.array([jnp.abs(x).max() / 448, jnp.abs(w).max() / 448, 1.0])
+    y = policy.matmul("bd,df->bf", x, w, site=site)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    # Each e4m3 value is off by at most 2^-4 relative (3 mantissa bits), or half the smallest
+    # subnormal 2^-9 (times the scale) near zero; the bound sums those errors over the products.
+    def unit_error(t, scale):
+        return np.maximum(2.0**-4 * np.abs(t), 2.0**-10 * float(scale))
+
+    ex, ew = unit_error(np.asarray(x, np.float64), site.scale[0]), unit_error(np.asarray(w, np.float64), site.scale[1])
+    bound = np.abs(np.asarray(x)) @ ew + ex @ np.abs(np.asarray(w)) + ex @ ew
+    error = np.abs(np.asarray(y, np.float64) - exact)
+    assert (error <= bound * (1 + 1e-5) + 1e-6).all()
+    assert error.max() > 1e-4 * np.abs(exact).max()  # it really was quantised
+    # And the gradients flow through fp8 too (e5m2 for dy), close to the float32 ones.
+    dx = jax.grad(lambda x: policy.matmul("bd,df->bf", x, w, site=site).sum())(x)
+    np.testing.assert_allclose(dx, jnp.ones((64, 96)) @ w.T, rtol=0.3, atol=0.02)
+
+
+def test_report_fractions_are_exact_on_crafted_values():
+    t = jnp.array([0.0, 1.0, 500.0, 1e-4, 7e4, 1e-8, 3.4e38, -2.0])
+    stats = np.asarray(tensor_stats(t, jnp.float8_e4m3fn, jnp.float32(1.0), full=True))
+    assert stats[0] == np.float32(3.4e38) and stats[1] == 0
+    # e4m3 at scale 1 (max 448, half the smallest subnormal 2^-10): 500, 7e4, 3.4e38 overflow; 1e-4, 1e-8 flush.
+    # e5m2 takes the same scale stretched to its range (x 57344 / 448 = 128): 500 -> 64000, 7e4
+    #   and 3.4e38 overflow (max 57344); 1e-8 -> 1.28e-6 flushes (below 2^-17).
+    # float16, unscaled: 7e4 and 3.4e38 overflow, 1e-8 flushes; bfloat16: only 3.4e38 overflows.
+    np.testing.assert_array_equal(stats[2:], np.array([3, 2, 3, 1, 2, 1, 1, 0], np.float32) / 8)
+    # Without a scale in use (zero), each tensor is scaled to its own amax: nothing overflows.
+    jit = np.asarray(tensor_stats(jnp.array([896.0, 1.0, 0.001, 0.0]), jnp.float8_e4m3fn, jnp.float32(0.0), full=True))
+    np.testing.assert_array_equal(jit[2:4], [0.0, 0.25])  # 0.001 / 2 -> 5e-4 < 2^-10 flushes
+    # Values already inf / nan are counted apart; the absmax is over the finite ones.
+    broken = np.asarray(tensor_stats(jnp.array([jnp.inf, jnp.nan, 3.0, 1.0]), jnp.float8_e5m2, None, full=True))
+    assert broken[0] == 3.0 and broken[1] == 0.5 and broken[6] == 0  # float16 overflow: none new
+    assert advice([{"layer": 3, "tensor": "mlp.w_in.g", "e5m2": {"overflow": 0.0, "underflow": 0.02}, "float16": {"overflow": 1e-6, "underflow": 0.0}},
+                   {"layer": 1, "tensor": "attn.wq.x", "e4m3": {"overflow": 0.0, "underflow": 0.001}, "float16": {"overflow": 0.0, "underflow": 0.0}}],
+                  0.01) == {"fp8": [3], "float16": [3]}
+
+
+def test_numerics_report_writes_json_and_heat_map(tmp_path, small_corpus):
+    c = fast_config(small_corpus, precision__compute_dtype="float16", precision__fp8="delayed", model__num_layers=3)
+    result = report(c, tmp_path, steps=2, devices=jax.devices()[:1])
+    saved = json.loads((tmp_path / "numerics.json").read_text())
+    assert (tmp_path / "numerics.png").stat().st_size > 10_000
+    assert saved["keep_out"] == result["keep_out"] and saved["steps"] == 2
+    tensors = {r["tensor"] for r in saved["rows"]}
+    assert {r["layer"] for r in saved["rows"]} == {0, 1, 2} and len(tensors) == 3 * 7  # q k v o in gate out, x w g
+    assert all(np.isfinite(r["absmax"]) and r["absmax"] > 0 and set(r) >= {"nonfinite", "e4m3", "e5m2", "float16", "bfloat16"} for r in saved["rows"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(precision__fp8="delayed", mesh__stage=2, mesh__data=1), "not supported yet"),
+    (dict(precision__fp8_skip="0,7"), "'7' is not a layer index"),
+    (dict(precision__loss_scale="big"), "loss_scale='big' is not one of"),
+    (dict(precision__compute_dtype="float8"), "is not one of float32, bfloat16, float16"),
+])
+def test_precision_mistakes_are_one_line_errors(overrides, message):
+    with pytest.raises(UserError, match=message):
+        validate(recipe("tiny", **overrides))
+
+
+def test_fp8_skip_layers_and_bf16_moments_train(small_corpus):
+    c = fast_config(small_corpus, precision__compute_dtype="bfloat16", precision__fp8="delayed", precision__fp8_skip="0,-1",
+                    precision__mu_dtype="bfloat16", model__num_layers=3)
+    trainer = setup(c, 256, jax.devices()[:1])
+    with sharding.activate(trainer.mesh, trainer.rules):
+        state, metrics = _steps(trainer, 3)
+    assert state["opt_state"].inner_state[1][0].mu["blocks"]["mlp"]["w_in"].dtype == jnp.bfloat16
+    history = np.asarray(state["fp8"]["blocks"]["attn"]["wq_dot"]["amax_history"])
+    assert (history[[0, 2]] == 0).all() and (history[1, :, :3] > 0).all()  # only the middle layer ran in fp8
+    assert all(np.isfinite(m["loss"]) and m["skipped_steps"] == 0 for m in metrics)
