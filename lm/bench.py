@@ -20,7 +20,7 @@ import sharding
 from lm import cli
 from lm import data as lm_data
 from lm.cli import Parser
-from lm.metrics import flops_per_token, param_count, peak_flops, peak_memory_bytes
+from lm.metrics import flops_per_token, param_count, peak_dtype, peak_flops, peak_memory_bytes
 from lm.train import setup
 from sharding.pipeline import bubble_fraction, schedule
 
@@ -51,7 +51,7 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
     step_time = statistics.median(times)
     tokens = config.train.batch_size * config.train.seq_len
     fpt = flops_per_token(mcfg, config.train.seq_len)
-    peak, source = peak_flops(config.precision.compute_dtype)
+    peak, source = peak_flops(peak_dtype(config.precision))
     memory = compiled.memory_analysis()
     plan = mcfg.pipeline  # idle (tick, stage) cells of its schedule: (S-1)/(R*M+S-1); 0 unpipelined
     bubble = bubble_fraction(schedule(plan.stages, plan.microbatches, plan.repeats)) if plan.stages > 1 else 0.0
@@ -63,6 +63,8 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
         "params": param_count(state["params"]),
         "tokens_per_step": tokens,
         "compute_dtype": config.precision.compute_dtype,
+        "fp8": config.precision.fp8,
+        "loss_scale": trainer.loss_scaling.kind,
         "compile_time_s": round(compile_s, 3),
         "step_time_s": step_time,
         "step_time_min_s": min(times),

@@ -29,6 +29,8 @@ PEAK_FLOPS = {
     ("H200", "bfloat16"): 989e12,
     ("H100", "bfloat16"): 989e12,
     ("H100", "float32"): 67e12,
+    ("H100", "float8"): 1979e12,
+    ("H200", "float8"): 1979e12,
     ("H200", "float32"): 67e12,
     ("A100", "bfloat16"): 312e12,
     ("A100", "float32"): 19.5e12,
@@ -56,6 +58,14 @@ def param_count(params) -> int:
 
 
 @functools.cache
+def peak_dtype(precision) -> str:
+    """The dtype a config's matmuls peak in: float8 with fp8 on an accelerator (on CPU fp8 is
+    emulated with compute-dtype matmuls), else the compute dtype."""
+    if precision.fp8 != "off" and jax.default_backend() != "cpu":
+        return "float8"
+    return precision.compute_dtype
+
+
 def peak_flops(dtype: str = "float32") -> tuple[float, str]:
     """(FLOP/s per device, where the figure came from): a table, or a measured matmul on CPU."""
     device = jax.devices()[0]

@@ -35,6 +35,7 @@ from lm.metrics import (
     StepRate,
     flops_per_token,
     param_count,
+    peak_dtype,
     peak_flops,
     perplexity,
 )
@@ -372,7 +373,7 @@ def _loop(config, trainer: Trainer, ckpt: Checkpointer, batches, val_rows, write
             batches.set_state(data_state)
         _say(f"resuming from step {start} ({ckpt.directory / str(start)})")
     tokens_per_step = t.batch_size * t.seq_len
-    rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(config.precision.compute_dtype)[0] * mesh.size)
+    rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(peak_dtype(config.precision))[0] * mesh.size)
     _say(
         f"model: {param_count(state['params']) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
         f"mesh {dict(mesh.shape)}, {t.steps} steps of {tokens_per_step} tokens"
