@@ -16,7 +16,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import sharding
 from lm import cli
