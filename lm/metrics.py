@@ -57,7 +57,6 @@ def param_count(params) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
-@functools.cache
 def peak_dtype(precision) -> str:
     """The dtype a config's matmuls peak in: float8 with fp8 on an accelerator (on CPU fp8 is
     emulated with compute-dtype matmuls), else the compute dtype."""
@@ -66,6 +65,7 @@ def peak_dtype(precision) -> str:
     return precision.compute_dtype
 
 
+@functools.cache
 def peak_flops(dtype: str = "float32") -> tuple[float, str]:
     """(FLOP/s per device, where the figure came from): a table, or a measured matmul on CPU."""
     device = jax.devices()[0]
