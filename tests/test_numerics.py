@@ -81,11 +81,11 @@ def test_fp8_scales_move_restore_bit_exactly_and_only_follow_the_amax_history(tm
     with sharding.activate(trainer.mesh, trainer.rules):
         state = trainer.init_state(0)
         assert not [p for p, _ in jax.tree_util.tree_flatten_with_path(state["opt_state"])[0] if "_dot" in jax.tree_util.keystr(p)]
-        scales = []
+        scales, grads = [], jax.jit(trainer._grads)
         for _ in range(6):
             tokens = batch()
             before = jax.device_get(state["fp8"])
-            _, _, stats = jax.jit(trainer._grads)(state["params"], tokens, state["fp8"])
+            _, _, stats = grads(state["params"], tokens, state["fp8"])
             expected = jax.device_get(update_fp8(before, stats, trainer.policy.fp8))
             state, _ = trainer.train_step(state, tokens)
             # Exactly the delayed-scaling rule applied to this step's amaxes: nothing else.
@@ -147,13 +147,13 @@ def test_report_fractions_are_exact_on_crafted_values():
 
 
 def test_numerics_report_writes_json_and_heat_map(tmp_path, small_corpus):
-    c = fast_config(small_corpus, precision__compute_dtype="float16", precision__fp8="delayed", model__num_layers=3)
+    c = fast_config(small_corpus, precision__compute_dtype="float16", precision__fp8="delayed")
     result = report(c, tmp_path, steps=2, devices=jax.devices()[:1])
     saved = json.loads((tmp_path / "numerics.json").read_text())
     assert (tmp_path / "numerics.png").stat().st_size > 10_000
     assert saved["keep_out"] == result["keep_out"] and saved["steps"] == 2
     tensors = {r["tensor"] for r in saved["rows"]}
-    assert {r["layer"] for r in saved["rows"]} == {0, 1, 2} and len(tensors) == 3 * 7  # q k v o in gate out, x w g
+    assert {r["layer"] for r in saved["rows"]} == {0, 1} and len(tensors) == 3 * 7  # q k v o in gate out, x w g
     assert all(np.isfinite(r["absmax"]) and r["absmax"] > 0 and set(r) >= {"nonfinite", "e4m3", "e5m2", "float16", "bfloat16"} for r in saved["rows"])
 
 
