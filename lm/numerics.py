@@ -8,7 +8,7 @@ activation (x), weight (w) and output gradient (g): the absolute maximum, and th
 values that would overflow (become inf/nan) or flush to zero in e4m3, e5m2, float16 and
 bfloat16 under the scaling in use (fp8: the delayed scales when `precision.fp8` is on, else
 each tensor's own amax; gradients carry the loss scale). Each figure is the worst over the
-steps. Writes WORKDIR/numerics.json and WORKDIR/numerics.png (heat maps, layers x tensors) and
+steps (after one unrecorded step when the fp8 scales are new). Writes WORKDIR/numerics.json and WORKDIR/numerics.png (heat maps, layers x tensors) and
 prints the layers to keep out of fp8 or float16. The config is the run's own (config.json),
 with `--config.KEY=VALUE` overrides; a directory without one takes `--config`.
 """
@@ -47,22 +47,40 @@ def collect(config, workdir: Path, steps: int, devices=None) -> dict:
     batches = lm_data.train_batches(train_windows, t.batch_size, t.seed, jax.process_index(), jax.process_count(), 1)
     step = 0
     with sharding.activate(trainer.mesh, trainer.rules):
+        state, fp8_restored = trainer.init_state(t.seed), False
         if (workdir / "checkpoints").is_dir():
             ckpt = Checkpointer(workdir / "checkpoints")
             if ckpt.latest_step() is not None:
                 step = ckpt.latest_step()
-                state, data_state = ckpt.restore(trainer.abstract_sharded_state(), step)
+                state, data_state, fp8_restored = _restore(ckpt, step, workdir, trainer, state, devices)
                 if data_state is not None:
                     batches.set_state(data_state)
             ckpt.close()
-        if step == 0:
-            state = trainer.init_state(t.seed)
+        if trainer.policy.fp8 and not fp8_restored:  # fresh scales are 1 until one step has run
+            state, _ = trainer.train_step(state, trainer.global_batch(next(batches)))
         worst = None
         for _ in range(steps):
             state, metrics = trainer.train_step(state, trainer.global_batch(next(batches)))
             stats = jax.device_get(metrics["matmul_stats"])
             worst = stats if worst is None else jax.tree.map(np.fmax, worst, stats)
     return {"step": step, "steps": steps, "rows": rows(worst, config.model.num_layers)}
+
+
+def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer, fresh: dict, devices):
+    """(state, data state, were fp8 scales restored): the checkpoint's parameters and optimizer
+    state in `fresh` (the report's state). A run trained in another precision is restored in its
+    own layout first: its fp8 scales and loss scale are left behind, its arrays cast to the
+    report's dtypes."""
+    saved_config = workdir / "config.json"
+    if not saved_config.exists():
+        return *ckpt.restore(trainer.abstract_sharded_state(), step), True
+    run = setup(lm_config.from_json(saved_config.read_text()), trainer.model_cfg.vocab_size, devices)
+    restored, data_state = ckpt.restore(run.abstract_sharded_state(), step)
+    if jax.tree.structure(run.abstract_state) == jax.tree.structure(trainer.abstract_state):
+        return restored, data_state, True
+    cast = lambda part: jax.tree.map(lambda a, ref: a.astype(ref.dtype), restored[part], fresh[part])  # noqa: E731
+    state = {**fresh, "step": restored["step"], "params": cast("params"), "opt_state": cast("opt_state")}
+    return state, data_state, False
 
 
 def rows(stats: dict, num_layers: int) -> list[dict]:
@@ -82,16 +100,25 @@ def rows(stats: dict, num_layers: int) -> list[dict]:
     return sorted(out, key=lambda r: (r["layer"], r["tensor"]))
 
 
-def advice(report_rows: list[dict], underflow_limit: float) -> dict[str, list[int]]:
-    """Layers to keep out of fp8 (their x/w in e4m3 or g in e5m2 overflow, or flush more than
-    `underflow_limit` to zero) and out of float16 (any tensor does so in float16)."""
+def advice(report_rows: list[dict], underflow_limit: float, overflow_limit: float = 1e-4) -> dict[str, list[int]]:
+    """Layers to keep out of fp8: their x or w in e4m3, or g in e5m2, clip more than
+    `overflow_limit` of their values (fp8 saturates: a few values above the delayed amax are
+    normal) or flush more than `underflow_limit` to zero. Out of float16: an activation or
+    weight overflows at all (inf, which no loss scale cures), or any tensor flushes more than
+    `underflow_limit` (gradient overflow is the loss scaler's to handle)."""
 
-    def fails(cell):
-        return cell["overflow"] > 0 or cell["underflow"] > underflow_limit
+    def fp8_fails(r):
+        cell = r[FP8_ROLE_FORMAT[r["tensor"][-1]]]
+        return cell["overflow"] > overflow_limit or cell["underflow"] > underflow_limit
 
-    fp8 = sorted({r["layer"] for r in report_rows if fails(r[FP8_ROLE_FORMAT[r["tensor"][-1]]])})
-    fp16 = sorted({r["layer"] for r in report_rows if fails(r["float16"])})
-    return {"fp8": fp8, "float16": fp16}
+    def fp16_fails(r):
+        cell = r["float16"]
+        return (cell["overflow"] > 0 and not r["tensor"].endswith(".g")) or cell["underflow"] > underflow_limit
+
+    return {
+        "fp8": sorted({r["layer"] for r in report_rows if fp8_fails(r)}),
+        "float16": sorted({r["layer"] for r in report_rows if fp16_fails(r)}),
+    }
 
 
 def heat_map(report_rows: list[dict], path: Path) -> None:
@@ -124,7 +151,7 @@ def heat_map(report_rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def report(config, workdir, steps: int = 5, underflow_limit: float = 0.01, devices=None) -> dict:
+def report(config, workdir, steps: int = 5, underflow_limit: float = 0.01, overflow_limit: float = 1e-4, devices=None) -> dict:
     """Collects the statistics, writes numerics.json and numerics.png, returns the report."""
     workdir = Path(workdir)
     collected = collect(config, workdir, steps, devices)
@@ -135,7 +162,8 @@ def report(config, workdir, steps: int = 5, underflow_limit: float = 0.01, devic
         "precision": config.precision.to_dict(),
         "formats": {name: {"max": float(jnp.finfo(d).max), "smallest_subnormal": float(jnp.finfo(d).smallest_subnormal)} for name, d in REPORT_FORMATS.items()},
         "underflow_limit": underflow_limit,
-        "keep_out": advice(collected["rows"], underflow_limit),
+        "overflow_limit": overflow_limit,
+        "keep_out": advice(collected["rows"], underflow_limit, overflow_limit),
         "rows": collected["rows"],
     }
     if jax.process_index() == 0:
@@ -166,6 +194,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--workdir", required=True, help="the run directory (its config and latest checkpoint)")
     parser.add_argument("--steps", type=int, default=5, help="training steps to observe (not saved)")
     parser.add_argument("--underflow_limit", type=float, default=0.01, help="flush-to-zero fraction that disqualifies a layer")
+    parser.add_argument("--overflow_limit", type=float, default=1e-4, help="fp8 clipped fraction that disqualifies a layer")
     args = parser.parse(argv)
     workdir = Path(args.workdir)
     config = args.config
@@ -175,7 +204,7 @@ def main(argv: list[str]) -> None:
     lm_config.validate(config)
     if args.steps <= 0:
         raise UserError(f"--steps must be positive, got {args.steps}")
-    print(summary(report(config, workdir, args.steps, args.underflow_limit)))
+    print(summary(report(config, workdir, args.steps, args.underflow_limit, args.overflow_limit)))
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def tensor_stats(t: jax.Array, fp8_dtype, scale: jax.Array | None, full: bool) -
     finite = jnp.isfinite(t)
     amax = jnp.max(jnp.where(finite, jnp.abs(t), 0.0))
     scale = jnp.where(scale > 0, scale, jnp.where(amax > 0, amax / own_max, 1.0))
-    stats = [amax, 1.0 - jnp.mean(finite)]
+    stats = [amax, jnp.mean(~finite)]
     for dtype in REPORT_FORMATS.values():
         fp8 = jnp.finfo(dtype).bits == 8
         v = t * (float(jnp.finfo(dtype).max) / own_max / scale) if fp8 else t

@@ -141,14 +141,23 @@ def test_report_fractions_are_exact_on_crafted_values():
     # Values already inf / nan are counted apart; the absmax is over the finite ones.
     broken = np.asarray(tensor_stats(jnp.array([jnp.inf, jnp.nan, 3.0, 1.0]), jnp.float8_e5m2, None, full=True))
     assert broken[0] == 3.0 and broken[1] == 0.5 and broken[6] == 0  # float16 overflow: none new
-    assert advice([{"layer": 3, "tensor": "mlp.w_in.g", "e5m2": {"overflow": 0.0, "underflow": 0.02}, "float16": {"overflow": 1e-6, "underflow": 0.0}},
-                   {"layer": 1, "tensor": "attn.wq.x", "e4m3": {"overflow": 0.0, "underflow": 0.001}, "float16": {"overflow": 0.0, "underflow": 0.0}}],
-                  0.01) == {"fp8": [3], "float16": [3]}
+    def row(layer, tensor, fp8, fp16):
+        fmt = "e5m2" if tensor.endswith(".g") else "e4m3"
+        return {"layer": layer, "tensor": tensor, fmt: dict(zip(("overflow", "underflow"), fp8)), "float16": dict(zip(("overflow", "underflow"), fp16))}
+
+    rows = [row(0, "attn.wq.x", (1e-5, 0.001), (0, 0)),  # a value above the delayed amax: clipped, fine
+            row(1, "mlp.w_in.g", (0, 0.02), (0.3, 0)),  # e5m2 flushes 2%; fp16 gradient overflow: the scaler's
+            row(2, "attn.wo.x", (1e-3, 0), (1e-6, 0)),  # fp8 clips 0.1%; fp16 activation overflow: inf
+            row(3, "mlp.w_out.w", (0, 0), (0, 0.05))]  # fp16 flushes 5% of a weight
+    assert advice(rows, underflow_limit=0.01, overflow_limit=1e-4) == {"fp8": [1, 2], "float16": [2, 3]}
 
 
 def test_numerics_report_writes_json_and_heat_map(tmp_path, small_corpus):
+    # A float32 run, reported on as float16 + fp8: its parameters and optimizer state carry over.
+    train(fast_config(small_corpus, train__steps=2), tmp_path, jax.devices()[:1])
     c = fast_config(small_corpus, precision__compute_dtype="float16", precision__fp8="delayed")
     result = report(c, tmp_path, steps=2, devices=jax.devices()[:1])
+    assert result["from_step"] == 2
     saved = json.loads((tmp_path / "numerics.json").read_text())
     assert (tmp_path / "numerics.png").stat().st_size > 10_000
     assert saved["keep_out"] == result["keep_out"] and saved["steps"] == 2
