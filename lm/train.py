@@ -172,8 +172,8 @@ class Trainer:
 
         def add(carry, tokens):
             loss, grads, stats = one(tokens)
-            (loss_sum, grads_sum), stats_max = jax.tree.map(jnp.add, carry[:2], (loss, grads)), jax.tree.map(jnp.maximum, carry[2], stats)
-            return (loss_sum, grads_sum, stats_max), None
+            summed = jax.tree.map(jnp.add, carry[:2], (loss, grads))
+            return (*summed, jax.tree.map(jnp.maximum, carry[2], stats)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), self.zero_probes())
         (loss, grads, stats), _ = jax.lax.scan(add, zeros, micro)
