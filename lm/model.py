@@ -352,9 +352,9 @@ class Transformer(nnx.Module):
             layer = jax.checkpoint(layer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=not self.cfg.scan_layers)
         num_layers = jax.tree.leaves(stacked)[0].shape[0]
         fp8 = self.cfg.policy.fp8_layers(num_layers)
-        new_caches = []
-        for start, stop in _runs(fp8):
-            segment = jax.tree.map(lambda a: a[start:stop] if (start, stop) != (0, num_layers) else a, (stacked, cache))
+        runs, new_caches = _runs(fp8), []
+        for start, stop in runs:
+            segment = (stacked, cache) if len(runs) == 1 else jax.tree.map(lambda a: a[start:stop], (stacked, cache))
             with fp8_suspended(self.cfg.policy.fp8 is not None and not fp8[start]):
                 if self.cfg.scan_layers:
                     x, segment_cache = jax.lax.scan(layer, x, segment)

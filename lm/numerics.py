@@ -31,10 +31,10 @@ from lm.checkpoint import Checkpointer
 from lm.cli import Parser
 from lm.config import UserError
 from lm.loss_scale import LossScaling
-from lm.precision import REPORT_FORMATS, ROLES
+from lm.precision import FP8_FORMATS, REPORT_FORMATS, ROLES
 from lm.train import setup
 
-FP8_ROLE_FORMAT = {"x": "e4m3", "w": "e4m3", "g": "e5m2"}
+FP8_ROLE_FORMAT = dict(zip(ROLES, FP8_FORMATS))
 
 
 def collect(config, workdir: Path, steps: int, devices=None) -> dict:
@@ -63,18 +63,20 @@ def collect(config, workdir: Path, steps: int, devices=None) -> dict:
             state, metrics = trainer.train_step(state, trainer.global_batch(next(batches)))
             stats = jax.device_get(metrics["matmul_stats"])
             worst = stats if worst is None else jax.tree.map(np.fmax, worst, stats)
-    return {"step": step, "steps": steps, "rows": rows(worst, config.model.num_layers)}
+    return {"step": step, "steps": steps, "rows": rows(worst)}
 
 
 def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer, fresh: dict, devices):
     """(state, data state, were fp8 scales restored): the checkpoint's parameters and optimizer
     state in `fresh` (the report's state). A run trained in another precision is restored in its
-    own layout first: its fp8 scales and loss scale are left behind, its arrays cast to the
-    report's dtypes."""
+    own layout first (the report's config with the run's precision): its fp8 scales and loss
+    scale are left behind, its arrays cast to the report's dtypes."""
     saved_config = workdir / "config.json"
     if not saved_config.exists():
         return *ckpt.restore(trainer.abstract_sharded_state(), step), True
-    run = setup(lm_config.from_json(saved_config.read_text()), trainer.model_cfg.vocab_size, devices)
+    saved_precision = lm_config.from_json(saved_config.read_text()).precision
+    run_config = lm_config.apply_overrides(trainer.config, {f"precision.{k}": v for k, v in saved_precision.items()})
+    run = setup(run_config, trainer.model_cfg.vocab_size, devices)
     restored, data_state = ckpt.restore(run.abstract_sharded_state(), step)
     if jax.tree.structure(run.abstract_state) == jax.tree.structure(trainer.abstract_state):
         return restored, data_state, True
@@ -83,14 +85,14 @@ def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer, fresh: dict,
     return state, data_state, False
 
 
-def rows(stats: dict, num_layers: int) -> list[dict]:
+def rows(stats: dict) -> list[dict]:
     """One row per (layer, matmul, role) from the probes' statistics [layers, roles, stats]."""
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
         keys = [str(getattr(k, "key", k)) for k in path]
         # blocks/attn/wq_dot/probe -> attn.wq
         name = ".".join(k.removesuffix("_dot") for k in keys[1:-1])
-        for layer in range(num_layers):
+        for layer in range(leaf.shape[0]):
             for r, role in enumerate(ROLES):
                 values = [float(v) for v in leaf[layer, r]]
                 row = {"layer": layer, "tensor": f"{name}.{role}", "absmax": values[0], "nonfinite": values[1]}

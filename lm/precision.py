@@ -32,9 +32,10 @@ from flax.linen import fp8_ops
 F32 = jnp.float32
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 ROLES = ("x", "w", "g")  # a matmul's input activation, its weight, the gradient of its output
-FP8_DTYPES = (E4M3, E4M3, E5M2)  # HYBRID: e4m3 forward, e5m2 gradients
 # Formats a tensor's values are checked against by the numerics report, in this order.
 REPORT_FORMATS = {"e4m3": E4M3, "e5m2": E5M2, "float16": jnp.dtype(jnp.float16), "bfloat16": jnp.dtype(jnp.bfloat16)}
+FP8_FORMATS = ("e4m3", "e4m3", "e5m2")  # per role, HYBRID: e4m3 forward, e5m2 gradients
+FP8_DTYPES = tuple(REPORT_FORMATS[name] for name in FP8_FORMATS)
 FULL_STATS = 2 + 2 * len(REPORT_FORMATS)  # absmax, non-finite fraction, (overflow, underflow) per format
 
 
@@ -159,9 +160,8 @@ def tensor_stats(t: jax.Array, fp8_dtype, scale: jax.Array | None, full: bool) -
     the loss scale).
     """
     t = t.astype(F32)
-    amax = jnp.max(jnp.abs(t))
     if not full:
-        return amax[None]
+        return jnp.max(jnp.abs(t))[None]
     if scale is None:
         scale = jnp.zeros((), F32)
     own_max = float(jnp.finfo(fp8_dtype).max)
