@@ -1,4 +1,4 @@
-"""meshlm's models and training. See README.md and ../shared/DESIGN.md."""
+"""meshlm's models and training. See README.md and ARCHITECTURE.md."""
 
 import os
 
@@ -14,7 +14,7 @@ def _tune_xla_cpu() -> None:
     except ImportError:
         return
     flags = os.environ.get("XLA_FLAGS", "")
-    # YNNPACK-fused reductions (softmax and layer-norm backward) ran 10-40x slower than XLA's own.
+    # YNNPACK-fused reductions (softmax and layer-norm backward) are slower than XLA's own here.
     if version.__version__.startswith("0.10.") and "xla_cpu_experimental_ynn_fusion_type" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_experimental_ynn_fusion_type=-reduce".strip()
 

@@ -12,59 +12,67 @@ import dataclasses
 import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
-import sharding
 from lm import cli
 from lm import data as lm_data
 from lm.cli import Parser
-from lm.metrics import flops_per_token, param_count, peak_dtype, peak_flops, peak_memory_bytes
-from lm.train import setup
+from lm.metrics import (
+    flops_per_token,
+    param_count,
+    peak_dtype,
+    peak_flops,
+    peak_memory_bytes,
+)
+from lm.program import setup
 from sharding.pipeline import bubble_fraction, schedule
 
 
-def bench(config, steps: int = 20, warmup: int = 2, devices=None) -> dict:
-    trainer = setup(config, lm_data.nominal_vocab_size(config.data), devices)
-    mesh, mcfg = trainer.mesh, trainer.model_cfg
+def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str | None = None) -> dict:
+    program = setup(config, lm_data.nominal_vocab_size(config.data), devices)
+    mesh, mcfg = program.mesh, program.model_cfg
     rng = np.random.default_rng(config.train.seed)
     local_rows = config.train.batch_size // jax.process_count()
-    make_batch = lambda: trainer.global_batch(  # noqa: E731
+    make_batch = lambda: program.global_batch(  # noqa: E731
         rng.integers(0, mcfg.vocab_size, (local_rows, config.train.seq_len + 1), dtype=np.int32)
     )
-    with sharding.activate(mesh, trainer.rules):
-        state = trainer.init_state(config.train.seed)
+    state = program.init_state(config.train.seed)
+    start = time.perf_counter()
+    compiled = program.train_step.lower(state, make_batch()).compile()
+    compile_s = time.perf_counter() - start
+    if save_hlo:
+        Path(save_hlo).mkdir(parents=True, exist_ok=True)
+        (Path(save_hlo) / "train_step.hlo.txt").write_text(compiled.as_text())
+    batches = [make_batch() for _ in range(4)]
+    for i in range(warmup):
+        state, metrics = compiled(state, batches[i % 4])
+    jax.block_until_ready(metrics)
+    times = []
+    for i in range(steps):
         start = time.perf_counter()
-        compiled = trainer.train_step.lower(state, make_batch()).compile()
-        compile_s = time.perf_counter() - start
-        batches = [make_batch() for _ in range(4)]
-        for i in range(warmup):
-            state, metrics = compiled(state, batches[i % 4])
+        state, metrics = compiled(state, batches[i % 4])
         jax.block_until_ready(metrics)
-        times = []
-        for i in range(steps):
-            start = time.perf_counter()
-            state, metrics = compiled(state, batches[i % 4])
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
     step_time = statistics.median(times)
     tokens = config.train.batch_size * config.train.seq_len
     fpt = flops_per_token(mcfg, config.train.seq_len)
     peak, source = peak_flops(peak_dtype(config.precision))
     memory = compiled.memory_analysis()
-    plan = mcfg.pipeline  # idle (tick, stage) cells of its schedule: (S-1)/(R*M+S-1); 0 unpipelined
+    plan = program.spec.pipeline  # idle (tick, stage) cells of its schedule: (S-1)/(R*M+S-1); 0 unpipelined
     bubble = bubble_fraction(schedule(plan.stages, plan.microbatches, plan.repeats)) if plan.stages > 1 else 0.0
     return {
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
         "devices": mesh.size,
         "mesh": dict(mesh.shape),
-        "params": param_count(state["params"]),
+        "params": param_count(state.params),
         "tokens_per_step": tokens,
         "compute_dtype": config.precision.compute_dtype,
         "fp8": config.precision.fp8,
-        "loss_scale": trainer.loss_scaling.kind,
+        "loss_scale": program.loss_scaling.kind,
         "compile_time_s": round(compile_s, 3),
         "step_time_s": step_time,
         "step_time_min_s": min(times),
@@ -86,8 +94,9 @@ def main(argv: list[str]) -> None:
     parser = Parser(prog="python -m lm.bench", description="Time a config's train step; prints JSON.", distributed=True)
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
+    parser.add_argument("--save_hlo", help="directory to write the compiled train step's optimized HLO into")
     args = parser.parse(argv)
-    result = bench(args.config, args.steps, args.warmup)
+    result = bench(args.config, args.steps, args.warmup, save_hlo=args.save_hlo)
     if jax.process_index() == 0:
         print(json.dumps(result))
 

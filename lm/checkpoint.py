@@ -39,19 +39,21 @@ class Checkpointer:
         is durable when async. A step already saved is left as it is."""
         if step in self.manager.all_steps():
             return
-        args = {"state": ocp.args.StandardSave(state)}
+        args = {"state": ocp.args.StandardSave(_as_tree(state))}
         if data_state is not None:
             args["data"] = ocp.args.JsonSave(data_state)
         self.manager.save(step, args=ocp.args.Composite(**args))
 
     def restore(self, abstract_state, step: int | None = None) -> tuple[object, dict | None]:
-        """(state placed as `abstract_state`'s shardings, data iterator state) at `step` (default latest)."""
+        """(state placed as `abstract_state`'s shardings, data iterator state) at `step` (default
+        latest). A `TrainState` comes back as one (it is stored as the dict of its fields)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise UserError(f"no checkpoint in {self.directory}; train first")
         path = self.directory / str(step)
-        self._check_layout(abstract_state, step)
-        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        tree = _as_tree(abstract_state)
+        self._check_layout(tree, step)
+        items = {"state": ocp.args.StandardRestore(tree)}
         has_data = (path / "data").exists()
         if has_data:
             items["data"] = ocp.args.JsonRestore()
@@ -59,7 +61,25 @@ class Checkpointer:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # orbax / tensorstore raise many kinds; all mean "cannot read"
             raise UnreadableCheckpoint(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
-        return restored["state"], (restored["data"] if has_data else None)
+        state = restored["state"]
+        if hasattr(abstract_state, "from_dict"):
+            state = type(abstract_state).from_dict(state)
+        return state, (restored["data"] if has_data else None)
+
+    def restore_part(self, abstract_part: dict, step: int | None = None) -> dict:
+        """Only the named top-level entries of a step's state (e.g. `params`), read from disk
+        alone: the rest (optimizer moments) is never loaded."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise UserError(f"no checkpoint in {self.directory}; train first")
+        self._check_layout(abstract_part, step, partial=True)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_part)
+        args = ocp.args.PyTreeRestore(item=abstract_part, restore_args=restore_args, partial_restore=True)
+        try:
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+                return reader.restore(self.directory / str(step) / "state", args=args)
+        except Exception as e:  # orbax / tensorstore raise many kinds; all mean "cannot read"
+            raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} cannot be read: {_first_line(e)}") from None
 
     def restore_latest(self, abstract_state, warn: Callable[[str], None]) -> tuple[int, object, dict | None] | None:
         """(step, state, data state) of the newest readable checkpoint, or None if there is none.
@@ -74,7 +94,7 @@ class Checkpointer:
                 self._set_aside(step)
         return None
 
-    def _check_layout(self, abstract_state, step: int) -> None:
+    def _check_layout(self, abstract_state, step: int, partial: bool = False) -> None:
         """A checkpoint of another state layout (config or meshlm version) is a user error, not damage."""
         try:
             saved = self.manager.item_metadata(step)["state"]
@@ -83,6 +103,8 @@ class Checkpointer:
         if saved is None:
             raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} has no state metadata")
         ours, theirs = _paths(abstract_state), _paths(saved)
+        if partial:
+            theirs = {p for p in theirs if p.split("/")[0] in abstract_state}
         if ours != theirs:
             diff = sorted(ours ^ theirs)[:3]
             raise UserError(
@@ -120,6 +142,6 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def abstract_like(tree, shardings):
-    """ShapeDtypeStructs of `tree` placed by `shardings`: a restore target."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+def _as_tree(state):
+    """What is written: a `TrainState` as the dict of its fields in use, anything else as it is."""
+    return state.to_dict() if hasattr(state, "to_dict") else state

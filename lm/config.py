@@ -1,15 +1,26 @@
-"""The config schema: every key meshlm reads, its default, and the checks run before training.
+"""The config schema: every key meshlm reads, its default, and the checks run before training;
+and `RunSpec`, the typed pieces a config is parsed into once.
 
-Recipe files in `configs/` start from `default_config()` and change what they need; the result
-is locked, so a misspelt key (in a file or on the command line) is an error, not a new field.
+Recipe files in `configs/` start from `default_config()` and change what they need;
+`apply_overrides` validates the result and locks it, so a misspelt key (in a file or on the
+command line) is an error, not a new field, and a locked config is a validated one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import ml_collections
 from ml_collections import config_dict
+
+import sharding
+from lm.loss_scale import LossScaling
+from lm.model import ModelConfig, config_defaults
+from lm.precision import Policy
+from sharding.pipeline import PipelinePlan
+from sharding.remat import REMAT
 
 
 class UserError(Exception):
@@ -19,24 +30,7 @@ class UserError(Exception):
 def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
-    c.model = dict(
-        num_layers=2,
-        embed_dim=128,
-        num_heads=4,
-        num_kv_heads=4,  # < num_heads: grouped-query attention
-        head_dim=0,  # 0: embed_dim // num_heads
-        mlp_dim=512,
-        norm="rmsnorm",  # rmsnorm | layernorm
-        position="rope",  # rope | learned
-        mlp="swiglu",  # swiglu | gelu
-        use_bias=False,
-        tie_embeddings=False,
-        rope_theta=10_000.0,
-        norm_eps=1e-5,
-        vocab_multiple=128,  # the vocabulary is padded up to a multiple of this
-        remat="none",  # none | full | dots (save matmul outputs) | dots_no_batch
-        scan_layers=True,  # False unrolls the layer loop (faster to run on CPU, slower to compile)
-    )
+    c.model = config_defaults()  # ModelConfig's fields and defaults, plus head_dim=0 and vocab_multiple
     c.data = dict(
         path=config_dict.placeholder(str),  # None: this interpreter's standard-library sources
         tokenizer="byte",  # byte | bpe | path/to/tokenizer.json
@@ -73,7 +67,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.pipeline = dict(
         microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages
         repeats=1,  # layer chunks per stage: 1 is GPipe, more is circular (smaller bubble)
-        remat="full",  # what each tick keeps for the backward pass (as model.remat)
+        remat="full",  # what each tick keeps for the backward pass (sharding.remat, as model.remat)
     )
     c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)
     c.precision = dict(
@@ -98,9 +92,10 @@ _CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.position": ("rope", "learned"),
     "model.mlp": ("swiglu", "gelu"),
-    "model.remat": ("none", "full", "dots", "dots_no_batch"),
+    "model.remat": REMAT,
+    "model.attention": ("auto", "cudnn", "xla", "einsum"),
     "train.on_nonfinite": ("skip", "stop"),
-    "pipeline.remat": ("none", "full", "dots", "dots_no_batch"),
+    "pipeline.remat": REMAT,
     "precision.param_dtype": ("float32", "bfloat16"),
     "precision.compute_dtype": ("float32", "bfloat16", "float16"),
     "precision.mu_dtype": ("float32", "bfloat16"),
@@ -192,7 +187,7 @@ def head_dim(c: ml_collections.ConfigDict) -> int:
 
 def shape_fields(c: ml_collections.ConfigDict) -> dict:
     """The fields that decide parameter shapes: a checkpoint only resumes when they match."""
-    fields = {f"model.{k}": v for k, v in c.model.items() if k not in ("remat", "scan_layers")}
+    fields = {f"model.{k}": v for k, v in c.model.items() if k not in ("remat", "scan_layers", "attention")}
     fields["data.tokenizer"] = c.data.tokenizer
     if c.data.tokenizer == "bpe":
         fields["data.vocab_size"] = c.data.vocab_size
@@ -270,6 +265,7 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
         except TypeError:
             kind = type(node[key]).__name__ if node[key] is not None else "value"
             raise UserError(f"--config.{dotted}={text!r} is not a valid {kind}") from None
+    validate(c)
     c.lock()
     return c
 
@@ -277,3 +273,58 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
 def load(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
     """A recipe file with dotted-key overrides, locked: `load("configs/tiny.py", {"train.steps": 50})`."""
     return apply_overrides(load_file(path), overrides or {})
+
+
+def checked(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """`c` validated and locked: as it is when it came through `apply_overrides` (every config
+    from a file or the command line does), else validated once now."""
+    return c if c.is_locked else apply_overrides(c, {})
+
+
+def load_run(workdir: str | Path) -> ml_collections.ConfigDict | None:
+    """The config a run in `workdir` was trained with (its config.json), or None if there is none."""
+    path = Path(workdir) / "config.json"
+    return from_json(path.read_text()) if path.exists() else None
+
+
+def save_run(c: ml_collections.ConfigDict, workdir: str | Path) -> None:
+    (Path(workdir) / "config.json").write_text(to_json(c))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """A config parsed once into the typed pieces the tools build from. The `train`, `optim`,
+    `data` and `checkpoint` groups are plain values, read from `config` where they are used."""
+
+    config: ml_collections.ConfigDict
+    model: ModelConfig
+    policy: Policy
+    pipeline: PipelinePlan
+    loss_scaling: LossScaling
+    mesh: sharding.MeshConfig
+    rules: tuple
+
+    @classmethod
+    def parse(cls, c: ml_collections.ConfigDict, vocab_size: int, *, observe: bool = False) -> RunSpec:
+        """`observe`: every block matmul also reports its statistics (`lm.numerics`)."""
+        c = checked(c)
+        policy = Policy.from_config(c.precision)
+        stages = c.mesh.stage
+        plan = PipelinePlan(stages, c.pipeline.microbatches or stages, c.pipeline.repeats, c.pipeline.remat) if stages > 1 else PipelinePlan()
+        return cls(
+            config=c,
+            model=ModelConfig.from_config(c, vocab_size),
+            policy=dataclasses.replace(policy, observe=True) if observe else policy,
+            pipeline=plan,
+            loss_scaling=LossScaling.from_config(c.precision),
+            mesh=sharding.MeshConfig.from_mapping(c.mesh),
+            rules=rules_from(c),
+        )
+
+
+def rules_from(c: ml_collections.ConfigDict) -> tuple:
+    """The default rules, overridden by `sharding.rules`, then sequence parallelism if asked for."""
+    overrides = [c.sharding.rules or ()]
+    if c.sharding.sequence_parallel:
+        overrides.append(sharding.SEQUENCE_PARALLEL_RULES)
+    return sharding.merge_rules(sharding.DEFAULT_RULES, *overrides)

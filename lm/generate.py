@@ -23,25 +23,31 @@ from lm import config as lm_config
 from lm import data as lm_data
 from lm.checkpoint import Checkpointer
 from lm.cli import Parser
-from lm.config import UserError
-from lm.model import ModelConfig, PipelinePlan, Transformer
-from lm.train import Trainer, rules_from
+from lm.config import RunSpec, UserError
+from lm.model import Transformer
+from lm.program import ModelLayout, placed
+from sharding.pipeline import PipelinePlan
 
 
 def load(workdir: str | Path, step: int | None = None):
-    """(config, tokenizer, model) of the latest (or given) checkpoint in `workdir`, on one device."""
+    """(config, tokenizer, model) of the latest (or given) checkpoint in `workdir`, on one device.
+
+    Only the parameters (and fp8 scales) are read from the checkpoint, never the optimizer's
+    moments: sampling needs a third of a training run's memory."""
     workdir = Path(workdir)
-    if not (workdir / "config.json").exists():
+    config = lm_config.load_run(workdir)
+    if config is None:
         raise UserError(f"{workdir} is not a meshlm run (no config.json); pass the --workdir you trained in")
-    config = lm_config.from_json((workdir / "config.json").read_text())
     tokenizer = lm_data.tokenizer_for(config.data, workdir)
-    mcfg = dataclasses.replace(ModelConfig.from_config(config, tokenizer.vocab_size), pipeline=PipelinePlan())  # one device
-    mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
-    trainer = Trainer(config, mcfg, mesh, rules_from(config))
+    spec = dataclasses.replace(RunSpec.parse(config, tokenizer.vocab_size), pipeline=PipelinePlan())  # one device
+    layout = ModelLayout(spec, sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1]))
+    part = {"params": placed(layout.abstract_params, layout.param_shardings)}
+    if layout.fp8_shardings is not None:
+        part["fp8"] = placed(layout.abstract_fp8, layout.fp8_shardings)
     ckpt = Checkpointer(workdir / "checkpoints")
-    state, _ = ckpt.restore(trainer.abstract_sharded_state(), step)
+    restored = ckpt.restore_part(part, step)
     ckpt.close()
-    return config, tokenizer, trainer.model(state["params"], state.get("fp8"))
+    return config, tokenizer, layout.model(restored["params"], restored.get("fp8"))
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "vocab_size"))

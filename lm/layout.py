@@ -16,37 +16,35 @@ import json
 import jax
 import numpy as np
 
-import sharding
 from lm import cli
 from lm import data as lm_data
 from lm.cli import Parser
-from lm.train import setup
+from lm.program import setup
 from sharding import report
 
 
 def layout(config, devices=None, compile_step: bool = True) -> tuple[list[report.Row], dict]:
     """(parameter rows, summary): per-device bytes and the compiled train step's memory analysis."""
-    trainer = setup(config, lm_data.nominal_vocab_size(config.data), devices)
-    state = trainer.abstract_sharded_state()
-    params = report.device_bytes(state["params"])
+    program = setup(config, lm_data.nominal_vocab_size(config.data), devices)
+    state = program.abstract_sharded_state()
+    params = report.device_bytes(state.params)
     summary = {
-        "mesh": dict(trainer.mesh.shape),
-        "devices": trainer.mesh.size,
-        "params": sum(int(np.prod(r.shape)) for r in report.rows(state["params"])),
-        "param_bytes_total": report.total_bytes(state["params"]),
+        "mesh": dict(program.mesh.shape),
+        "devices": program.mesh.size,
+        "params": sum(int(np.prod(r.shape)) for r in report.rows(state.params)),
+        "param_bytes_total": report.total_bytes(state.params),
         "per_device": {
             "params_bytes": params,
             "grads_bytes": params,  # gradients take the parameters' shapes, dtypes and shardings
-            "opt_state_bytes": report.device_bytes(state["opt_state"]),
+            "opt_state_bytes": report.device_bytes(state.opt_state),
         },
     }
     summary["per_device"]["total_state_bytes"] = sum(summary["per_device"].values())
     if compile_step:
         batch = jax.ShapeDtypeStruct(
-            (config.train.batch_size, config.train.seq_len + 1), np.int32, sharding=trainer.batch_sharding
+            (config.train.batch_size, config.train.seq_len + 1), np.int32, sharding=program.batch_sharding
         )
-        with sharding.activate(trainer.mesh, trainer.rules):
-            memory = trainer.train_step.lower(state, batch).compile().memory_analysis()
+        memory = program.train_step.lower(state, batch).compile().memory_analysis()
         fields = ("argument", "output", "alias", "temp", "generated_code")
         compiled = {f"{f}_bytes": getattr(memory, f"{f}_size_in_bytes", None) for f in fields}
         if None not in compiled.values():
@@ -55,7 +53,7 @@ def layout(config, devices=None, compile_step: bool = True) -> tuple[list[report
                 compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
             )
         summary["compiled_train_step_per_device"] = compiled
-    return report.rows(state["params"], trainer.logical_axes), summary
+    return report.rows(state.params, program.layout.logical_axes), summary
 
 
 def describe(param_rows: list[report.Row], summary: dict) -> str:

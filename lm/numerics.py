@@ -23,16 +23,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-import sharding
 from lm import cli
 from lm import config as lm_config
 from lm import data as lm_data
 from lm.checkpoint import Checkpointer
 from lm.cli import Parser
 from lm.config import UserError
+from lm.fp8 import FP8_FORMATS, REPORT_FORMATS, ROLES, named_stats
 from lm.loss_scale import LossScaling
-from lm.precision import FP8_FORMATS, REPORT_FORMATS, ROLES
-from lm.train import setup
+from lm.program import Program, TrainState, setup
 
 FP8_ROLE_FORMAT = dict(zip(ROLES, FP8_FORMATS))
 
@@ -46,42 +45,41 @@ def collect(config, workdir: Path, steps: int, devices=None) -> dict:
     t = config.train
     batches = lm_data.train_batches(train_windows, t.batch_size, t.seed, jax.process_index(), jax.process_count(), 1)
     step = 0
-    with sharding.activate(trainer.mesh, trainer.rules):
-        state, fp8_restored = trainer.init_state(t.seed), False
-        if (workdir / "checkpoints").is_dir():
-            ckpt = Checkpointer(workdir / "checkpoints")
-            if ckpt.latest_step() is not None:
-                step = ckpt.latest_step()
-                state, data_state, fp8_restored = _restore(ckpt, step, workdir, trainer, state, devices)
-                if data_state is not None:
-                    batches.set_state(data_state)
-            ckpt.close()
-        if trainer.policy.fp8 and not fp8_restored:  # fresh scales are 1 until one step has run
-            state, _ = trainer.train_step(state, trainer.global_batch(next(batches)))
-        worst = None
-        for _ in range(steps):
-            state, metrics = trainer.train_step(state, trainer.global_batch(next(batches)))
-            stats = jax.device_get(metrics["matmul_stats"])
-            worst = stats if worst is None else jax.tree.map(np.fmax, worst, stats)
+    state, fp8_restored = trainer.init_state(t.seed), False
+    if (workdir / "checkpoints").is_dir():
+        ckpt = Checkpointer(workdir / "checkpoints")
+        if ckpt.latest_step() is not None:
+            step = ckpt.latest_step()
+            state, data_state, fp8_restored = _restore(ckpt, step, workdir, trainer, state, devices)
+            if data_state is not None:
+                batches.set_state(data_state)
+        ckpt.close()
+    if trainer.policy.fp8 and not fp8_restored:  # fresh scales are 1 until one step has run
+        state, _ = trainer.train_step(state, trainer.global_batch(next(batches)))
+    worst = None
+    for _ in range(steps):
+        state, metrics = trainer.train_step(state, trainer.global_batch(next(batches)))
+        stats = jax.device_get(metrics["matmul_stats"])
+        worst = stats if worst is None else jax.tree.map(np.fmax, worst, stats)
     return {"step": step, "steps": steps, "rows": rows(worst)}
 
 
-def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer, fresh: dict, devices):
+def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer: Program, fresh: TrainState, devices):
     """(state, data state, were fp8 scales restored): the checkpoint's parameters and optimizer
     state in `fresh` (the report's state). A run trained in another precision is restored in its
     own layout first (the report's config with the run's precision): its fp8 scales and loss
     scale are left behind, its arrays cast to the report's dtypes."""
-    saved_config = workdir / "config.json"
-    if not saved_config.exists():
+    saved_config = lm_config.load_run(workdir)
+    if saved_config is None:
         return *ckpt.restore(trainer.abstract_sharded_state(), step), True
-    saved_precision = lm_config.from_json(saved_config.read_text()).precision
+    saved_precision = saved_config.precision
     run_config = lm_config.apply_overrides(trainer.config, {f"precision.{k}": v for k, v in saved_precision.items()})
     run = setup(run_config, trainer.model_cfg.vocab_size, devices)
     restored, data_state = ckpt.restore(run.abstract_sharded_state(), step)
     if jax.tree.structure(run.abstract_state) == jax.tree.structure(trainer.abstract_state):
         return restored, data_state, True
-    cast = lambda part: jax.tree.map(lambda a, ref: a.astype(ref.dtype), restored[part], fresh[part])  # noqa: E731
-    state = {**fresh, "step": restored["step"], "params": cast("params"), "opt_state": cast("opt_state")}
+    cast = lambda part: jax.tree.map(lambda a, ref: a.astype(ref.dtype), getattr(restored, part), getattr(fresh, part))  # noqa: E731
+    state = fresh.replace(step=restored.step, params=cast("params"), opt_state=cast("opt_state"))
     return state, data_state, False
 
 
@@ -90,14 +88,14 @@ def rows(stats: dict) -> list[dict]:
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
         keys = [str(getattr(k, "key", k)) for k in path]
-        # blocks/attn/wq_dot/probe -> attn.wq
-        name = ".".join(k.removesuffix("_dot") for k in keys[1:-1])
+        # blocks/attn/wq_site/probe -> attn.wq
+        name = ".".join(k.removesuffix("_site") for k in keys[1:-1])
         for layer in range(leaf.shape[0]):
             for r, role in enumerate(ROLES):
-                values = [float(v) for v in leaf[layer, r]]
-                row = {"layer": layer, "tensor": f"{name}.{role}", "absmax": values[0], "nonfinite": values[1]}
-                for i, fmt in enumerate(REPORT_FORMATS):
-                    row[fmt] = {"overflow": values[2 + 2 * i], "underflow": values[3 + 2 * i]}
+                stat = named_stats(leaf[layer, r])
+                row = {"layer": layer, "tensor": f"{name}.{role}", "absmax": stat["absmax"], "nonfinite": stat["nonfinite"]}
+                for fmt in REPORT_FORMATS:
+                    row[fmt] = {"overflow": stat[f"{fmt}_overflow"], "underflow": stat[f"{fmt}_underflow"]}
                 out.append(row)
     return sorted(out, key=lambda r: (r["layer"], r["tensor"]))
 
@@ -200,10 +198,9 @@ def main(argv: list[str]) -> None:
     args = parser.parse(argv)
     workdir = Path(args.workdir)
     config = args.config
-    saved = workdir / "config.json"
-    if saved.exists() and not any(a == "--config" or a.startswith("--config=") for a in argv):
-        config = lm_config.apply_overrides(lm_config.from_json(saved.read_text()), args.config_overrides)
-    lm_config.validate(config)
+    saved = lm_config.load_run(workdir)
+    if saved is not None and not any(a == "--config" or a.startswith("--config=") for a in argv):
+        config = lm_config.apply_overrides(saved, args.config_overrides)
     if args.steps <= 0:
         raise UserError(f"--steps must be positive, got {args.steps}")
     print(summary(report(config, workdir, args.steps, args.underflow_limit, args.overflow_limit)))

@@ -1,16 +1,13 @@
 """The optax chain from config: global-norm clipping, then AdamW with warm-up + cosine decay,
 wrapped in `optax.apply_if_finite` so that an update from non-finite gradients is never applied.
 
-Weight decay skips norms, biases and embeddings (decided by parameter name, see
-`lm.model.NO_DECAY`).
+Weight decay applies where `decay_mask` says (a tree of booleans shaped like the parameters;
+`lm.program.decay_mask` derives it from the model's logical axes: matmul weights only).
 """
 
 from __future__ import annotations
 
-import jax
 import optax
-
-from lm.model import NO_DECAY
 
 
 def schedule(c) -> optax.Schedule:
@@ -27,12 +24,7 @@ def schedule(c) -> optax.Schedule:
     )
 
 
-def decay_mask(params):
-    """True for the parameters weight decay applies to: matmul weights."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY, params)
-
-
-def optimizer(c) -> optax.GradientTransformation:
+def optimizer(c, decay_mask) -> optax.GradientTransformation:
     o = c.optim
     adamw = optax.adamw(
         schedule(c), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask,

@@ -3,17 +3,26 @@
 Reusable on its own: imports jax (and flax.nnx metadata helpers) only, never `lm`.
 """
 
-from sharding.flax_nnx import abstract_module, create_sharded, logical_axes, state_shardings
+from sharding.flax_nnx import (
+    abstract_module,
+    create_sharded,
+    logical_axes,
+    state_shardings,
+)
 from sharding.mesh import MESH_AXES, MeshConfig, ShardingError, make_mesh
 from sharding.rules import (
     DEFAULT_RULES,
     SEQUENCE_PARALLEL_RULES,
     activate,
+    axis_size,
+    bind,
     check_rules,
     constrain,
+    jit,
     logical_to_spec,
     merge_rules,
     named_sharding,
+    rule_axes,
     tree_shardings,
 )
 
@@ -25,14 +34,18 @@ __all__ = [
     "ShardingError",
     "abstract_module",
     "activate",
+    "axis_size",
+    "bind",
     "check_rules",
     "constrain",
     "create_sharded",
+    "jit",
     "logical_axes",
     "logical_to_spec",
     "make_mesh",
     "merge_rules",
     "named_sharding",
+    "rule_axes",
     "state_shardings",
     "tree_shardings",
 ]

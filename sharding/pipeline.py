@@ -16,14 +16,28 @@ The schedule is also plain data (`schedule`), so it can be checked, drawn and it
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sharding.mesh import ShardingError
+from sharding.remat import remat
 from sharding.rules import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """How a layer stack is split over the `stage` mesh axis (stages=1: not at all); `remat` is
+    what each tick keeps for the backward pass (`sharding.remat`)."""
+
+    stages: int = 1
+    microbatches: int = 1
+    repeats: int = 1
+    remat: str = "full"
 
 
 class Work(NamedTuple):
@@ -74,6 +88,32 @@ def check(stages: int, microbatches: int, repeats: int, layers: int | None = Non
         )
 
 
+def table_arrays(table: Sequence[Sequence[Work | None]], stages: int) -> dict[str, np.ndarray]:
+    """The schedule as [ticks, stages] integer arrays the scan steps through: `microbatch`,
+    `repeat` (which of a stage's chunks) and `active` (0 where the stage idles)."""
+    cell = lambda w, f: 0 if w is None else f(w)  # noqa: E731
+    return {
+        "microbatch": np.array([[cell(w, lambda w: w.microbatch) for w in row] for row in table], np.int32),
+        "repeat": np.array([[cell(w, lambda w: w.chunk // stages) for w in row] for row in table], np.int32),
+        "active": np.array([[w is not None for w in row] for row in table], np.bool_),
+    }
+
+
+def split_microbatches(x, count: int, axes: Sequence[str | None], name: str = "microbatches"):
+    """`[batch, ...]` -> `[count, batch // count, ...]`. Microbatch j holds rows j, j + count, ...:
+    every data-parallel shard holds part of each, so no rows move between devices."""
+    b = x.shape[0]
+    if b % count:
+        raise ShardingError(f"batch {b} is not divisible into {count} microbatches")
+    x_m = x.reshape(b // count, count, *x.shape[1:]).swapaxes(0, 1)
+    return constrain(x_m, (None, *axes), name)
+
+
+def merge_microbatches(x_m):
+    """The inverse of `split_microbatches`."""
+    return x_m.swapaxes(0, 1).reshape(-1, *x_m.shape[2:])
+
+
 def _chunked(params, params_axes, stages: int, repeats: int):
     """`[layers, ...]` -> `[repeats, stages, layers_per_chunk, ...]`, stages on the `stage` axis."""
 
@@ -84,62 +124,43 @@ def _chunked(params, params_axes, stages: int, repeats: int):
     return jax.tree.map(one, params, params_axes)
 
 
-def pipeline(
-    stage_fn: Callable,
-    params,
-    params_axes,
-    x,
-    x_axes: Sequence[str | None],
-    *,
-    stages: int,
-    microbatches: int,
-    repeats: int = 1,
-    remat_policy: Callable | None | str = "none",
-):
+def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | None], plan: PipelinePlan):
     """`stage_fn(chunk_params, x_mb) -> y_mb` applied to every microbatch of `x` through all chunks.
 
     `params`: pytree of stacked layer parameters (leading axis: layers); `params_axes`: the same
     tree of logical-axis tuples; `x`: `[batch, ...]` with logical axes `x_axes`. Returns `[batch,
-    ...]`, the same as applying all layers in order to `x`. `remat_policy`: "none", None (save
-    nothing inside a tick) or a `jax.checkpoint` policy.
+    ...]`, the same as applying all layers in order to `x`. The scan steps through the rows of
+    `schedule(...)`, the same table the tests check and the notebook draws.
     """
-    m, s, r = microbatches, stages, repeats
+    m, s, r = plan.microbatches, plan.stages, plan.repeats
     layers = jax.tree.leaves(params)[0].shape[0]
     check(s, m, r, layers)
-    b = x.shape[0]
-    if b % m:
-        raise ShardingError(f"batch {b} is not divisible by pipeline.microbatches={m}")
     chunks = _chunked(params, params_axes, s, r)
-    # Microbatch j holds rows j, j + m, ...: every data-parallel shard holds part of each.
-    x_m = x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
-    x_m = constrain(x_m, (None, *x_axes), "pipeline microbatches")
+    x_m = split_microbatches(x, m, x_axes, "pipeline microbatches")
     state_axes = ("stages", *x_axes)
+    ticks = table_arrays(schedule(s, m, r), s)
 
     def run_stage(chunk_params_r, repeat, x_mb):
         chunk = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, repeat, 0, keepdims=False), chunk_params_r)
         return stage_fn(chunk, x_mb)
 
-    if remat_policy != "none":
-        run_stage = jax.checkpoint(run_stage, policy=remat_policy)
-    stage_ids = jnp.arange(s)
+    run_stage = remat(run_stage, plan.remat)
 
-    def tick(carry, t):
+    def tick(carry, row):
         held, outputs = carry  # held: [stages, mb, ...] what each stage works on at this tick
-        item = t - stage_ids
-        valid = (item >= 0) & (item < r * m)
-        micro, repeat = jnp.clip(item, 0, r * m - 1) % m, jnp.clip(item, 0, r * m - 1) // m
+        micro, repeat, active = row["microbatch"], row["repeat"], row["active"]
         # Stage 0 takes a fresh microbatch in the first repeat, the last stage's output after.
         first_in = jnp.where(repeat[0] == 0, x_m[micro[0]], outputs[micro[0]])
         held = held.at[0].set(first_in)
         held = constrain(held, state_axes, "pipeline stage inputs")
         out = jax.vmap(run_stage, in_axes=(1, 0, 0))(chunks, repeat, held)
         out = constrain(out, state_axes, "pipeline stage outputs")
-        last = jnp.where(valid[-1], out[-1], outputs[micro[-1]])
+        last = jnp.where(active[-1], out[-1], outputs[micro[-1]])
         outputs = outputs.at[micro[-1]].set(last)
         # Each stage's result moves to the next stage (a collective-permute over `stage`).
         return (jnp.roll(out, 1, axis=0), outputs), None
 
     held = constrain(jnp.zeros((s, *x_m.shape[1:]), x.dtype), state_axes, "pipeline stage inputs")
     outputs = jnp.zeros_like(x_m)
-    (_, outputs), _ = jax.lax.scan(tick, (held, outputs), jnp.arange(r * m + s - 1))
-    return outputs.swapaxes(0, 1).reshape(x.shape)
+    (_, outputs), _ = jax.lax.scan(tick, (held, outputs), {k: jnp.asarray(v) for k, v in ticks.items()})
+    return merge_microbatches(outputs)

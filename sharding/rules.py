@@ -8,9 +8,10 @@ than a silent replication, and so is a dimension that its mesh axes do not divid
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -190,6 +191,33 @@ def activate(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.stack = _ACTIVE.stack[:-1]
+
+
+def bind(fn: Callable, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Callable:
+    """`fn` run (and so traced) with `mesh` and `rules` active, whatever context its caller is in."""
+
+    @functools.wraps(fn)
+    def bound(*args, **kwargs):
+        with activate(mesh, rules):
+            return fn(*args, **kwargs)
+
+    return bound
+
+
+def jit(fn: Callable, mesh: Mesh, rules: Rules = DEFAULT_RULES, **jit_kwargs) -> Callable:
+    """`jax.jit(fn, **jit_kwargs)` with the mesh and rules bound into the traced function, so
+    every `constrain` inside it applies wherever it is first traced, lowered or called."""
+    return jax.jit(bind(fn, mesh, rules), **jit_kwargs)
+
+
+def rule_axes(rules: Rules, logical: str) -> tuple[str, ...]:
+    """The mesh axes the rules map the logical axis `logical` onto (none: replicated)."""
+    return _as_tuple(dict(rules).get(logical))
+
+
+def axis_size(mesh: Mesh, rules: Rules, logical: str) -> int:
+    """How many ways the rules split the logical axis `logical` on `mesh` (1: not split)."""
+    return math.prod(mesh.shape[a] for a in rule_axes(rules, logical))
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str = "activation") -> jax.Array:

@@ -61,3 +61,51 @@ def metrics_rows(workdir: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(workdir: Path) -> dict[int, float]:
+    """Loss per step, the last logged value winning (a resumed run re-logs some steps)."""
+    return {r["step"]: r["loss"] for r in metrics_rows(workdir) if "loss" in r}
+
+
+# A 2-layer float32 model on a small real corpus: fast, and exact across meshes.
+FAST = dict(
+    model__num_layers=2, model__embed_dim=64, model__num_heads=4, model__num_kv_heads=2, model__mlp_dim=128,
+    train__batch_size=8, train__seq_len=32, train__log_every=1, train__eval_every=10, train__eval_batches=2,
+    optim__warmup_steps=5, precision__compute_dtype="float32",  # exact comparisons across meshes
+)
+
+
+def fast_config(corpus, **kw):
+    return recipe("tiny", data__path=str(corpus), **{**FAST, **kw})
+
+
+# Random tokens over a 256-id vocabulary; 8 heads / 4 KV heads and mlp 128 divide tensor=4.
+SMALL = dict(
+    model__num_layers=2, model__embed_dim=64, model__num_heads=8, model__num_kv_heads=4, model__mlp_dim=128,
+    train__batch_size=16, train__seq_len=32, optim__warmup_steps=2, precision__compute_dtype="float32",
+)
+VOCAB = 256
+
+
+def small_config(mesh: dict, **kw):
+    """SMALL on `mesh` (unnamed axes 1, data 1 unless given)."""
+    sizes = {"data": 1, **mesh}
+    return recipe("tiny", **{**SMALL, **kw}, **{f"mesh__{k}": v for k, v in sizes.items()})
+
+
+def run_steps(c, devices=None, steps: int = 5):
+    """Losses of `steps` train steps on fixed random tokens, and the final parameters on the host."""
+    import jax
+    import numpy as np
+
+    from lm.program import setup
+
+    program = setup(c, VOCAB, devices)
+    rng = np.random.default_rng(0)
+    state, out = program.init_state(0), []
+    for _ in range(steps):
+        tokens = rng.integers(0, VOCAB, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
+        state, metrics = program.train_step(state, program.global_batch(tokens))
+        out.append(metrics["loss"])
+    return np.asarray(jax.device_get(out)), jax.device_get(state.params)

@@ -1,9 +1,28 @@
-"""Every user mistake ends in one line naming the problem and the fix: non-zero exit, no traceback."""
+"""Every user mistake ends in one line naming the problem and the fix: non-zero exit, no traceback.
+
+The commands run in this process (`lm.cli.run`, as `python -m` runs them: a traceback would fail
+the test as an exception), on this process's 8 CPU devices; one runs as a real subprocess."""
 
 import json
+import subprocess
 
 import pytest
-from conftest import run_module
+from conftest import ROOT, run_module
+
+from lm import cli
+from lm import generate as lm_generate
+from lm import train as lm_train
+
+
+def run_cli(capsys, main, *argv) -> subprocess.CompletedProcess:
+    """`python -m ...` of `main` with `argv`, in-process: its exit code and output."""
+    code = 0
+    try:
+        cli.run(main, [a.replace("configs/", f"{ROOT}/configs/", 1) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
 
 
 def assert_one_line_error(result, *fragments):
@@ -15,7 +34,11 @@ def assert_one_line_error(result, *fragments):
         assert fragment in lines[0], lines[0]
 
 
-TRAIN = ("lm.train", "--config=configs/tiny.py")
+TRAIN = ("--config=configs/tiny.py",)
+
+
+def train_cli(capsys, *argv):
+    return run_cli(capsys, lm_train.main, *TRAIN, *argv)
 
 
 @pytest.mark.parametrize(
@@ -23,39 +46,38 @@ TRAIN = ("lm.train", "--config=configs/tiny.py")
     [
         (["--config.train.stepz=3"], ["unknown config key --config.train.stepz", "did you mean --config.train.steps"]),
         (["--config.data.path=/no/such/file.txt"], ["does not exist", "--config.data.path"]),
-        (["--config.mesh.data=4"], ["needs 4 devices but 1 are available"]),
+        (["--config.mesh.data=16"], ["needs 16 devices but 8 are available"]),
         (["--config.train.steps=abc"], ["not a valid int"]),
     ],
     ids=["unknown-key", "missing-data", "mesh-too-large", "bad-value"],
 )
-def test_bad_input(tmp_path, extra, fragments):
-    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path / 'run'}", *extra), *fragments)
+def test_bad_input(tmp_path, capsys, extra, fragments):
+    assert_one_line_error(train_cli(capsys, f"--workdir={tmp_path / 'run'}", *extra), *fragments)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_empty_corpus_and_sequence_longer_than_corpus(tmp_path):
+def test_empty_corpus_and_sequence_longer_than_corpus(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path / 'a'}", f"--config.data.path={empty}"), "holds no text")
+    assert_one_line_error(train_cli(capsys, f"--workdir={tmp_path / 'a'}", f"--config.data.path={empty}"), "holds no text")
     short = tmp_path / "short.txt"
     short.write_text("to be or not to be " * 20)
-    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path / 'b'}", f"--config.data.path={short}"), "train.seq_len=128 is longer than the corpus")
+    assert_one_line_error(train_cli(capsys, f"--workdir={tmp_path / 'b'}", f"--config.data.path={short}"), "train.seq_len=128 is longer than the corpus")
 
 
-def test_batch_not_divisible_by_data_parallel_size(tmp_path):
-    result = run_module(*TRAIN, f"--workdir={tmp_path}", "--config.train.batch_size=12",
-                        env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
-    assert_one_line_error(result, "train.batch_size=12 is not divisible by the data-parallel size 8")
+def test_batch_not_divisible_by_data_parallel_size(tmp_path, capsys):
+    result = train_cli(capsys, f"--workdir={tmp_path}", "--config.train.batch_size=12")
+    assert_one_line_error(result, "train.batch_size=12 is not divisible by the data-parallel size 8 (mesh data x fsdp)")
 
 
-def test_workdir_of_an_incompatible_config(tmp_path):
+def test_workdir_of_an_incompatible_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model": {"embed_dim": 256}}))
-    assert_one_line_error(run_module(*TRAIN, f"--workdir={tmp_path}"), "incompatible config (model.embed_dim: 256 saved, 128 now", "use a new --workdir")
+    assert_one_line_error(train_cli(capsys, f"--workdir={tmp_path}"), "incompatible config (model.embed_dim: 256 saved, 128 now", "use a new --workdir")
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
-def test_generate_without_a_run(tmp_path):
-    assert_one_line_error(run_module("lm.generate", f"--workdir={tmp_path}"), "not a meshlm run")
+def test_generate_without_a_run(tmp_path, capsys):
+    assert_one_line_error(run_cli(capsys, lm_generate.main, f"--workdir={tmp_path}"), "not a meshlm run")
 
 
 def test_bench_prints_json_last(tmp_path):

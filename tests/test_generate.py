@@ -1,6 +1,5 @@
 import jax
-from conftest import run_module
-from test_train import fast_config
+from conftest import fast_config, run_module
 
 from lm.generate import generate, load
 from lm.train import train

@@ -5,42 +5,16 @@ import re
 import jax
 import numpy as np
 import pytest
-from conftest import recipe
+from conftest import VOCAB, run_steps, small_config
 
 import sharding
-from lm.train import setup
+from lm.program import setup
 from sharding import report
-
-# float32: exact comparisons; 8 heads / 4 KV heads and mlp 128 divide tensor=4; vocab 256.
-SMALL = dict(
-    model__num_layers=2, model__embed_dim=64, model__num_heads=8, model__num_kv_heads=4, model__mlp_dim=128,
-    train__batch_size=16, train__seq_len=32, optim__warmup_steps=2, precision__compute_dtype="float32",
-)
-VOCAB, STEPS = 256, 5
-
-
-def config(mesh: dict, **kw):
-    sizes = {"data": 1, **mesh}
-    return recipe("tiny", **{**SMALL, **kw}, **{f"mesh__{k}": v for k, v in sizes.items()})
-
-
-def run_steps(c, devices=None):
-    """Losses of STEPS train steps on fixed random tokens, and the final parameters on the host."""
-    trainer = setup(c, VOCAB, devices)
-    rng = np.random.default_rng(0)
-    losses = []
-    with sharding.activate(trainer.mesh, trainer.rules):
-        state = trainer.init_state(0)
-        for _ in range(STEPS):
-            tokens = rng.integers(0, VOCAB, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
-            state, metrics = trainer.train_step(state, trainer.global_batch(tokens))
-            losses.append(metrics["loss"])
-    return np.asarray(jax.device_get(losses)), jax.device_get(state["params"])
 
 
 @pytest.fixture(scope="module")
 def one_device():
-    return run_steps(config({}), jax.devices()[:1])
+    return run_steps(small_config({}), jax.devices()[:1])
 
 
 @pytest.mark.parametrize(
@@ -55,7 +29,7 @@ def one_device():
     ids=["data8", "fsdp8", "data2-tensor4", "data2-fsdp2-tensor2", "fsdp4-tensor2-sp"],
 )
 def test_sharded_training_matches_one_device(one_device, mesh, sequence_parallel):
-    losses, params = run_steps(config(mesh, sharding__sequence_parallel=sequence_parallel))
+    losses, params = run_steps(small_config(mesh, sharding__sequence_parallel=sequence_parallel))
     ref_losses, ref_params = one_device
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] != losses[0]  # the parameters did move
@@ -63,9 +37,9 @@ def test_sharded_training_matches_one_device(one_device, mesh, sequence_parallel
 
 
 def test_fsdp_holds_an_eighth_of_parameters_and_optimizer_state_per_device():
-    trainer = setup(config({"fsdp": 8}), VOCAB)
+    trainer = setup(small_config({"fsdp": 8}), VOCAB)
     state = trainer.init_state(0)
-    held = {k: state[k] for k in ("params", "opt_state")}
+    held = {"params": state.params, "opt_state": state.opt_state}
     total = report.total_bytes(held)
     for device in trainer.mesh.devices.flat:
         assert report.addressable_bytes(held, device) <= total / 8 * 1.01
@@ -76,8 +50,7 @@ def test_fsdp_holds_an_eighth_of_parameters_and_optimizer_state_per_device():
 def compiled_hlo(c) -> str:
     trainer = setup(c, VOCAB)
     batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=trainer.batch_sharding)
-    with sharding.activate(trainer.mesh, trainer.rules):
-        return trainer.train_step.lower(trainer.abstract_sharded_state(), batch).compile().as_text()
+    return trainer.train_step.lower(trainer.abstract_sharded_state(), batch).compile().as_text()
 
 
 def collective_shapes(hlo: str, op: str) -> list[tuple[int, ...]]:
@@ -96,7 +69,7 @@ def full_logits_gathers(hlo: str, c, data_parallel: int) -> list[tuple[int, ...]
 
 
 def test_tensor_parallel_loss_never_gathers_the_logits():
-    c = config({"data": 2, "fsdp": 2, "tensor": 2}, model__mlp_dim=192)  # only vocab is 256
+    c = small_config({"data": 2, "fsdp": 2, "tensor": 2}, model__mlp_dim=192)  # only vocab is 256
     hlo = compiled_hlo(c)
     assert collective_shapes(hlo, "all-gather")  # FSDP weights are gathered; logits must not be
     assert not full_logits_gathers(hlo, c, data_parallel=4)
@@ -108,7 +81,7 @@ def test_tensor_parallel_loss_never_gathers_the_logits():
 
 
 def test_fsdp_gathers_weights_one_layer_at_a_time_inside_the_scan():
-    c = config({"fsdp": 8}, model__num_layers=4, model__scan_layers=True)
+    c = small_config({"fsdp": 8}, model__num_layers=4, model__scan_layers=True)
     hlo = compiled_hlo(c)
     # Split the module into computations; the layer scan's bodies are while-loop bodies.
     bodies = {m.group(1) for m in re.finditer(r"body=%?([\w.\-]+)", hlo)}

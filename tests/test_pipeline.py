@@ -3,11 +3,12 @@
 import jax
 import numpy as np
 import pytest
-from test_parallelism import VOCAB, config, run_steps
+from conftest import VOCAB, fast_config, small_config
 
 import sharding
 from lm.checkpoint import Checkpointer
-from lm.train import setup, train
+from lm.program import setup
+from lm.train import train
 from sharding import ShardingError
 from sharding.pipeline import bubble_fraction, schedule
 
@@ -28,27 +29,37 @@ def test_schedule_visits_every_chunk_once_in_order_and_its_bubble_is_the_formula
 
 def test_pipeline_configuration_errors():
     with pytest.raises(ShardingError, match="6 layers do not split into mesh.stage=4 x pipeline.repeats=1"):
-        setup(config({"data": 2, "stage": 4}, model__num_layers=6), VOCAB)
+        setup(small_config({"data": 2, "stage": 4}, model__num_layers=6), VOCAB)
     with pytest.raises(ShardingError, match="pipeline.microbatches=2 is fewer than the 4 stages"):
-        setup(config({"data": 2, "stage": 4}, pipeline__microbatches=2, **DEEP), VOCAB)
+        setup(small_config({"data": 2, "stage": 4}, pipeline__microbatches=2, **DEEP), VOCAB)
     with pytest.raises(ShardingError, match="per-replica batch of 4 sequences is not divisible by pipeline.microbatches=3"):
-        setup(config({"data": 4, "stage": 2}, pipeline__microbatches=3, **DEEP), VOCAB)
+        setup(small_config({"data": 4, "stage": 2}, pipeline__microbatches=3, **DEEP), VOCAB)
+
+
+def pipelined_run(c, devices=None, steps: int = 5):
+    """(losses of `steps` train steps on fixed random tokens, final parameters, the first step's
+    (loss, gradients) at the initial parameters, the compiled HLO): one compilation per case."""
+    program = setup(c, VOCAB, devices)
+
+    def step(state, batch):  # the train step and, beside it, the gradients it applies
+        return program._train_step(state, batch), program._grads(state.params, batch)[:2]
+
+    rng = np.random.default_rng(0)
+    batches = [program.global_batch(rng.integers(0, VOCAB, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)) for _ in range(steps)]
+    state = program.init_state(0)
+    compiled = sharding.jit(step, program.mesh, program.rules).lower(state, batches[0]).compile()
+    losses, first = [], None
+    for batch in batches:
+        (state, metrics), grads = compiled(state, batch)
+        losses.append(metrics["loss"])
+        if first is None:
+            first = jax.device_get(grads)
+    return np.asarray(jax.device_get(losses)), jax.device_get(state.params), first, compiled.as_text()
 
 
 @pytest.fixture(scope="module")
 def one_device_deep():
-    c = config({}, **DEEP)
-    return run_steps(c, jax.devices()[:1]), initial_grads(c, jax.devices()[:1])[0]
-
-
-def initial_grads(c, devices=None):
-    """(loss, gradients) at the initial parameters on one fixed batch, and the compiled HLO."""
-    trainer = setup(c, VOCAB, devices)
-    tokens = np.random.default_rng(1).integers(0, VOCAB, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
-    with sharding.activate(trainer.mesh, trainer.rules):
-        state, batch = trainer.init_state(0), trainer.global_batch(tokens)
-        compiled = jax.jit(trainer._grads).lower(state["params"], batch).compile()
-        return jax.device_get(compiled(state["params"], batch)[:2]), compiled.as_text()
+    return pipelined_run(small_config({}, **DEEP), jax.devices()[:1])[:3]
 
 
 @pytest.mark.parametrize(
@@ -63,20 +74,17 @@ def initial_grads(c, devices=None):
     ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2-accum2", "stage2-fsdp4"],
 )
 def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
-    c = config({"data": -1, **mesh}, **DEEP, **extra)
-    (ref_losses, ref_params), (ref_loss, ref_grads) = one_device_deep
-    losses, params = run_steps(c)
+    c = small_config({"data": -1, **mesh}, **DEEP, **extra)
+    ref_losses, ref_params, (ref_loss, ref_grads) = one_device_deep
+    losses, params, (loss, grads), hlo = pipelined_run(c)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), params, ref_params)
-    (loss, grads), hlo = initial_grads(c)
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
     assert "collective-permute" in hlo  # stages hand activations on, forward and backward
 
 
 def test_checkpoint_from_a_pipelined_mesh_restores_on_one_device(tmp_path, small_corpus):
-    from test_train import fast_config
-
     pipelined = dict(model__num_layers=4, mesh__stage=2, mesh__data=4)
     train(fast_config(small_corpus, train__steps=2, **pipelined), tmp_path)
     ckpt = Checkpointer(tmp_path / "checkpoints")
@@ -84,5 +92,5 @@ def test_checkpoint_from_a_pipelined_mesh_restores_on_one_device(tmp_path, small
     flat = setup(fast_config(small_corpus, model__num_layers=4, mesh__data=1), 256, jax.devices()[:1])
     a = jax.device_get(ckpt.restore(saved.abstract_sharded_state(), 2)[0])
     b = jax.device_get(ckpt.restore(flat.abstract_sharded_state(), 2)[0])
-    assert saved.state_shardings["params"]["blocks"]["mlp"]["w_in"].spec[0] == "stage"  # layers were split
+    assert saved.state_shardings.params["blocks"]["mlp"]["w_in"].spec[0] == "stage"  # layers were split
     jax.tree.map(np.testing.assert_array_equal, a, b)

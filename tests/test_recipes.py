@@ -3,9 +3,9 @@
 import jax
 import numpy as np
 import pytest
+from conftest import recipe
 from flax import nnx
 
-from conftest import recipe
 from lm.data import nominal_vocab_size
 from lm.model import ModelConfig, Transformer
 

@@ -30,14 +30,13 @@ def train_one_step(mesh):
     x = jax.device_put(rng.normal(size=(16, 32)).astype(np.float32), sharding.named_sharding(mesh, ("batch", None)))
     y = jax.device_put(rng.normal(size=(16, 32)).astype(np.float32), sharding.named_sharding(mesh, ("batch", None)))
 
-    @jax.jit
     def step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(lambda p: jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), placement), opt_state, loss
 
-    with sharding.activate(mesh):
-        params, _, loss = step(params, tx.init(params), x, y)
+    # The mesh and rules bound into the jitted step: its constraints apply wherever it is traced.
+    params, _, loss = sharding.jit(step, mesh)(params, tx.init(params), x, y)
     return params, float(loss)
 
 

@@ -2,6 +2,7 @@ import re
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -83,6 +84,26 @@ def test_activation_constraint_is_noop_outside_and_applied_inside():
     )
 
 
+def test_a_bound_jit_keeps_its_rules_wherever_it_is_traced():
+    x = jax.numpy.ones((8, 4))
+    mesh = make_mesh(MeshConfig(data=8))
+    double = lambda a: sharding.constrain(a * 2, ("batch", "act_embed"))  # noqa: E731
+    bound = sharding.jit(double, mesh)
+    assert "sharding_constraint" in bound.lower(x).as_text()  # traced with no `activate` around it
+    assert bound(x).sharding.is_equivalent_to(sharding.named_sharding(mesh, ("batch", "act_embed")), 2)
+    assert "sharding_constraint" not in jax.jit(double).lower(x).as_text()  # the detector: unbound, nothing applies
+
+
+def test_train_step_cannot_be_traced_without_its_rules():
+    program = _setup(mesh__data=1, mesh__fsdp=4, mesh__tensor=2, sharding__sequence_parallel=True)
+    batch = jax.ShapeDtypeStruct((16, 129), np.int32, sharding=program.batch_sharding)
+    state = program.abstract_sharded_state()
+    bound = program.train_step.lower(state, batch).as_text()  # no context set by this caller
+    assert bound.count("sharding_constraint") >= 2 * 4 * program.model_cfg.num_layers  # residual, norm outputs, q/k/v, ...
+    unbound = jax.jit(program._train_step).lower(state, batch).as_text()
+    assert "sharding_constraint" not in unbound  # the same function jitted without binding loses them all
+
+
 def test_sharding_never_imports_lm():
     for path in (Path(sharding.__file__).parent).glob("*.py"):
         assert not re.search(r"^\s*(from|import)\s+lm\b", path.read_text(), re.M), path
@@ -110,7 +131,7 @@ def test_rule_overrides_replace_defaults_and_sequence_parallelism_splits_norm_le
 def _setup(**overrides):
     from conftest import recipe
 
-    from lm.train import setup
+    from lm.program import setup
 
     c = recipe("tiny", model__num_layers=2, model__embed_dim=64, model__mlp_dim=128, **overrides)
     return setup(c, 256)

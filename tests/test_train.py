@@ -1,21 +1,12 @@
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import metrics_rows, recipe, run_module
+from conftest import FAST, fast_config, losses, metrics_rows, recipe, run_module
 
 from lm.config import UserError
-from lm.optim import decay_mask
+from lm.program import setup
 from lm.train import train
-
-FAST = dict(
-    model__num_layers=2, model__embed_dim=64, model__num_heads=4, model__num_kv_heads=2, model__mlp_dim=128,
-    train__batch_size=8, train__seq_len=32, train__log_every=1, train__eval_every=10, train__eval_batches=2,
-    optim__warmup_steps=5, precision__compute_dtype="float32",  # exact comparisons across meshes
-)
-
-
-def fast_config(corpus, **kw):
-    return recipe("tiny", data__path=str(corpus), **{**FAST, **kw})
 
 
 def test_loss_falls_and_everything_is_written(tmp_path, small_corpus):
@@ -30,11 +21,6 @@ def test_loss_falls_and_everything_is_written(tmp_path, small_corpus):
     assert last["eval_loss"] == evals[-1]["eval_loss"]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["40"]
-
-
-def losses(workdir):
-    """Loss per step, the last logged value winning (a resumed run re-logs some steps)."""
-    return {r["step"]: r["loss"] for r in metrics_rows(workdir) if "loss" in r}
 
 
 def test_data_parallel_over_8_devices_matches_one_device(tmp_path, small_corpus):
@@ -75,7 +61,16 @@ def test_incompatible_workdir_is_refused_and_left_intact(tmp_path, small_corpus)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before
 
 
-def test_weight_decay_skips_norms_biases_and_embeddings():
-    params = {"embedding": 0, "blocks": {"attn": {"wq": 0, "bq": 0}, "attn_norm": {"scale": 0, "bias": 0}}, "head": 0}
-    mask = decay_mask(params)
-    assert mask == {"embedding": False, "blocks": {"attn": {"wq": True, "bq": False}, "attn_norm": {"scale": False, "bias": False}}, "head": True}
+def test_weight_decay_moves_matmul_weights_only_on_the_real_model():
+    # GPT-2 style with every kind of parameter: biases (per-head q/k/v ones too), layer norms,
+    # learned positions, an untied head. Zero gradients: AdamW's update is decay alone.
+    c = recipe("tiny", model__norm="layernorm", model__position="learned", model__mlp="gelu", model__use_bias=True,
+               model__num_layers=2, model__embed_dim=64, model__mlp_dim=128, optim__weight_decay=0.5, mesh__data=1)
+    program = setup(c, 256, jax.devices()[:1])
+    params = program.init_state(0).params
+    updates, _ = program.tx.update(jax.tree.map(jnp.zeros_like, params), program.tx.init(params), params)
+    moved = {jax.tree_util.keystr(p, simple=True, separator="/") for p, u in jax.tree_util.tree_flatten_with_path(updates)[0] if np.abs(u).max() > 0}
+    weights = {f"blocks/attn/{w}" for w in ("wq", "wk", "wv", "wo")} | {"blocks/mlp/w_in", "blocks/mlp/w_out", "head"}
+    assert moved == weights
+    assert {jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]} > weights | {
+        "embedding", "pos_embedding", "blocks/attn/bq", "blocks/mlp/b_in", "blocks/attn_norm/bias", "final_norm/scale"}

@@ -1,0 +1,233 @@
+"""The building blocks of the Transformer: norms, rotary positions, attention, MLPs, the block.
+
+Every parameter carries logical axis names (`out_sharding` metadata) and large activations are
+constrained by logical names, so the `sharding` rules alone decide how the model is split. Every
+matmul goes through the dtype policy (`Policy.matmul`), so number formats never touch this code.
+Shape suffixes: b batch, t query length, s key length, d embed, h heads, g kv heads, k head
+dim, f mlp hidden, v vocab.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lm.precision import Policy
+from sharding import constrain
+
+if TYPE_CHECKING:
+    from lm.model import ModelConfig
+
+
+class Embedding(nnx.Param):
+    """A lookup table (token or position embeddings): a parameter, but not a matmul weight."""
+
+
+def _param(key, shape, logical_axes, std: float | None, dtype, fill: float = 0.0, kind=nnx.Param) -> nnx.Param:
+    """A parameter with logical axis names; normal(std) when std is given, else constant."""
+    value = std * jax.random.normal(key, shape, dtype) if std else jnp.full(shape, fill, dtype)
+    # Sharding is applied by `sharding` rules at state creation, not eagerly by flax.
+    return kind(value, out_sharding=logical_axes, eager_sharding=False)
+
+
+class Norm(nnx.Module):
+    """RMSNorm or LayerNorm; statistics in float32."""
+
+    def __init__(self, cfg: ModelConfig, policy: Policy):
+        self.cfg, self.policy = cfg, policy
+        dtype = policy.param_dtype
+        self.scale = _param(None, (cfg.embed_dim,), ("embed",), None, dtype, fill=1.0)
+        if cfg.norm == "layernorm":
+            self.bias = _param(None, (cfg.embed_dim,), ("embed",), None, dtype)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x = x_btd.astype(jnp.float32)
+        if self.cfg.norm == "layernorm":
+            x = x - jnp.mean(x, axis=-1, keepdims=True)
+        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.cfg.norm_eps)
+        y = y * self.scale[...]
+        if self.cfg.norm == "layernorm":
+            y = y + self.bias[...]
+        return self.policy.cast(y)
+
+
+@jax.custom_vjp
+def add_bias(x: jax.Array, bias: jax.Array) -> jax.Array:
+    """`x + bias` over x's trailing axes, in x's dtype."""
+    return x + bias.astype(x.dtype)
+
+
+def _add_bias_fwd(x, bias):
+    return add_bias(x, bias), bias
+
+
+def _add_bias_bwd(bias, dy):
+    # The bias gradient sums dy over every leading axis. Written as a ones-vector matmul: XLA:CPU
+    # otherwise fuses this reduction into slow reduce-window loops (PERFORMANCE.md).
+    dy_nf = dy.reshape(-1, bias.size).astype(jnp.float32)
+    dbias = jnp.einsum("n,nf->f", jnp.ones(dy_nf.shape[0], jnp.float32), dy_nf)
+    return dy, dbias.reshape(bias.shape).astype(bias.dtype)
+
+
+add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+def rope(x_bthk: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form), computed in float32."""
+    half = x_bthk.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions_bt[..., None, None].astype(jnp.float32) * freq  # b t 1 k/2
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
+
+
+def attention_kernel(requested: str, q_bthk: jax.Array, causal: bool) -> str:
+    """Which attention runs: `einsum` (written out, the CPU default), `xla` (XLA's own fused
+    attention) or `cudnn` (cuDNN flash attention). `auto` takes cuDNN on GPU when it can take
+    the call: bf16 / float16 inputs, a head dim that is a multiple of 8 up to 128, a causal mask
+    (decoding's cache mask goes to XLA); otherwise XLA on accelerators and einsum on CPU."""
+    if requested != "auto":
+        return requested
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "einsum"
+    head_dim = q_bthk.shape[-1]
+    cudnn_ok = causal and q_bthk.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+    return "cudnn" if backend == "gpu" and cudnn_ok else "xla"
+
+
+def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto") -> jax.Array:
+    """Softmax attention with grouped-query heads; `mask_bts` None means causal.
+
+    On GPU this is `jax.nn.dot_product_attention` (cuDNN flash attention where it applies, see
+    `attention_kernel`). On CPU the same maths is written out: XLA:CPU fuses the library
+    version's softmax backward into a slow reduction, and the einsums here run on the policy's
+    matmul (bf16 units).
+    """
+    kernel = attention_kernel(kernel, q_bthk, mask_bts is None)
+    if kernel != "einsum":
+        mask = None if mask_bts is None else mask_bts[:, None]
+        return jax.nn.dot_product_attention(
+            q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=mask_bts is None, implementation=kernel
+        )
+    b, t, h, k = q_bthk.shape
+    g = k_bsgk.shape[2]
+    q = (q_bthk * jnp.asarray(k**-0.5, q_bthk.dtype)).reshape(b, t, g, h // g, k)
+    logits = policy.matmul("btgrk,bsgk->bgrts", q, k_bsgk, out_dtype=jnp.float32)
+    if mask_bts is None:
+        s = k_bsgk.shape[1]
+        mask_bts = (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])[None]
+    logits = jnp.where(mask_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = policy.matmul("bgrts,bsgk->btgrk", probs, v_bsgk)
+    return out.reshape(b, t, h, k)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, policy: Policy, rngs: nnx.Rngs):
+        self.cfg, self.policy = cfg, policy
+        d, h, g, k, dt = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, policy.param_dtype
+        out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
+        self.wq = _param(rngs.params(), (d, h, k), ("embed", "heads", "head_dim"), 0.02, dt)
+        self.wk = _param(rngs.params(), (d, g, k), ("embed", "kv_heads", "head_dim"), 0.02, dt)
+        self.wv = _param(rngs.params(), (d, g, k), ("embed", "kv_heads", "head_dim"), 0.02, dt)
+        self.wo = _param(rngs.params(), (h, k, d), ("heads", "head_dim", "embed"), out_std, dt)
+        # The state each dense matmul keeps under the policy (fp8 scales), or None.
+        self.wq_site, self.wk_site, self.wv_site, self.wo_site = (policy.site() for _ in range(4))
+        if cfg.use_bias:
+            self.bq = _param(None, (h, k), ("heads", "head_dim"), None, dt)
+            self.bk = _param(None, (g, k), ("kv_heads", "head_dim"), None, dt)
+            self.bv = _param(None, (g, k), ("kv_heads", "head_dim"), None, dt)
+            self.bo = _param(None, (d,), ("embed",), None, dt)
+
+    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
+        cfg = self.cfg
+        q = self.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...], site=self.wq_site)
+        k = self.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...], site=self.wk_site)
+        v = self.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_site)
+        if cfg.use_bias:
+            q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
+        if cfg.position == "rope":
+            q, k = rope(q, positions_bt, cfg.rope_theta), rope(k, positions_bt, cfg.rope_theta)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"), "queries")
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"), "keys")
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"), "values")
+        if cache is None:
+            out = attention(q, k, v, None, self.policy, cfg.attention)
+        else:  # decoding: write this chunk into the cache, attend to every filled position
+            start = (0, cache_index, 0, 0)
+            cache = {
+                "k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start),
+                "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start),
+            }
+            key_positions = jnp.arange(cache["k"].shape[1])
+            mask_bts = key_positions[None, None, :] <= positions_bt[:, :, None]
+            out = attention(q, self.policy.cast(cache["k"]), self.policy.cast(cache["v"]), mask_bts, self.policy, cfg.attention)
+        y = self.policy.matmul("bthk,hkd->btd", out, self.wo[...], site=self.wo_site)
+        if cfg.use_bias:
+            y = add_bias(y, self.bo[...])
+        return y, cache
+
+
+class Mlp(nnx.Module):
+    def __init__(self, cfg: ModelConfig, policy: Policy, rngs: nnx.Rngs):
+        self.cfg, self.policy = cfg, policy
+        d, f, dt = cfg.embed_dim, cfg.mlp_dim, policy.param_dtype
+        out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
+        self.w_in = _param(rngs.params(), (d, f), ("embed", "mlp"), 0.02, dt)
+        if cfg.mlp == "swiglu":
+            self.w_gate = _param(rngs.params(), (d, f), ("embed", "mlp"), 0.02, dt)
+        self.w_out = _param(rngs.params(), (f, d), ("mlp", "embed"), out_std, dt)
+        self.w_in_site, self.w_out_site = policy.site(), policy.site()
+        self.w_gate_site = policy.site() if cfg.mlp == "swiglu" else None
+        if cfg.use_bias:
+            self.b_in = _param(None, (f,), ("mlp",), None, dt)
+            self.b_out = _param(None, (d,), ("embed",), None, dt)
+
+    def __call__(self, x_btd):
+        # The hidden activation is computed in float32 straight from the matmul accumulator and
+        # cast once: cheaper on CPU than bf16 elementwise maths (converted to f32 and back).
+        cfg, f32 = self.cfg, jnp.float32
+        h = self.policy.matmul("btd,df->btf", x_btd, self.w_in[...], out_dtype=f32, site=self.w_in_site)
+        if cfg.use_bias:
+            h = add_bias(h, self.b_in[...])
+        if cfg.mlp == "swiglu":
+            gate = self.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=f32, site=self.w_gate_site)
+            h = jax.nn.silu(gate) * h
+        else:
+            h = jax.nn.gelu(h)
+        h = constrain(self.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden")
+        y = self.policy.matmul("btf,fd->btd", h, self.w_out[...], site=self.w_out_site)
+        if cfg.use_bias:
+            y = add_bias(y, self.b_out[...])
+        return y
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, policy: Policy, rngs: nnx.Rngs):
+        self.attn_norm = Norm(cfg, policy)
+        self.attn = Attention(cfg, policy, rngs)
+        self.mlp_norm = Norm(cfg, policy)
+        self.mlp = Mlp(cfg, policy, rngs)
+
+    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
+        y, cache = self.attn(gather_length(self.attn_norm(x_btd)), positions_bt, cache, cache_index)
+        x_btd = constrain(x_btd + y, ("batch", "norm_length", "act_embed"), "residual")
+        x_btd = x_btd + self.mlp(gather_length(self.mlp_norm(x_btd)))
+        return constrain(x_btd, ("batch", "norm_length", "act_embed"), "residual"), cache
+
+
+def gather_length(x_btd: jax.Array) -> jax.Array:
+    """The whole sequence on every tensor shard, entering a column-parallel matmul.
+
+    Under sequence parallelism this is Megatron's all-gather from the sequence-split norm region;
+    the row-parallel output's reduction then lands split again (reduce-scatter). Without it XLA
+    may instead move the heads (all-to-all) or gather the weights.
+    """
+    return constrain(x_btd, ("batch", "length", "act_embed"), "norm output")

@@ -1,0 +1,57 @@
+"""The one matmul every model weight goes through: `einsum(spec, x, w)` on compute-dtype
+inputs with float32 accumulation, forward and backward (a hand-written VJP).
+
+Autodiff of a dot with `preferred_element_type=float32` would give float32 x bf16 backward dots
+(slow on CPU, and not what fp8 / bf16 hardware runs); here the output gradient is cast to the
+inputs' dtype so both backward matmuls run on the same units as the forward one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def transposed_specs(spec: str) -> tuple[str, str, str]:
+    """For `x,w->y`: the einsums giving dx from (dy, w), and dw from (x, dy) or from (dy, x)."""
+    inputs, out = spec.split("->")
+    x, w = inputs.split(",")
+    for index in set(x + w + out):
+        if (index in x) + (index in w) + (index in out) < 2:
+            raise ValueError(f"matmul spec {spec!r}: index {index!r} must appear in two or three terms")
+    return f"{out},{w}->{x}", f"{x},{out}->{w}", f"{out},{x}->{w}"
+
+
+def backward(spec: str, x, w, dy):
+    """(dx, dw) of `einsum(spec, x, w)` in x's and w's dtypes, float32 accumulation."""
+    dx_spec, dw_spec, dw_spec_swapped = transposed_specs(spec)
+    dx = jnp.einsum(dx_spec, dy, w, preferred_element_type=F32).astype(x.dtype)
+    # XLA:CPU transposes a weight-gradient matmul's first operand (and refuses to materialise
+    # what produced it, recomputing it inside the transpose); so the smaller operand goes first.
+    if x.size > dy.size:
+        dw = jnp.einsum(dw_spec_swapped, dy, x, preferred_element_type=F32)
+    else:
+        dw = jnp.einsum(dw_spec, x, dy, preferred_element_type=F32)
+    return dx, dw.astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def matmul(spec: str, out_dtype, x, w):
+    """`einsum(spec, x, w)` accumulated in float32, the result in `out_dtype`."""
+    return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(out_dtype)
+
+
+def _matmul_fwd(spec, out_dtype, x, w):
+    return matmul(spec, out_dtype, x, w), (x, w)
+
+
+def _matmul_bwd(spec, out_dtype, residuals, dy):
+    x, w = residuals
+    return backward(spec, x, w, dy.astype(x.dtype))
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)

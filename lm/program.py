@@ -1,0 +1,277 @@
+"""The compiled program of one training setup: the train state's layout and shardings, and the
+pure init / train / eval steps, jitted with the mesh and rules bound in (`sharding.jit`).
+
+Nothing here reads files or loops over steps (that is `lm.train`). `lm.bench`, `lm.layout` and
+`lm.numerics` build a `Program`; `lm.generate` needs only `ModelLayout` (no optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import sharding
+import sharding.pipeline
+from lm.config import RunSpec, UserError
+from lm.fp8 import Fp8Meta, Probe, update_fp8
+from lm.layers import Embedding
+from lm.model import Transformer
+from lm.optim import optimizer, schedule
+from sharding.pipeline import split_microbatches
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes; checkpointed whole (`to_dict`)."""
+
+    step: jax.Array
+    params: dict
+    opt_state: Any
+    fp8: dict | None = None  # delayed-scaling scales and amax histories, with precision.fp8
+    loss_scale: dict | None = None  # {scale, good_steps}, with dynamic loss scaling
+
+    def to_dict(self) -> dict:
+        """The checkpoint's form: a dict of the fields in use."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainState:
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    """Fault injection for tests: how a run should misbehave, and when."""
+
+    kill_at_step: int | None = None  # SIGKILL once this step's checkpoint is durable
+    kill_during_save_at_step: int | None = None  # SIGKILL as soon as this step's save has started
+    nonfinite_steps: tuple[int, ...] = ()  # these steps' loss and gradients are NaN
+    overflow_steps: tuple[int, ...] = ()  # these steps' gradients are 1e30 times too large
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy in float32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+    return jnp.mean(losses)
+
+
+class ModelLayout:
+    """The model's variables, abstract: its graph, parameters (with logical axes), fp8 state and
+    statistics probes, and where each parameter lives on `mesh`."""
+
+    def __init__(self, spec: RunSpec, mesh: Mesh):
+        self.spec, self.mesh, self.rules = spec, mesh, spec.rules
+        make = lambda: Transformer(spec.model, rngs=nnx.Rngs(0), policy=spec.policy, pipeline=spec.pipeline)  # noqa: E731
+        abstract = sharding.abstract_module(make)
+        self.graphdef, params, fp8, probes = nnx.split(abstract, nnx.Param, Fp8Meta, Probe)
+        self.abstract_params, self.abstract_fp8 = nnx.to_pure_dict(params), nnx.to_pure_dict(fp8)
+        self.probes = nnx.to_pure_dict(probes)  # shapes: the probes are zeros each step
+        self.logical_axes = sharding.logical_axes(params)
+        self.param_shardings = sharding.state_shardings(params, mesh, spec.rules)
+        self.fp8_shardings = sharding.state_shardings(fp8, mesh, spec.rules) if spec.policy.fp8 else None
+        self.decay_mask = decay_mask(params)
+
+    def zero_probes(self) -> dict:
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.probes)
+
+    def model(self, params, fp8=None, probes=None) -> Transformer:
+        """The model on these parameters (and fp8 state; probes default to zeros)."""
+        return nnx.merge(self.graphdef, params, fp8 or {}, self.zero_probes() if probes is None else probes)
+
+
+def decay_mask(params: nnx.State) -> dict:
+    """True for the parameters weight decay applies to: matmul weights, told by their logical
+    axes (nanoGPT's rank >= 2 rule, where a weight's rank counts its logical axes other than the
+    stacked `layers`, and one of them is the model width `embed`). Norm scales, biases (also the
+    per-head ones of q/k/v) and lookup tables (`Embedding`) are not decayed."""
+    flat = {}
+    for path, var in nnx.to_flat_state(params):
+        axes = [a for a in var.get_metadata().get("out_sharding") or () if a != "layers"]
+        flat[path] = len(axes) >= 2 and "embed" in axes and not isinstance(var, Embedding)
+    return nnx.to_pure_dict(nnx.from_flat_state(flat))
+
+
+class Program:
+    """A training setup compiled for a mesh: the state's shardings and the jitted steps."""
+
+    def __init__(self, spec: RunSpec, mesh: Mesh, faults: Faults = Faults()):
+        c = spec.config
+        self.spec, self.config, self.mesh, self.rules, self.faults = spec, c, mesh, spec.rules, faults
+        self.model_cfg, self.policy, self.loss_scaling = spec.model, spec.policy, spec.loss_scaling
+        self.layout = layout = ModelLayout(spec, mesh)
+        self.tx = optimizer(c, layout.decay_mask)
+        self.schedule = schedule(c)
+        self.abstract_state = jax.eval_shape(lambda: self._init(0))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        sharding.check_rules(self.rules, mesh)  # also the rules no parameter uses
+        opt_shardings = optax.tree_map_params(
+            self.tx, lambda _, s: s, self.abstract_state.opt_state, layout.param_shardings, transform_non_params=lambda _: replicated
+        )
+        loss_scale = self.abstract_state.loss_scale
+        self.state_shardings = TrainState(
+            step=replicated,
+            params=layout.param_shardings,
+            opt_state=opt_shardings,
+            fp8=layout.fp8_shardings,
+            loss_scale=None if loss_scale is None else jax.tree.map(lambda _: replicated, loss_scale),
+        )
+        batch_size, length = c.train.batch_size, c.train.seq_len + 1
+        self.batch_sharding = sharding.named_sharding(mesh, ("batch", "length"), self.rules, shape=(batch_size, length), name="batch")
+        self.replicated = replicated
+        jit = lambda fn, **kw: sharding.jit(fn, mesh, self.rules, **kw)  # noqa: E731
+        self.init_state = jit(self._init, static_argnums=0, out_shardings=self.state_shardings)
+        self.train_step = jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        self.eval_step = jit(
+            lambda state, tokens: self._loss(state.params, tokens, state.fp8),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=replicated,
+        )
+        self.grads = jit(self._grads)  # loss, gradients and statistics alone (tests, inspection)
+
+    # -- pure functions, traced under jit
+
+    def _init(self, seed: int) -> TrainState:
+        model = Transformer(self.model_cfg, rngs=nnx.Rngs(seed), policy=self.policy, pipeline=self.spec.pipeline)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.tx.init(params),
+            fp8=nnx.to_pure_dict(nnx.state(model, Fp8Meta)) if self.policy.fp8 else None,
+            loss_scale=self.loss_scaling.init(),
+        )
+
+    def _loss(self, params, tokens_bl: jax.Array, fp8=None, probes=None) -> jax.Array:
+        """`l` is the sequence length + 1: inputs are tokens[:, :-1], targets tokens[:, 1:]."""
+        logits, _ = self.layout.model(params, fp8, probes)(tokens_bl[:, :-1])
+        return cross_entropy(logits, tokens_bl[:, 1:])
+
+    def _grads(self, params, tokens_bl, fp8=None, loss_scale=1.0):
+        """(mean loss, mean grads of `loss * loss_scale`, matmul statistics) over the batch,
+        accumulated over `train.grad_accum` microbatches (statistics: amaxes, the maximum)."""
+        accum = self.config.train.grad_accum
+
+        def scaled_loss(params, probes, tokens):
+            loss = self._loss(params, tokens, fp8, probes)
+            return loss * loss_scale, loss
+
+        grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
+
+        def one(tokens):
+            (grads, stats), loss = grad_fn(params, self.layout.zero_probes(), tokens)
+            return loss, grads, stats
+
+        if accum == 1:
+            return one(tokens_bl)
+        micro = split_microbatches(tokens_bl, accum, ("batch", "length"))
+
+        def add(carry, tokens):
+            loss, grads, stats = one(tokens)
+            summed = jax.tree.map(jnp.add, carry[:2], (loss, grads))
+            return (*summed, jax.tree.map(jnp.maximum, carry[2], stats)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), self.layout.zero_probes())
+        (loss, grads, stats), _ = jax.lax.scan(add, zeros, micro)
+        return loss / accum, jax.tree.map(lambda g: g / accum, grads), stats
+
+    def _train_step(self, state: TrainState, tokens_bl):
+        step = state.step + 1
+        scale = self.loss_scaling.current(state.loss_scale)
+        applied_scale = scale
+        if self.faults.overflow_steps:  # fault injection (tests): gradients far too large
+            applied_scale = scale * jnp.where(jnp.isin(step, jnp.asarray(self.faults.overflow_steps)), 1e30, 1.0)
+        loss, grads, stats = self._grads(state.params, tokens_bl, state.fp8, applied_scale)
+        if self.loss_scaling.kind != "none":
+            grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+        if self.faults.nonfinite_steps:  # fault injection (tests): these steps' loss and gradients are NaN
+            poison = jnp.where(jnp.isin(step, jnp.asarray(self.faults.nonfinite_steps)), jnp.nan, 1.0)
+            loss, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (loss, grads))
+        # A non-finite update is not applied (optax.apply_if_finite); the step still counts.
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": self.schedule(state.step),
+            "nonfinite_in_a_row": opt_state.notfinite_count,
+            "skipped_steps": opt_state.total_notfinite,
+        }
+        fp8 = state.fp8
+        if fp8 is not None:  # delayed scaling learns from applied steps only
+            updated = update_fp8(fp8, stats, self.policy.fp8)
+            fp8 = jax.tree.map(lambda n, o: jnp.where(opt_state.last_finite, n, o), updated, fp8)
+        if self.loss_scaling.kind != "none":
+            metrics["loss_scale"] = scale
+        if self.policy.observe:
+            metrics["matmul_stats"] = stats
+        new_state = TrainState(
+            step=step,
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            fp8=fp8,
+            loss_scale=self.loss_scaling.update(state.loss_scale, opt_state.last_finite),
+        )
+        return new_state, metrics
+
+    # -- host side
+
+    def global_batch(self, local_rows: np.ndarray) -> jax.Array:
+        """This process's rows -> one global array sharded over `batch`."""
+        return jax.make_array_from_process_local_data(self.batch_sharding, local_rows)
+
+    def abstract_sharded_state(self) -> TrainState:
+        """ShapeDtypeStructs of the state placed by its shardings: a restore or compile target."""
+        return placed(self.abstract_state, self.state_shardings)
+
+
+def placed(tree, shardings):
+    """ShapeDtypeStructs of `tree`'s arrays carrying `shardings`: a restore or compile target."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def check_batch_split(spec: RunSpec, mesh: Mesh) -> None:
+    """UserErrors for a batch or sequence the mesh cannot split as the rules say."""
+    c = spec.config
+    b, accum = c.train.batch_size, c.train.grad_accum
+    dp = sharding.axis_size(mesh, spec.rules, "batch")
+    if b % (dp * accum):
+        axes = " x ".join(sharding.rule_axes(spec.rules, "batch")) or "none"
+        raise UserError(
+            f"train.batch_size={b} is not divisible by the data-parallel size {dp} (mesh {axes})"
+            + (f" times train.grad_accum={accum}" if accum > 1 else "")
+            + f"; use a multiple of {dp * accum} or change the mesh"
+        )
+    seq = sharding.axis_size(mesh, spec.rules, "norm_length")
+    if c.train.seq_len % seq:
+        axes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in sharding.rule_axes(spec.rules, "norm_length"))
+        raise UserError(
+            f"sequence parallelism splits the sequence over {axes}, which does not "
+            f"divide train.seq_len={c.train.seq_len}; change one of them"
+        )
+    plan = spec.pipeline
+    if plan.stages > 1:
+        per_replica = b // (dp * accum)
+        sharding.pipeline.check(plan.stages, plan.microbatches, plan.repeats, spec.model.num_layers, per_replica)
+    if b % jax.process_count():
+        raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
+
+
+def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), observe: bool = False) -> Program:
+    """Config -> typed spec (parsed once) -> mesh (checked against the batch) -> the Program.
+
+    `observe`: every step also returns the block matmuls' statistics (`lm.numerics`)."""
+    spec = RunSpec.parse(config, vocab_size, observe=observe)
+    mesh = sharding.make_mesh(spec.mesh, devices)
+    check_batch_split(spec, mesh)
+    return Program(spec, mesh, faults)
