@@ -47,9 +47,7 @@ class Checkpointer:
     def restore(self, abstract_state, step: int | None = None) -> tuple[object, dict | None]:
         """(state placed as `abstract_state`'s shardings, data iterator state) at `step` (default
         latest). A `TrainState` comes back as one (it is stored as the dict of its fields)."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise UserError(f"no checkpoint in {self.directory}; train first")
+        step = self._step(step)
         path = self.directory / str(step)
         tree = _as_tree(abstract_state)
         self._check_layout(tree, step)
@@ -69,9 +67,7 @@ class Checkpointer:
     def restore_part(self, abstract_part: dict, step: int | None = None) -> dict:
         """Only the named top-level entries of a step's state (e.g. `params`), read from disk
         alone: the rest (optimizer moments) is never loaded."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise UserError(f"no checkpoint in {self.directory}; train first")
+        step = self._step(step)
         self._check_layout(abstract_part, step, partial=True)
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_part)
         args = ocp.args.PyTreeRestore(item=abstract_part, restore_args=restore_args, partial_restore=True)
@@ -93,6 +89,17 @@ class Checkpointer:
                 warn(f"warning: {e}; it is kept as {step}.unreadable and the previous checkpoint is used")
                 self._set_aside(step)
         return None
+
+    def _step(self, step: int | None) -> int:
+        """`step`, or the latest one; a UserError when there is no such checkpoint."""
+        steps = sorted(self.manager.all_steps())
+        if not steps:
+            raise UserError(f"no checkpoint in {self.directory}; train first")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise UserError(f"no checkpoint of step {step} in {self.directory}; it holds steps {', '.join(map(str, steps))}")
+        return step
 
     def _check_layout(self, abstract_state, step: int, partial: bool = False) -> None:
         """A checkpoint of another state layout (config or meshlm version) is a user error, not damage."""

@@ -59,5 +59,5 @@ def run(main: Callable[[list[str]], None], argv: list[str] | None = None) -> Non
     try:
         main(sys.argv[1:] if argv is None else argv)
     except (UserError, sharding.ShardingError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print("error: " + " ".join(str(e).split("\n")), file=sys.stderr, flush=True)  # one line, always
         sys.exit(getattr(e, "exit_code", 2))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import ml_collections
@@ -108,8 +109,23 @@ _POSITIVE = (
     "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "pipeline.repeats", "checkpoint.every_steps",
     "checkpoint.keep", "data.vocab_size",
     "precision.fp8_history", "precision.loss_scale_initial", "precision.loss_scale_growth_interval",
-    "precision.loss_scale_min",
+    "precision.loss_scale_min", "optim.lr", "optim.eps", "model.rope_theta", "model.norm_eps",
 )
+_NOT_NEGATIVE = (
+    "optim.weight_decay", "optim.clip_norm", "optim.warmup_steps", "optim.decay_steps", "model.head_dim",
+    "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed",
+)
+# [low, high) intervals
+_INTERVALS = {"optim.b1": (0.0, 1.0), "optim.b2": (0.0, 1.0), "optim.min_lr_ratio": (0.0, 1.0 + 1e-12)}
+
+
+def _numbers(c, prefix: str = ""):
+    """(dotted key, value) of every number in the config, booleans aside."""
+    for key, value in c.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from _numbers(value, f"{prefix}{key}.")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield f"{prefix}{key}", value
 
 
 def _get(c, dotted: str):
@@ -123,9 +139,18 @@ def validate(c: ml_collections.ConfigDict) -> None:
     for key, choices in _CHOICES.items():
         if _get(c, key) not in choices:
             raise UserError(f"--config.{key}={_get(c, key)!r} is not one of {', '.join(choices)}")
+    for key, value in _numbers(c):
+        if not math.isfinite(value):
+            raise UserError(f"--config.{key} must be a finite number, got {value}")
     for key in _POSITIVE:
         if _get(c, key) <= 0:
             raise UserError(f"--config.{key} must be positive, got {_get(c, key)}")
+    for key in _NOT_NEGATIVE:
+        if _get(c, key) < 0:
+            raise UserError(f"--config.{key} must be zero or positive, got {_get(c, key)}")
+    for key, (low, high) in _INTERVALS.items():
+        if not low <= _get(c, key) < high:
+            raise UserError(f"--config.{key} must be in [{low:g}, {min(high, 1.0):g}{')' if high <= 1.0 else ']'}, got {_get(c, key)}")
     m = c.model
     if m.num_heads % m.num_kv_heads:
         raise UserError(
@@ -155,7 +180,7 @@ def _validate_precision(c: ml_collections.ConfigDict) -> None:
             number = float(p.loss_scale)
         except ValueError:
             number = 0.0
-        if not number > 0:
+        if not (number > 0 and math.isfinite(number)):
             raise UserError(f"--config.precision.loss_scale={p.loss_scale!r} is not one of auto, none, dynamic or a positive number")
     if not p.loss_scale_growth_factor > 1.0 or not 0.0 < p.loss_scale_backoff < 1.0:
         raise UserError(
@@ -213,19 +238,73 @@ def from_json(text: str) -> ml_collections.ConfigDict:
 
 
 def load_file(path: str) -> ml_collections.ConfigDict:
-    """The config returned by `get_config()` in a recipe file."""
-    import importlib.util
-    from pathlib import Path
+    """The config returned by `get_config()` in a recipe file, its keys checked against the schema.
 
-    p = Path(path)
+    The recipe is the user's own code: an error raised while it runs (a syntax error, an
+    exception in `get_config`) is reported as one line naming the file and line, not a traceback.
+    """
+    import importlib.util
+    import traceback
+
+    p = Path(path).expanduser()
     if not p.is_file():
-        raise UserError(f"config file {path!r} does not exist; pick one in configs/ (e.g. --config=configs/tiny.py)")
-    spec = importlib.util.spec_from_file_location(f"meshlm_config_{p.stem}", p)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise UserError(f"config file {path!r} defines no get_config()")
-    return module.get_config()
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise UserError(f"config file {path!r} {what}; pick one in configs/ (e.g. --config=configs/tiny.py)")
+    try:
+        source = p.read_bytes().decode("utf-8")
+        code = compile(source, str(p), "exec")
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path!r} is not UTF-8 text; a recipe is a Python file defining get_config()") from None
+    except (SyntaxError, ValueError) as e:  # ValueError: source with null bytes
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise UserError(f"config file {path!r} is not valid Python{where}: {getattr(e, 'msg', e)}") from None
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"meshlm_config_{p.stem}", loader=None))
+    try:
+        exec(code, module.__dict__)  # noqa: S102 - the user's recipe, run as Python
+        get_config = module.__dict__.get("get_config")
+        if not callable(get_config):
+            raise UserError(f"config file {path!r} defines no get_config(); a recipe returns lm.config.default_config() changed")
+        c = get_config()
+    except UserError:
+        raise
+    except Exception as e:  # the user's code failed: say where, in their file
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(p)]
+        where = f" at line {frames[-1].lineno}" if frames else ""
+        raise UserError(f"config file {path!r} raised {type(e).__name__}{where}: {e}") from None
+    if not isinstance(c, ml_collections.ConfigDict):
+        raise UserError(f"config file {path!r}: get_config() returned {type(c).__name__}, not an ml_collections.ConfigDict (start from lm.config.default_config())")
+    return _onto_schema(c, default_config(), str(path))
+
+
+def _onto_schema(c, schema: ml_collections.ConfigDict, source: str, prefix: str = "") -> ml_collections.ConfigDict:
+    """`c`'s values written onto the (type-safe) schema: a recipe can neither invent keys meshlm
+    would ignore nor give a key a value of the wrong type."""
+    import difflib
+
+    for key in c.keys():
+        if key not in schema:
+            close = difflib.get_close_matches(key, list(schema.keys()), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+            raise UserError(f"config file {source!r} sets unknown key {prefix}{key}{hint}")
+        if isinstance(schema[key], ml_collections.ConfigDict):
+            if not isinstance(c[key], (ml_collections.ConfigDict, dict)):
+                raise UserError(f"config file {source!r}: {prefix}{key} must be a group of keys, got {c[key]!r}")
+            _onto_schema(c[key], schema[key], source, f"{prefix}{key}.")
+            continue
+        _assign(schema, key, c[key], f"config file {source!r}: {prefix}{key}={c[key]!r}")
+    return schema
+
+
+def _assign(node: ml_collections.ConfigDict, key: str, value, shown: str) -> None:
+    """`node[key] = value`, type-checked: a value of the wrong type, or None for a key that has
+    no "unset" meaning, is a UserError starting with `shown` (how the user wrote it)."""
+    kind = type(node[key]).__name__ if node[key] is not None else "value"
+    if value is None and node[key] is not None:
+        raise UserError(f"{shown} is not a valid {kind}: this key cannot be unset")
+    try:
+        node[key] = value
+    except TypeError:
+        raise UserError(f"{shown} is not a valid {kind}") from None
 
 
 def _parse_value(text: str, current):
@@ -249,6 +328,7 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
     c = ml_collections.ConfigDict(c.to_dict(), type_safe=True)
     for dotted, text in overrides.items():
         *groups, key = dotted.split(".")
+        dotted = dotted if dotted.isprintable() else repr(dotted)  # echoed in one-line errors
         node = c
         for g in groups:
             if not isinstance(node, ml_collections.ConfigDict) or g not in node:
@@ -260,11 +340,7 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
             hint = f"; did you mean --config.{'.'.join(groups + close)}?" if close else f"; known keys: {', '.join(sorted(known))}"
             raise UserError(f"unknown config key --config.{dotted}{hint}")
         value = _parse_value(text, node[key]) if isinstance(text, str) else text
-        try:
-            node[key] = value
-        except TypeError:
-            kind = type(node[key]).__name__ if node[key] is not None else "value"
-            raise UserError(f"--config.{dotted}={text!r} is not a valid {kind}") from None
+        _assign(node, key, value, f"--config.{dotted}={text!r}")
     validate(c)
     c.lock()
     return c
@@ -284,7 +360,13 @@ def checked(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 def load_run(workdir: str | Path) -> ml_collections.ConfigDict | None:
     """The config a run in `workdir` was trained with (its config.json), or None if there is none."""
     path = Path(workdir) / "config.json"
-    return from_json(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        return from_json(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, TypeError, AttributeError) as e:  # not JSON, or not a config's shape / types
+        raise UserError(f"{path} is not a meshlm run config ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                        "it was not written by lm.train: use another --workdir") from None
 
 
 def save_run(c: ml_collections.ConfigDict, workdir: str | Path) -> None:

@@ -22,6 +22,7 @@ import grain
 import numpy as np
 
 from lm.config import UserError
+from lm.inputs import readable_file
 
 EOS = "<|endoftext|>"
 
@@ -43,15 +44,15 @@ def corpus_files(path: str | None) -> list[Path]:
         files = sorted(Path(p) for p in glob.glob(path, recursive=True) if Path(p).is_file())
         if not files:
             raise UserError(f"data.path={path!r} matches no files; check the pattern")
-        return files
+        return [readable_file(f, "a file matched by data.path") for f in files]
     p = Path(path).expanduser()
     if p.is_file():
-        return [p]
+        return [readable_file(p, "data.path")]
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts))
         if not files:
             raise UserError(f"data.path={path!r} is an empty directory; put text files in it")
-        return files
+        return [readable_file(f, "a file under data.path") for f in files]
     raise UserError(f"data.path={path!r} does not exist; pass --config.data.path=FILE|DIR|GLOB (or leave it unset for the built-in corpus)")
 
 
@@ -96,9 +97,15 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.path = path
-        text = path.read_text(encoding="utf-8")
-        self.tokenizer = Tokenizer.from_str(text)
+        try:
+            text = path.read_bytes().decode("utf-8")
+            self.tokenizer = Tokenizer.from_str(text)
+        except Exception as e:  # UnicodeDecodeError, or the library's own parse errors (plain Exception)
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"{path} is not a Hugging Face tokenizer.json ({reason}); pass one saved by `tokenizers` or 'byte' / 'bpe'") from None
         self.vocab_size = self.tokenizer.get_vocab_size()
+        if self.vocab_size < 1:
+            raise UserError(f"{path} holds an empty vocabulary; pass a trained tokenizer.json")
         self.fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
         self.eos_id = self.tokenizer.token_to_id(EOS)
 
@@ -142,13 +149,13 @@ def tokenizer_for(data_config, workdir: str | os.PathLike | None, files: list[Pa
             raise UserError("a BPE tokenizer is trained into the workdir; pass --workdir")
         train_bpe(documents(files), data_config.vocab_size, kept)
         return HFTokenizer(kept)
-    given = Path(name).expanduser()
-    if not given.is_file():
+    if not Path(name).expanduser().exists():
         raise UserError(f"data.tokenizer={name!r} is not 'byte', 'bpe' or an existing tokenizer.json")
+    given = HFTokenizer(readable_file(name, "data.tokenizer"))  # parsed before anything is written
     if kept is None:
-        return HFTokenizer(given)
+        return given
     kept.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(given, kept)
+    shutil.copyfile(given.path, kept)
     return HFTokenizer(kept)
 
 

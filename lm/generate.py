@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import sharding
-from lm import cli
+from lm import cli, inputs
 from lm import config as lm_config
 from lm import data as lm_data
 from lm.checkpoint import Checkpointer
@@ -34,10 +34,8 @@ def load(workdir: str | Path, step: int | None = None):
 
     Only the parameters (and fp8 scales) are read from the checkpoint, never the optimizer's
     moments: sampling needs a third of a training run's memory."""
-    workdir = Path(workdir)
+    workdir = inputs.existing_run_dir(workdir)
     config = lm_config.load_run(workdir)
-    if config is None:
-        raise UserError(f"{workdir} is not a meshlm run (no config.json); pass the --workdir you trained in")
     tokenizer = lm_data.tokenizer_for(config.data, workdir)
     spec = dataclasses.replace(RunSpec.parse(config, tokenizer.vocab_size), pipeline=PipelinePlan())  # one device
     layout = ModelLayout(spec, sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1]))

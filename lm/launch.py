@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,6 +117,8 @@ def main(argv: list[str]) -> None:
     command = argv[split + 1 :]
     if not command or args.processes < 1 or args.devices_per_process < 1:
         raise UserError("need a command after -- and positive --processes / --devices_per_process")
+    if shutil.which(command[0]) is None:
+        raise UserError(f"the command after -- starts with {command[0]!r}, which is not an executable program; e.g. python -m lm.train ...")
     code = launch(command, args.processes, args.devices_per_process)
     sys.exit(code if code >= 0 else 128 - code)
 

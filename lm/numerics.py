@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lm import cli
+from lm import cli, inputs
 from lm import config as lm_config
 from lm import data as lm_data
 from lm.checkpoint import Checkpointer
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--underflow_limit", type=float, default=0.01, help="flush-to-zero fraction that disqualifies a layer")
     parser.add_argument("--overflow_limit", type=float, default=1e-4, help="fp8 clipped fraction that disqualifies a layer")
     args = parser.parse(argv)
-    workdir = Path(args.workdir)
+    workdir = inputs.new_or_run_dir(args.workdir)
     config = args.config
     saved = lm_config.load_run(workdir)
     if saved is not None and not any(a == "--config" or a.startswith("--config=") for a in argv):

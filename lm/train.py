@@ -20,7 +20,7 @@ import numpy as np
 
 import sharding
 import sharding.distributed
-from lm import cli
+from lm import cli, inputs
 from lm import config as lm_config
 from lm import data as lm_data
 from lm.checkpoint import Checkpointer
@@ -101,7 +101,7 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
     logged metrics (with `eval_loss`). SIGTERM / SIGINT end it after the current step with a
     durable checkpoint."""
     config = lm_config.checked(config)
-    workdir = Path(workdir)
+    workdir = inputs.new_or_run_dir(workdir)
     check_workdir(config, workdir)
     # The mesh is checked before the corpus is read: a bad mesh fails fast.
     sharding.MeshConfig.from_mapping(config.mesh).resolve(len(devices or jax.devices()))

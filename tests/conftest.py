@@ -36,6 +36,29 @@ def run_module(*args: str, env_extra: dict | None = None, timeout: int = 600) ->
     )
 
 
+def run_cli(capsys, main, *argv) -> subprocess.CompletedProcess:
+    """`python -m ...` of `main` with `argv`, in-process (as `lm.cli.run` runs it: a traceback
+    would fail the calling test as an exception): its exit code and output. `configs/` is the repo's."""
+    from lm import cli
+
+    code = 0
+    try:
+        cli.run(main, [a.replace("=configs/", f"={ROOT}/configs/", 1) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
 def recipe(name: str = "tiny", **overrides):
     """A locked config from configs/NAME.py with `group__key=value` overrides."""
     from lm.config import apply_overrides, load_file

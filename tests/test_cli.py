@@ -4,35 +4,12 @@ The commands run in this process (`lm.cli.run`, as `python -m` runs them: a trac
 the test as an exception), on this process's 8 CPU devices; one runs as a real subprocess."""
 
 import json
-import subprocess
 
 import pytest
-from conftest import ROOT, run_module
+from conftest import assert_one_line_error, run_cli, run_module
 
-from lm import cli
 from lm import generate as lm_generate
 from lm import train as lm_train
-
-
-def run_cli(capsys, main, *argv) -> subprocess.CompletedProcess:
-    """`python -m ...` of `main` with `argv`, in-process: its exit code and output."""
-    code = 0
-    try:
-        cli.run(main, [a.replace("configs/", f"{ROOT}/configs/", 1) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, out.out, out.err)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-
 
 TRAIN = ("--config=configs/tiny.py",)
 
