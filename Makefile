@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test bench clean-venv
+.PHONY: train test bench gpu-bench gpu-compiler clean-venv
 
 $(VENV)/.base: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -15,14 +15,32 @@ $(VENV)/.test: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# The XLA GPU compiler as a JAX plugin, with cuDNN (for its fused attention), for compiling for
+# GPUs on a machine without one (`lm.layout --target=h100`, tests/test_gpu_compile.py): about
+# 2.3 GB. Kept apart from the environment's packages so that CPU runs never load it;
+# MESHLM_GPU_COMPILER=1 puts it on the path (lm/__init__.py).
+$(VENV)/gpu-compiler/.done: $(VENV)/.base
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/gpu-compiler \
+	  "jax-cuda12-plugin==$$($(PY) -c 'import jax; print(jax.__version__)')" \
+	  "jax-cuda12-pjrt==$$($(PY) -c 'import jax; print(jax.__version__)')" \
+	  nvidia-cudnn-cu12==9.28.0.42 nvidia-cublas-cu12==12.9.3.13 nvidia-cuda-nvrtc-cu12==12.9.86 \
+	  || echo "note: the GPU compiler plugin could not be installed; GPU compile checks will be skipped"
+	touch $@
+
+gpu-compiler: $(VENV)/gpu-compiler/.done
+
 train: $(VENV)/.base
 	$(PY) -m lm.train --config=configs/tiny.py --workdir=runs/tiny
 
-test: $(VENV)/.test
+test: $(VENV)/.test $(VENV)/gpu-compiler/.done
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.base
 	$(PY) -m lm.bench --config=configs/tiny.py
+
+# On a machine with an NVIDIA GPU (after `pip install -e '.[gpu]'`): the GPU run kit, as JSON.
+gpu-bench: $(VENV)/.base
+	$(PY) benchmarks/gpu.py
 
 clean-venv:
 	rm -rf $(VENV)

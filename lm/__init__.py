@@ -1,6 +1,7 @@
 """meshlm's models and training. See README.md and ARCHITECTURE.md."""
 
 import os
+import sys
 
 
 def _tune_xla_cpu() -> None:
@@ -20,3 +21,11 @@ def _tune_xla_cpu() -> None:
 
 
 _tune_xla_cpu()
+
+# The XLA GPU compiler (JAX's CUDA plugin, with cuDNN), installed apart by `make gpu-compiler` so
+# that CPU runs never load it. With MESHLM_GPU_COMPILER=1 it is put on the path here, before JAX
+# is imported (JAX looks for its CUDA libraries once, at import): `lm.layout --target` sets it and
+# starts again; tests/conftest.py sets it for the suite.
+GPU_COMPILER_DIR = os.path.join(sys.prefix, "gpu-compiler")
+if os.environ.get("MESHLM_GPU_COMPILER") == "1" and os.path.isdir(GPU_COMPILER_DIR) and GPU_COMPILER_DIR not in sys.path:
+    sys.path.append(GPU_COMPILER_DIR)

@@ -9,12 +9,14 @@ dim, f mlp hidden, v vocab.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import sharding
 from lm.precision import Policy
 from sharding import constrain
 
@@ -85,19 +87,32 @@ def rope(x_bthk: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
 
 
+@functools.cache
+def cudnn_available() -> bool:
+    """Whether cuDNN's library can be loaded here (to run, or to compile for a GPU target)."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    try:
+        fused_attention_stablehlo.check_cudnn_version()
+    except (RuntimeError, ImportError, AttributeError):
+        return False
+    return True
+
+
 def attention_kernel(requested: str, q_bthk: jax.Array, causal: bool) -> str:
     """Which attention runs: `einsum` (written out, the CPU default), `xla` (XLA's own fused
-    attention) or `cudnn` (cuDNN flash attention). `auto` takes cuDNN on GPU when it can take
-    the call: bf16 / float16 inputs, a head dim that is a multiple of 8 up to 128, a causal mask
-    (decoding's cache mask goes to XLA); otherwise XLA on accelerators and einsum on CPU."""
+    attention) or `cudnn` (cuDNN flash attention). `auto` takes cuDNN when compiling for a GPU
+    and it can take the call: cuDNN loadable here, bf16 / float16 inputs, a head dim that is a
+    multiple of 8 up to 128, a causal mask (decoding's cache mask goes to XLA); otherwise XLA on
+    accelerators and einsum on CPU."""
     if requested != "auto":
         return requested
-    backend = jax.default_backend()
+    backend = sharding.platform()  # the compile target's, not necessarily this machine's
     if backend == "cpu":
         return "einsum"
     head_dim = q_bthk.shape[-1]
     cudnn_ok = causal and q_bthk.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if backend == "gpu" and cudnn_ok else "xla"
+    return "cudnn" if backend == "gpu" and cudnn_ok and cudnn_available() else "xla"
 
 
 def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto") -> jax.Array:

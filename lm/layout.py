@@ -12,19 +12,23 @@ can be checked from a laptop); the last stdout line is the summary as one JSON o
 from __future__ import annotations
 
 import json
+from collections import Counter
+from pathlib import Path
 
 import jax
 import numpy as np
 
-from lm import cli
+from lm import cli, hlo, targets
 from lm import data as lm_data
 from lm.cli import Parser
 from lm.program import setup
 from sharding import report
 
 
-def layout(config, devices=None, compile_step: bool = True) -> tuple[list[report.Row], dict]:
-    """(parameter rows, summary): per-device bytes and the compiled train step's memory analysis."""
+def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None = None) -> tuple[list[report.Row], dict]:
+    """(parameter rows, summary): per-device bytes and the compiled train step's memory analysis
+    (and, compiled for a GPU, what its optimized HLO runs: GEMM operand types, custom calls,
+    collectives); `save_hlo`: a directory to write that HLO into."""
     program = setup(config, lm_data.nominal_vocab_size(config.data), devices)
     state = program.abstract_sharded_state()
     params = report.device_bytes(state.params)
@@ -44,7 +48,11 @@ def layout(config, devices=None, compile_step: bool = True) -> tuple[list[report
         batch = jax.ShapeDtypeStruct(
             (config.train.batch_size, config.train.seq_len + 1), np.int32, sharding=program.batch_sharding
         )
-        memory = program.train_step.lower(state, batch).compile().memory_analysis()
+        executable = program.train_step.lower(state, batch).compile()
+        memory, text = executable.memory_analysis(), executable.as_text()
+        if save_hlo:
+            Path(save_hlo).mkdir(parents=True, exist_ok=True)
+            (Path(save_hlo) / "train_step.hlo.txt").write_text(text)
         fields = ("argument", "output", "alias", "temp", "generated_code")
         compiled = {f"{f}_bytes": getattr(memory, f"{f}_size_in_bytes", None) for f in fields}
         if None not in compiled.values():
@@ -53,6 +61,11 @@ def layout(config, devices=None, compile_step: bool = True) -> tuple[list[report
                 compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
             )
         summary["compiled_train_step_per_device"] = compiled
+        summary["hlo"] = {
+            "gemm_operand_types": dict(Counter(f"{g.lhs} x {g.rhs} -> {g.out}" for g in hlo.gemms(text))),
+            "custom_calls": dict(hlo.custom_calls(text)),
+            "collectives": dict(hlo.collectives(text)),
+        }
     return report.rows(state.params, program.layout.logical_axes), summary
 
 
@@ -71,19 +84,36 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
     if compiled:
         lines.append("compiled train step, per device (XLA memory analysis):")
         lines += [f"  {name.removesuffix('_bytes'):<18} {fmt(b)}" for name, b in compiled.items() if b is not None]
+    if "target" in summary:
+        verdict = "fits" if summary["fits"] else "does NOT fit"
+        lines.append(f"target {summary['target']}: {fmt(summary['device_memory_bytes'])} per device; the step {verdict}")
+    if summary.get("hlo", {}).get("gemm_operand_types"):
+        lines.append("GEMMs (operand types -> result): " + ", ".join(f"{k}: {n}" for k, n in summary["hlo"]["gemm_operand_types"].items()))
+        lines.append("collectives: " + (", ".join(f"{k}: {n}" for k, n in summary["hlo"]["collectives"].items()) or "none"))
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
     parser = Parser(prog="python -m lm.layout", description="Print a config's sharding plan and memory per device.")
-    parser.add_argument("--devices", type=int, default=0, help="plan on N fake CPU devices (default: the real ones)")
+    parser.add_argument("--devices", type=int, default=0, help="plan on N fake CPU devices (default: the real ones; with --target, 8 GPUs)")
     parser.add_argument("--no_compile", action="store_true", help="skip compiling the train step (faster)")
+    parser.add_argument("--target", choices=sorted(targets.TARGETS), help="compile for N GPUs of this kind (no GPU needed)")
+    parser.add_argument("--hosts", type=int, default=1, help="with --target: the GPUs are spread over this many hosts")
+    parser.add_argument("--save_hlo", help="directory to write the compiled train step's optimized HLO into")
     args = parser.parse(argv)
-    if args.devices:
-        # Must happen before JAX starts a backend; nothing above has asked for devices yet.
+    devices = None
+    if args.target:
+        targets.with_compiler("lm.layout", argv)  # before JAX starts a backend: nothing above has asked for devices yet
+        jax.config.update("jax_platforms", "cpu")  # this host's own backend stays the CPU
+        devices = targets.devices(args.target, args.devices or 8, args.hosts)
+    elif args.devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
-    param_rows, summary = layout(args.config, compile_step=not args.no_compile)
+    param_rows, summary = layout(args.config, devices, compile_step=not args.no_compile, save_hlo=args.save_hlo)
+    if args.target and "compiled_train_step_per_device" in summary:
+        summary["target"] = args.target
+        summary["device_memory_bytes"] = targets.memory_bytes(args.target)
+        summary["fits"] = summary["compiled_train_step_per_device"].get("peak_estimate_bytes", 0) <= summary["device_memory_bytes"]
     print(describe(param_rows, summary))
     print(json.dumps(summary))
 

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 import sharding.pipeline
+from lm import targets
 from lm.config import RunSpec, UserError
 from lm.fp8 import Fp8Meta, Probe, update_fp8
 from lm.layers import Embedding
@@ -125,7 +126,8 @@ class Program:
         batch_size, length = c.train.batch_size, c.train.seq_len + 1
         self.batch_sharding = sharding.named_sharding(mesh, ("batch", "length"), self.rules, shape=(batch_size, length), name="batch")
         self.replicated = replicated
-        jit = lambda fn, **kw: sharding.jit(fn, mesh, self.rules, **kw)  # noqa: E731
+        options = targets.compiler_options(mesh.devices.flat[0].platform)
+        jit = lambda fn, **kw: sharding.jit(fn, mesh, self.rules, compiler_options=options or None, **kw)  # noqa: E731
         self.init_state = jit(self._init, static_argnums=0, out_shardings=self.state_shardings)
         self.train_step = jit(
             self._train_step,

@@ -22,6 +22,7 @@ from sharding.rules import (
     logical_to_spec,
     merge_rules,
     named_sharding,
+    platform,
     rule_axes,
     tree_shardings,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "make_mesh",
     "merge_rules",
     "named_sharding",
+    "platform",
     "rule_axes",
     "state_shardings",
     "tree_shardings",

@@ -220,6 +220,14 @@ def axis_size(mesh: Mesh, rules: Rules, logical: str) -> int:
     return math.prod(mesh.shape[a] for a in rule_axes(rules, logical))
 
 
+def platform() -> str:
+    """The platform ('cpu', 'gpu', 'tpu') of the mesh in force, else JAX's default backend: what a
+    traced program is compiled for, also when that is a GPU this machine does not have."""
+    if _ACTIVE.stack:
+        return _ACTIVE.stack[-1][0].devices.flat[0].platform
+    return jax.default_backend()
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str = "activation") -> jax.Array:
     """Constrain an activation's sharding by logical names; a no-op outside `activate`."""
     if not _ACTIVE.stack:

@@ -4,12 +4,17 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The XLA GPU compiler (make gpu-compiler) on the path, for the deviceless GPU compile checks;
+# the CPU stays the only backend this process runs on.
+os.environ.setdefault("MESHLM_GPU_COMPILER", "1")
 
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+import lm  # noqa: E402,F401  (before anything imports jax: lm/__init__ puts that compiler on the path)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -29,7 +34,7 @@ def shakespeare() -> Path:
 
 def run_module(*args: str, env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m ARGS` from the repo root on one CPU device, output captured."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MESHLM_GPU_COMPILER")}
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout

@@ -13,6 +13,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 def test_notebook_runs(path, monkeypatch):
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the inline backend: figures become outputs
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, as a user's laptop
+    monkeypatch.delenv("MESHLM_GPU_COMPILER", raising=False)
     notebook = nbformat.read(path, as_version=4)
     # A failing cell raises CellExecutionError here; each notebook also asserts on its own results.
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()

@@ -8,6 +8,7 @@ import pytest
 from conftest import VOCAB, run_steps, small_config
 
 import sharding
+from lm.hlo import collective_shapes
 from lm.program import setup
 from sharding import report
 
@@ -51,16 +52,6 @@ def compiled_hlo(c) -> str:
     trainer = setup(c, VOCAB)
     batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=trainer.batch_sharding)
     return trainer.train_step.lower(trainer.abstract_sharded_state(), batch).compile().as_text()
-
-
-def collective_shapes(hlo: str, op: str) -> list[tuple[int, ...]]:
-    """Result shapes of every `op` (e.g. all-gather) in an HLO module's text."""
-    shapes = []
-    for line in hlo.splitlines():
-        m = re.search(rf"= \(?(\w+\[[\d,]*\][^=]*?)\)? {op}(-start)?\(", line)
-        if m:
-            shapes += [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", m.group(1))]
-    return shapes
 
 
 def full_logits_gathers(hlo: str, c, data_parallel: int) -> list[tuple[int, ...]]:

@@ -1,0 +1,30 @@
+"""A Llama-3-8B-shaped model: 32 layers, width 4096, 32 heads / 8 KV heads, SwiGLU 14336, vocabulary
+128256, context 8192, untied embeddings.
+
+A recipe for 8+ GPUs (e.g. --config.mesh.fsdp=8, or fsdp=4 tensor=2); the BPE tokenizer is
+trained on your corpus. `python -m lm.layout --config=configs/llama_8b.py --target=h100
+--config.mesh.fsdp=8` shows what each GPU will hold before you launch.
+"""
+
+from lm.config import default_config
+
+
+def get_config():
+    c = default_config()
+    c.model.update(
+        num_layers=32,
+        embed_dim=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        mlp_dim=14336,
+        rope_theta=500_000.0,
+        tie_embeddings=False,
+        remat="full",
+    )
+    c.data.update(tokenizer="bpe", vocab_size=128256)
+    c.train.update(steps=100_000, batch_size=8, seq_len=8192, log_every=10, eval_every=1000, eval_batches=10)
+    c.optim.update(lr=3e-4, min_lr_ratio=0.1, warmup_steps=2000, b2=0.95, weight_decay=0.1)
+    c.checkpoint.every_steps = 500
+    c.precision.compute_dtype = "bfloat16"
+    c.mesh.update(data=1, fsdp=-1)
+    return c

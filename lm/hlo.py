@@ -1,0 +1,98 @@
+"""Reading XLA's optimized HLO text: what a compiled program really runs.
+
+`gemms` lists every matrix multiply (a `dot` inside a GEMM fusion, or a cuBLAS / cuBLASLt call)
+with its operand and result element types; `custom_calls` and `collectives` count what a program
+calls and communicates. Used by the GPU readiness checks (`tests/test_gpu_compile.py`) and
+`lm.layout --target`'s report.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import NamedTuple
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?([a-z0-9]+)\[[^\]]*\]")
+_PARAMETER = re.compile(r"([\w.\-]+):\s*\(?([a-z0-9]+)\[")
+_CALL = re.compile(r"=\s*\(?([a-z0-9]+)\[[^=]*?\s(dot|custom-call)\(([^)]*)\)")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+class Gemm(NamedTuple):
+    lhs: str  # element type, e.g. bf16, f8e4m3fn
+    rhs: str
+    out: str
+    kind: str  # dot (in a fusion) or the custom-call target
+    computation: str
+    op_name: str  # the JAX operation it came from (metadata), e.g. .../btd,dhk->bthk/dot_general
+
+
+def _computations(hlo: str) -> list[tuple[str, str, list[str]]]:
+    """(name, header, body lines) of each computation in the module."""
+    out, name, header, body = [], None, "", []
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and "{" in line and ("(" in line or line.startswith("ENTRY")):
+            if name is not None:
+                out.append((name, header, body))
+            header = line
+            name = line.replace("ENTRY", "").split("(")[0].strip().lstrip("%").split()[0]
+            body = []
+        elif name is not None:
+            body.append(line)
+    if name is not None:
+        out.append((name, header, body))
+    return out
+
+
+def gemms(hlo: str) -> list[Gemm]:
+    found = []
+    for name, header, body in _computations(hlo):
+        types = dict(_PARAMETER.findall(header.split("->")[0]))
+        for line in body:
+            m = _INSTRUCTION.match(line)
+            if m:
+                types[m.group(1)] = m.group(2)
+        for line in body:
+            m = _CALL.search(line)
+            if not m:
+                continue
+            out_type, op, operands = m.groups()
+            names = [o.strip().split()[-1].lstrip("%") for o in operands.split(",") if o.strip()]
+            if op == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', line)
+                if not target or "matmul" not in target.group(1) and "gemm" not in target.group(1):
+                    continue
+                kind = target.group(1)
+            else:
+                kind = "dot"
+            if len(names) >= 2:
+                op_name = re.search(r'op_name="([^"]*)"', line)
+                found.append(Gemm(types.get(names[0], "?"), types.get(names[1], "?"), out_type, kind, name, op_name.group(1) if op_name else ""))
+    return found
+
+
+def custom_calls(hlo: str) -> Counter:
+    return Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
+
+
+def collectives(hlo: str) -> Counter:
+    """How many of each collective the program runs (async `-start` forms counted once)."""
+    return Counter(m for m in re.findall(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo))
+
+
+def collective_shapes(hlo: str, op: str) -> list[tuple[int, ...]]:
+    """Result shapes of every `op` (e.g. all-gather) in an HLO module's text; for the
+    asynchronous form (`op-start`, whose result is a tuple of operands and results, possibly
+    combined from many collectives) every shape in that tuple."""
+    shapes = []
+    for line in hlo.splitlines():
+        m = re.search(rf"=\s*(.*?)\s{op}(?:-start)?\(", line)
+        if m:
+            shapes += [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"[a-z0-9]+\[([\d,]*)\]", m.group(1))]
+    return shapes
+
+
+def loop_bodies(hlo: str) -> dict[str, str]:
+    """{computation name: its text} of every while-loop body (a `lax.scan` over layers is one)."""
+    bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
+    return {name: "\n".join([header, *body]) for name, header, body in _computations(hlo) if name in bodies}

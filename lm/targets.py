@@ -1,0 +1,86 @@
+"""GPU compile targets as data, and compiling for them on a machine without the GPU.
+
+A target is a `GpuTargetConfigProto` in `configs/targets/` (see its README), selected by name.
+The XLA GPU compiler comes as JAX's CUDA plugin (with cuDNN, for its fused attention);
+`make gpu-compiler` (run by `make test`) installs it into `.venv/gpu-compiler`, apart from the
+environment's packages, so CPU runs never load it. A process that compiles for a GPU target
+needs MESHLM_GPU_COMPILER=1 before it imports meshlm (`lm/__init__.py` then puts the plugin on
+the path before JAX is imported); `with_compiler` starts a command again that way. On a GPU
+host with `pip install -e '.[gpu]'` the plugin is importable already.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+from lm.config import UserError
+
+TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
+TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+
+
+def compiler_available() -> bool:
+    """Whether JAX's CUDA plugin (the XLA GPU compiler) is importable in this process."""
+    return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+def with_compiler(module: str, argv: list[str]) -> None:
+    """Starts `python -m module argv` again with the GPU compiler on the path, unless it is there."""
+    if compiler_available() or os.environ.get("MESHLM_GPU_COMPILER") == "1":
+        return
+    from lm import GPU_COMPILER_DIR
+
+    if not os.path.isdir(GPU_COMPILER_DIR):
+        raise UserError("the XLA GPU compiler plugin is not installed; run `make gpu-compiler` (or install meshlm[gpu] on a GPU host)")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], {**os.environ, "MESHLM_GPU_COMPILER": "1"})
+
+
+def target_config(name: str) -> str:
+    if name not in TARGETS:
+        raise UserError(f"--target={name!r} is not a known GPU target; choose one of {', '.join(TARGETS)}")
+    return (TARGETS_DIR / TARGETS[name]).read_text()
+
+
+def memory_bytes(name: str) -> int:
+    """The device memory a target describes."""
+    return int(re.search(r"device_memory_size:\s*(\d+)", target_config(name)).group(1))
+
+
+def devices(name: str, count: int, hosts: int = 1) -> list:
+    """`count` compile-only devices of target `name` over `hosts` hosts (`count // hosts` each)."""
+    if count < 1 or hosts < 1 or count % hosts:
+        raise UserError(f"--devices={count} does not split evenly over --hosts={hosts}")
+    text = target_config(name)
+    if not compiler_available():
+        raise UserError(
+            "the XLA GPU compiler plugin is not on the path: run `make gpu-compiler`, then set "
+            "MESHLM_GPU_COMPILER=1 before importing meshlm (the lm.* commands do this themselves)"
+        )
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology_name=name, topology=f"1x{hosts}x{count // hosts}", target_config=text
+    )
+    return list(topology.devices)
+
+
+# Compiler options for programs compiled for NVIDIA GPUs (passed per jit, never process-wide).
+# From NVIDIA's JAX GPU performance guide and MaxText's GPU recipes: the latency-hiding scheduler
+# overlaps collectives (FSDP all-gathers, reduce-scatters) with compute; the thresholds let XLA
+# combine the many small per-parameter collectives into few large ones.
+GPU_COMPILER_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 67108864,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
+}
+
+
+def compiler_options(platform: str) -> dict:
+    """The compiler options meshlm sets for programs compiled for `platform`."""
+    return dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
