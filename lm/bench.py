@@ -17,9 +17,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from lm import cli
+from lm import cli, targets
 from lm import data as lm_data
 from lm.cli import Parser
+from lm.config import UserError
+from lm.layout import layout
 from lm.metrics import (
     flops_per_token,
     param_count,
@@ -95,8 +97,23 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     parser.add_argument("--save_hlo", help="directory to write the compiled train step's optimized HLO into")
+    parser.add_argument("--compile_only", action="store_true", help="compile the step and report its memory, without running it")
+    parser.add_argument("--target", choices=sorted(targets.TARGETS), help="with --compile_only: for GPUs of this kind (no GPU needed)")
+    parser.add_argument("--devices", type=int, default=8, help="with --target: how many GPUs")
     args = parser.parse(argv)
-    result = bench(args.config, args.steps, args.warmup, save_hlo=args.save_hlo)
+    if args.target and not args.compile_only:
+        raise UserError("--target compiles for a GPU this machine may not have: add --compile_only")
+    if args.compile_only:
+        devices = None
+        if args.target:  # before JAX starts a backend
+            targets.with_compiler("lm.bench", argv)
+            jax.config.update("jax_platforms", "cpu")
+            devices = targets.devices(args.target, args.devices)
+        start = time.perf_counter()
+        _, result = layout(args.config, devices, save_hlo=args.save_hlo, target=args.target)
+        result["compile_wall_s"] = round(time.perf_counter() - start, 3)
+    else:
+        result = bench(args.config, args.steps, args.warmup, save_hlo=args.save_hlo)
     if jax.process_index() == 0:
         print(json.dumps(result))
 

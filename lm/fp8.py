@@ -11,8 +11,8 @@ Statistics leave a step through the gradient of a zero *probe* input (`Probe`, t
 value computed in the backward pass gets out of `jax.grad`): per role (`ROLES`: the input x, the
 weight w, the output gradient g) a vector of the fields in `STATS` (just `absmax` unless the
 policy *observes*, when `OBSERVED_STATS`). `update_fp8` writes the amaxes into the histories and
-recomputes the scales. Quantise-dequantise around an ordinary dot is what XLA rewrites into fp8
-GEMMs on GPUs that have them, and what emulates fp8 exactly on CPU.
+recomputes the scales. The GEMMs take the fp8 arrays and scale their float32 results
+(`site_matmul`): fp8 GEMMs on GPUs that have them, an exact emulation elsewhere.
 """
 
 from __future__ import annotations
@@ -166,34 +166,43 @@ class SiteMode(NamedTuple):
     compute_dtype: jnp.dtype
 
 
-def _qdq(t, dtype, scale, compute_dtype):
-    """`t` rounded to fp8 `dtype` under `scale` (clipped, not overflowed), back in compute dtype."""
-    return fp8_ops.dequantize(fp8_ops.quantize(t, dtype, scale, compute_dtype), compute_dtype, scale)
+def _quantize(t, dtype, scale, compute_dtype):
+    """`t / scale` rounded to the fp8 `dtype` (clipped to its range, never overflowed)."""
+    return fp8_ops.quantize(t, dtype, scale, compute_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def site_matmul(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
     """`einsum(spec, x, w)` as `lm.matmul.matmul`, quantised and observed as `mode` says; the
-    gradient of `probe` is the statistics [roles, stats]."""
+    gradient of `probe` is the statistics [roles, stats].
+
+    Quantised, the GEMMs take the fp8 arrays themselves (e4m3 x e4m3 forward, e5m2 x e4m3 for
+    dx, e4m3 x e5m2 for dw), accumulate in float32 and apply the two scales to the result: the
+    form XLA runs as fp8 GEMMs on GPUs that have them (and emulates exactly elsewhere). What
+    the backward pass keeps are the fp8 copies of x and w: half the bytes of bf16 ones."""
     return _site_fwd(spec, out_dtype, mode, x, w, scales, probe)[0]
 
 
 def _site_fwd(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
     del probe  # only its gradient matters
     stats = [tensor_stats(t, d, s, mode.observe) for t, d, s in ((x, E4M3, scales[0]), (w, E4M3, scales[1]))]
-    if mode.quantize:
-        x, w = _qdq(x, E4M3, scales[0], mode.compute_dtype), _qdq(w, E4M3, scales[1], mode.compute_dtype)
-    y = jnp.einsum(spec, x, w, preferred_element_type=F32).astype(out_dtype)
-    return y, (x, w, scales, stats)
+    if not mode.quantize:
+        return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(out_dtype), (x, w, scales, stats)
+    xq, wq = _quantize(x, E4M3, scales[0], mode.compute_dtype), _quantize(w, E4M3, scales[1], mode.compute_dtype)
+    y = jnp.einsum(spec, xq, wq, preferred_element_type=F32) * (scales[0] * scales[1])
+    return y.astype(out_dtype), (xq, wq, scales, stats)
 
 
 def _site_bwd(spec, out_dtype, mode: SiteMode, residuals, dy):
     x, w, scales, (x_stats, w_stats) = residuals
     dy = dy.astype(mode.compute_dtype)
     g_stats = tensor_stats(dy, E5M2, scales[2], mode.observe)
-    if mode.quantize:
-        dy = _qdq(dy, E5M2, scales[2], mode.compute_dtype)
-    dx, dw = backward(spec, x, w, dy)
+    if not mode.quantize:
+        dx, dw = backward(spec, x, w, dy)
+    else:
+        gq = _quantize(dy, E5M2, scales[2], mode.compute_dtype)
+        cd = mode.compute_dtype
+        dx, dw = backward(spec, x, w, gq, dtypes=(cd, cd), scales=(scales[2] * scales[1], scales[0] * scales[2]))
     return dx, dw, jnp.zeros_like(scales), jnp.stack([x_stats, w_stats, g_stats])
 
 

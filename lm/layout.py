@@ -25,10 +25,11 @@ from lm.program import setup
 from sharding import report
 
 
-def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None = None) -> tuple[list[report.Row], dict]:
+def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None = None, target: str | None = None) -> tuple[list[report.Row], dict]:
     """(parameter rows, summary): per-device bytes and the compiled train step's memory analysis
     (and, compiled for a GPU, what its optimized HLO runs: GEMM operand types, custom calls,
-    collectives); `save_hlo`: a directory to write that HLO into."""
+    collectives); `save_hlo`: a directory to write that HLO into; `target`: the GPU target the
+    devices are of, whose memory the step is checked against."""
     program = setup(config, lm_data.nominal_vocab_size(config.data), devices)
     state = program.abstract_sharded_state()
     params = report.device_bytes(state.params)
@@ -66,6 +67,9 @@ def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None
             "custom_calls": dict(hlo.custom_calls(text)),
             "collectives": dict(hlo.collectives(text)),
         }
+        if target:
+            summary.update(target=target, device_memory_bytes=targets.memory_bytes(target))
+            summary["fits"] = compiled.get("peak_estimate_bytes", 0) <= summary["device_memory_bytes"]
     return report.rows(state.params, program.layout.logical_axes), summary
 
 
@@ -109,11 +113,7 @@ def main(argv: list[str]) -> None:
     elif args.devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
-    param_rows, summary = layout(args.config, devices, compile_step=not args.no_compile, save_hlo=args.save_hlo)
-    if args.target and "compiled_train_step_per_device" in summary:
-        summary["target"] = args.target
-        summary["device_memory_bytes"] = targets.memory_bytes(args.target)
-        summary["fits"] = summary["compiled_train_step_per_device"].get("peak_estimate_bytes", 0) <= summary["device_memory_bytes"]
+    param_rows, summary = layout(args.config, devices, compile_step=not args.no_compile, save_hlo=args.save_hlo, target=args.target)
     print(describe(param_rows, summary))
     print(json.dumps(summary))
 

@@ -26,17 +26,20 @@ def transposed_specs(spec: str) -> tuple[str, str, str]:
     return f"{out},{w}->{x}", f"{x},{out}->{w}", f"{out},{x}->{w}"
 
 
-def backward(spec: str, x, w, dy):
-    """(dx, dw) of `einsum(spec, x, w)` in x's and w's dtypes, float32 accumulation."""
+def backward(spec: str, x, w, dy, *, dtypes=None, scales=(None, None)):
+    """(dx, dw) of `einsum(spec, x, w)`, float32 accumulation, in x's and w's dtypes (or
+    `dtypes`), each float32 result multiplied by its scale first when one is given (fp8 sites)."""
     dx_spec, dw_spec, dw_spec_swapped = transposed_specs(spec)
-    dx = jnp.einsum(dx_spec, dy, w, preferred_element_type=F32).astype(x.dtype)
+    dx_dtype, dw_dtype = dtypes or (x.dtype, w.dtype)
+    dx = jnp.einsum(dx_spec, dy, w, preferred_element_type=F32)
     # XLA:CPU transposes a weight-gradient matmul's first operand (and refuses to materialise
     # what produced it, recomputing it inside the transpose); so the smaller operand goes first.
     if x.size > dy.size:
         dw = jnp.einsum(dw_spec_swapped, dy, x, preferred_element_type=F32)
     else:
         dw = jnp.einsum(dw_spec, x, dy, preferred_element_type=F32)
-    return dx, dw.astype(w.dtype)
+    dx, dw = (g if s is None else g * s for g, s in zip((dx, dw), scales))
+    return dx.astype(dx_dtype), dw.astype(dw_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

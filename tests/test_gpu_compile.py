@@ -54,6 +54,17 @@ def test_bf16_matmuls_are_bf16_gemms_accumulating_in_float32(h100s):
     assert {(g.lhs, g.rhs) for g in model_gemms(compiled(h100s, {"fsdp": 8}, precision__compute_dtype="float32"))} == {("f32", "f32")}
 
 
+def test_fp8_sites_run_fp8_gemms_forward_and_backward(h100s):
+    gemms = model_gemms(compiled(h100s, {"fsdp": 8}, precision__fp8="delayed"))
+    head = {"btd,dv->btv", "btv,dv->btd", "btd,btv->dv"}  # the output head stays in bf16 by design
+    kinds = {(g.lhs, g.rhs) for g in gemms if BLOCK_SPEC.search(g.op_name).group(1) not in head}
+    # e4m3 x e4m3 forward; the output gradient in e5m2 against e4m3 for dx, and for dw.
+    assert kinds == {("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2")}
+    assert sum(g.lhs.startswith("f8") for g in gemms) >= 3 * 7  # every block matmul, all three GEMMs
+    # The detector: without fp8 no GEMM takes fp8 operands.
+    assert not [g for g in hlo.gemms(compiled(h100s, {"fsdp": 8})) if "f8" in g.lhs + g.rhs]
+
+
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
 def test_attention_runs_cudnn_fused_attention_forward_and_backward(h100s):
     calls = hlo.custom_calls(compiled(h100s, {"fsdp": 8}))
@@ -132,3 +143,15 @@ def test_layout_target_reports_the_compiled_memory(h100s, capsys):
     )
     assert summary["target"] == "h100" and summary["fits"] and summary["device_memory_bytes"] == 84942979072
     assert (ROOT / "configs" / "targets" / "h200.txtpb").exists()
+
+
+def test_bench_compile_only_for_a_target(capsys):
+    import json
+
+    from lm import bench as lm_bench
+
+    result = run_cli(capsys, lm_bench.main, "--config=configs/tiny.py", "--compile_only", "--target=h200", "--devices=8")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["target"] == "h200" and summary["devices"] == 8 and summary["device_memory_bytes"] == 150754820096
+    assert summary["compiled_train_step_per_device"]["temp_bytes"] > 0 and summary["compile_wall_s"] > 0
