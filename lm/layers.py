@@ -35,6 +35,28 @@ def _param(key, shape, logical_axes, std: float | None, dtype, fill: float = 0.0
     return kind(value, out_sharding=logical_axes, eager_sharding=False)
 
 
+@jax.custom_vjp
+def lookup(table_vd: jax.Array, ids_bt: jax.Array) -> jax.Array:
+    """`table[ids]` with the table gathered whole for the lookup (as every FSDP weight is before
+    use: a lookup into a table split along `embed` makes XLA replicate its output instead), and
+    its gradient placed back as the parameter is (`vocab`, `embed`), so that FSDP reduce-scatters
+    it rather than all-reducing the whole table's gradient and slicing it."""
+    return jnp.take(constrain(table_vd, ("vocab", None), "embedding table"), ids_bt, axis=0)
+
+
+def _lookup_fwd(table_vd, ids_bt):
+    return lookup(table_vd, ids_bt), (table_vd, ids_bt)
+
+
+def _lookup_bwd(residuals, dy_btd):
+    table_vd, ids_bt = residuals
+    grad = jnp.zeros(table_vd.shape, jnp.float32).at[ids_bt].add(dy_btd.astype(jnp.float32))
+    return constrain(grad, ("vocab", "embed"), "embedding gradient").astype(table_vd.dtype), None
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
 class Norm(nnx.Module):
     """RMSNorm or LayerNorm; statistics in float32."""
 

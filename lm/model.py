@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lm.fp8 import fp8_suspended
-from lm.layers import Block, Embedding, Norm, _param, gather_length
+from lm.layers import Block, Embedding, Norm, _param, gather_length, lookup
 from lm.precision import Policy
 from sharding import constrain
 from sharding.pipeline import PipelinePlan, pipeline
@@ -100,10 +100,7 @@ class Transformer(nnx.Module):
         """
         cfg = self.cfg
         positions_bt = cache_index + jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        # The table is gathered over `fsdp` before the lookup (as every FSDP weight is before use);
-        # a lookup into a table split along `embed` makes XLA replicate its output instead.
-        table_vd = constrain(self.embedding[...], ("vocab", None), "embedding table")
-        x = self.policy.cast(jnp.take(table_vd, tokens_bt, axis=0))
+        x = self.policy.cast(lookup(self.embedding[...], tokens_bt))
         if cfg.position == "learned":
             table_td = constrain(self.pos_embedding[...], (None, None), "position table")
             x = x + self.policy.cast(jnp.take(table_td, positions_bt, axis=0))
