@@ -26,6 +26,13 @@ def transposed_specs(spec: str) -> tuple[str, str, str]:
     return f"{out},{w}->{x}", f"{x},{out}->{w}", f"{out},{x}->{w}"
 
 
+def has_batch_dims(spec: str) -> bool:
+    """Whether `x,w->y` has indices in all three terms (dot_general batch dimensions)."""
+    inputs, out = spec.split("->")
+    x, w = inputs.split(",")
+    return bool(set(x) & set(w) & set(out))
+
+
 def backward(spec: str, x, w, dy, *, dtypes=None, scales=(None, None)):
     """(dx, dw) of `einsum(spec, x, w)`, float32 accumulation, in x's and w's dtypes (or
     `dtypes`), each float32 result multiplied by its scale first when one is given (fp8 sites)."""

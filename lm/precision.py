@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from lm.fp8 import ROLES, Fp8Recipe, MatmulSite, SiteMode, is_suspended, site_matmul
-from lm.matmul import F32
+from lm.matmul import F32, has_batch_dims
 from lm.matmul import matmul as plain_matmul
+from sharding.remat import name_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,9 @@ class Policy:
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
         quantize = self.fp8 is not None and not is_suspended()
         if site is None or not (quantize or self.observe):
-            return plain_matmul(spec, out_dtype, x, w)
-        scales = site.scale[...] if self.fp8 else jnp.zeros(len(ROLES), F32)  # zero: current amax
-        mode = SiteMode(quantize, self.observe, self.compute_dtype)
-        return site_matmul(spec, out_dtype, mode, x, w, scales, site.probe[...])
+            y = plain_matmul(spec, out_dtype, x, w)
+        else:
+            scales = site.scale[...] if self.fp8 else jnp.zeros(len(ROLES), F32)  # zero: current amax
+            mode = SiteMode(quantize, self.observe, self.compute_dtype)
+            y = site_matmul(spec, out_dtype, mode, x, w, scales, site.probe[...])
+        return name_matmul(y, batched=has_batch_dims(spec))  # what remat `dots` saves

@@ -2,7 +2,9 @@
 
 One vocabulary for the layer stack and the pipeline: `none` keeps every intermediate (no
 `jax.checkpoint`), `full` keeps only the inputs and recomputes the rest, `dots` keeps matmul
-outputs, `dots_no_batch` keeps matmul outputs without batch dimensions (weights-shaped ones).
+outputs, `dots_no_batch` keeps the outputs of matmuls without dot batch dimensions (the
+projections, not attention's scores). Matmuls are `dot_general`s, or outputs tagged with
+`name_matmul`.
 """
 
 from __future__ import annotations
@@ -10,13 +12,26 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 REMAT = ("none", "full", "dots", "dots_no_batch")
+# Names for matmul outputs, so the `dots` policies find matmuls that JAX's own policies cannot see
+# (a matmul behind a custom VJP is no `dot_general` to `checkpoint_dots`).
+MATMUL, BATCHED_MATMUL = "matmul", "batched_matmul"  # without / with dot_general batch dims
 _SAVEABLE = {
     "full": None,  # jax.checkpoint's default policy: save nothing
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(MATMUL, BATCHED_MATMUL)
+    ),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names(MATMUL)
+    ),
 }
+
+
+def name_matmul(y: jax.Array, batched: bool) -> jax.Array:
+    """`y`, tagged as a matmul's output (batched: its dot has batch dimensions, as attention's)."""
+    return checkpoint_name(y, BATCHED_MATMUL if batched else MATMUL)
 
 
 def remat(fn: Callable, kind: str, *, prevent_cse: bool = True) -> Callable:
