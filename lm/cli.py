@@ -8,7 +8,8 @@ import sys
 from collections.abc import Callable
 
 import sharding.distributed
-from lm.config import UserError, apply_overrides, load_file
+from lm.config import UserError, apply_overrides
+from lm.recipe import load_file
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,5 +1,6 @@
-"""The config schema: every key meshlm reads, its default, and the checks run before training;
-and `RunSpec`, the typed pieces a config is parsed into once.
+"""The config schema: every key meshlm reads, its default, the checks run before training, and
+overrides (`--config.KEY=VALUE`) applied with their types checked. Recipe files are read by
+`lm.recipe`; `lm.spec.RunSpec` is what a config is parsed into.
 
 Recipe files in `configs/` start from `default_config()` and change what they need;
 `apply_overrides` validates the result and locks it, so a misspelt key (in a file or on the
@@ -8,7 +9,6 @@ command line) is an error, not a new field, and a locked config is a validated o
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,11 +16,7 @@ from pathlib import Path
 import ml_collections
 from ml_collections import config_dict
 
-import sharding
-from lm.loss_scale import LossScaling
-from lm.model import ModelConfig, config_defaults
-from lm.precision import Policy
-from sharding.pipeline import PipelinePlan
+from lm.model import config_defaults
 from sharding.remat import REMAT
 
 
@@ -237,65 +233,7 @@ def from_json(text: str) -> ml_collections.ConfigDict:
     return c
 
 
-def load_file(path: str) -> ml_collections.ConfigDict:
-    """The config returned by `get_config()` in a recipe file, its keys checked against the schema.
-
-    The recipe is the user's own code: an error raised while it runs (a syntax error, an
-    exception in `get_config`) is reported as one line naming the file and line, not a traceback.
-    """
-    import importlib.util
-    import traceback
-
-    p = Path(path).expanduser()
-    if not p.is_file():
-        what = "is a directory" if p.is_dir() else "does not exist"
-        raise UserError(f"config file {path!r} {what}; pick one in configs/ (e.g. --config=configs/tiny.py)")
-    try:
-        source = p.read_bytes().decode("utf-8")
-        code = compile(source, str(p), "exec")
-    except UnicodeDecodeError:
-        raise UserError(f"config file {path!r} is not UTF-8 text; a recipe is a Python file defining get_config()") from None
-    except (SyntaxError, ValueError) as e:  # ValueError: source with null bytes
-        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-        raise UserError(f"config file {path!r} is not valid Python{where}: {getattr(e, 'msg', e)}") from None
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"meshlm_config_{p.stem}", loader=None))
-    try:
-        exec(code, module.__dict__)  # noqa: S102 - the user's recipe, run as Python
-        get_config = module.__dict__.get("get_config")
-        if not callable(get_config):
-            raise UserError(f"config file {path!r} defines no get_config(); a recipe returns lm.config.default_config() changed")
-        c = get_config()
-    except UserError:
-        raise
-    except Exception as e:  # the user's code failed: say where, in their file
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(p)]
-        where = f" at line {frames[-1].lineno}" if frames else ""
-        raise UserError(f"config file {path!r} raised {type(e).__name__}{where}: {e}") from None
-    if not isinstance(c, ml_collections.ConfigDict):
-        raise UserError(f"config file {path!r}: get_config() returned {type(c).__name__}, not an ml_collections.ConfigDict (start from lm.config.default_config())")
-    return _onto_schema(c, default_config(), str(path))
-
-
-def _onto_schema(c, schema: ml_collections.ConfigDict, source: str, prefix: str = "") -> ml_collections.ConfigDict:
-    """`c`'s values written onto the (type-safe) schema: a recipe can neither invent keys meshlm
-    would ignore nor give a key a value of the wrong type."""
-    import difflib
-
-    for key in c.keys():
-        if key not in schema:
-            close = difflib.get_close_matches(key, list(schema.keys()), n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else ""
-            raise UserError(f"config file {source!r} sets unknown key {prefix}{key}{hint}")
-        if isinstance(schema[key], ml_collections.ConfigDict):
-            if not isinstance(c[key], (ml_collections.ConfigDict, dict)):
-                raise UserError(f"config file {source!r}: {prefix}{key} must be a group of keys, got {c[key]!r}")
-            _onto_schema(c[key], schema[key], source, f"{prefix}{key}.")
-            continue
-        _assign(schema, key, c[key], f"config file {source!r}: {prefix}{key}={c[key]!r}")
-    return schema
-
-
-def _assign(node: ml_collections.ConfigDict, key: str, value, shown: str) -> None:
+def assign(node: ml_collections.ConfigDict, key: str, value, shown: str) -> None:
     """`node[key] = value`, type-checked: a value of the wrong type, or None for a key that has
     no "unset" meaning, is a UserError starting with `shown` (how the user wrote it)."""
     kind = type(node[key]).__name__ if node[key] is not None else "value"
@@ -340,7 +278,7 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
             hint = f"; did you mean --config.{'.'.join(groups + close)}?" if close else f"; known keys: {', '.join(sorted(known))}"
             raise UserError(f"unknown config key --config.{dotted}{hint}")
         value = _parse_value(text, node[key]) if isinstance(text, str) else text
-        _assign(node, key, value, f"--config.{dotted}={text!r}")
+        assign(node, key, value, f"--config.{dotted}={text!r}")
     validate(c)
     c.lock()
     return c
@@ -348,6 +286,8 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
 
 def load(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
     """A recipe file with dotted-key overrides, locked: `load("configs/tiny.py", {"train.steps": 50})`."""
+    from lm.recipe import load_file  # the recipe module builds on this one
+
     return apply_overrides(load_file(path), overrides or {})
 
 
@@ -371,42 +311,3 @@ def load_run(workdir: str | Path) -> ml_collections.ConfigDict | None:
 
 def save_run(c: ml_collections.ConfigDict, workdir: str | Path) -> None:
     (Path(workdir) / "config.json").write_text(to_json(c))
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-    """A config parsed once into the typed pieces the tools build from. The `train`, `optim`,
-    `data` and `checkpoint` groups are plain values, read from `config` where they are used."""
-
-    config: ml_collections.ConfigDict
-    model: ModelConfig
-    policy: Policy
-    pipeline: PipelinePlan
-    loss_scaling: LossScaling
-    mesh: sharding.MeshConfig
-    rules: tuple
-
-    @classmethod
-    def parse(cls, c: ml_collections.ConfigDict, vocab_size: int, *, observe: bool = False) -> RunSpec:
-        """`observe`: every block matmul also reports its statistics (`lm.numerics`)."""
-        c = checked(c)
-        policy = Policy.from_config(c.precision)
-        stages = c.mesh.stage
-        plan = PipelinePlan(stages, c.pipeline.microbatches or stages, c.pipeline.repeats, c.pipeline.remat) if stages > 1 else PipelinePlan()
-        return cls(
-            config=c,
-            model=ModelConfig.from_config(c, vocab_size),
-            policy=dataclasses.replace(policy, observe=True) if observe else policy,
-            pipeline=plan,
-            loss_scaling=LossScaling.from_config(c.precision),
-            mesh=sharding.MeshConfig.from_mapping(c.mesh),
-            rules=rules_from(c),
-        )
-
-
-def rules_from(c: ml_collections.ConfigDict) -> tuple:
-    """The default rules, overridden by `sharding.rules`, then sequence parallelism if asked for."""
-    overrides = [c.sharding.rules or ()]
-    if c.sharding.sequence_parallel:
-        overrides.append(sharding.SEQUENCE_PARALLEL_RULES)
-    return sharding.merge_rules(sharding.DEFAULT_RULES, *overrides)

@@ -23,9 +23,10 @@ from lm import config as lm_config
 from lm import data as lm_data
 from lm.checkpoint import Checkpointer
 from lm.cli import Parser
-from lm.config import RunSpec, UserError
+from lm.config import UserError
 from lm.model import Transformer
 from lm.program import ModelLayout, placed
+from lm.spec import RunSpec
 from sharding.pipeline import PipelinePlan
 
 

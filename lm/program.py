@@ -20,11 +20,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import sharding
 import sharding.pipeline
 from lm import targets
-from lm.config import RunSpec, UserError
+from lm.config import UserError
 from lm.fp8 import Fp8Meta, Probe, update_fp8
 from lm.layers import Embedding
 from lm.model import Transformer
 from lm.optim import optimizer, schedule
+from lm.spec import RunSpec
 from sharding.pipeline import split_microbatches
 
 

@@ -25,7 +25,7 @@ from lm import config as lm_config
 from lm import data as lm_data
 from lm.checkpoint import Checkpointer
 from lm.cli import Parser
-from lm.config import RunSpec, UserError
+from lm.config import UserError
 from lm.metrics import (
     MetricsWriter,
     StepRate,
@@ -36,6 +36,7 @@ from lm.metrics import (
     perplexity,
 )
 from lm.program import Faults, Program, setup
+from lm.spec import RunSpec
 
 
 def check_workdir(config, workdir: Path) -> None:

@@ -66,7 +66,8 @@ def assert_one_line_error(result, *fragments):
 
 def recipe(name: str = "tiny", **overrides):
     """A locked config from configs/NAME.py with `group__key=value` overrides."""
-    from lm.config import apply_overrides, load_file
+    from lm.config import apply_overrides
+    from lm.recipe import load_file
 
     text = {k.replace("__", "."): v if isinstance(v, str) else repr(v) for k, v in overrides.items()}
     return apply_overrides(load_file(str(ROOT / "configs" / f"{name}.py")), text)

@@ -28,8 +28,10 @@ from hypothesis import strategies as st
 import sharding
 from lm import data as lm_data
 from lm.cli import Parser
-from lm.config import RunSpec, UserError, default_config, load_file
+from lm.config import UserError, default_config
 from lm.program import check_batch_split
+from lm.recipe import load_file
+from lm.spec import RunSpec
 
 settings.register_profile("ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("slow", max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])

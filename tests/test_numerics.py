@@ -10,11 +10,12 @@ import pytest
 from conftest import fast_config, metrics_rows, recipe
 
 from lm.checkpoint import Checkpointer
-from lm.config import RunSpec, UserError, validate
+from lm.config import UserError, validate
 from lm.fp8 import Fp8Recipe, MatmulSite, tensor_stats, update_fp8
 from lm.numerics import advice, report
 from lm.precision import Policy
 from lm.program import Faults, setup
+from lm.spec import RunSpec
 from lm.train import _nonfinite_verdict, train
 
 FORMATS = {
