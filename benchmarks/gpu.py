@@ -7,8 +7,8 @@ target description (to check the one stored for deviceless compiles), measured d
 fp8 matmul peaks, then `python -m lm.bench` of the recipe in bf16 and fp8, with cuDNN and with
 XLA attention, at several remat policies, and the largest batch that fits (doubling until the
 device runs out of memory). Each benchmark runs in its own process (an out-of-memory failure
-is a result, not a crash); the compiled HLO of the main cases is scanned for cuDNN attention
-and fp8 GEMM calls. Cases run in priority order until `--budget_s` is spent. Everything goes to
+is a result, not a crash); the compiled HLO of the main cases is read for GEMM operand types
+(fp8 or bf16), cuDNN attention calls and collectives (`lm.hlo`). Cases run in priority order until `--budget_s` is spent. Everything goes to
 `DIR/gpu.json` as it arrives; the last stdout line is the same JSON.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # lm, also without an install
 BF16 = ["--config.precision.compute_dtype=bfloat16"]
 FP8 = [*BF16, "--config.precision.fp8=delayed"]
 # (name, overrides, keep the HLO): in priority order.
@@ -35,12 +35,19 @@ CASES = [
     ("bf16_cudnn_b8_remat_dots", [*BF16, "--config.model.attention=cudnn", "--config.train.batch_size=8", "--config.model.remat=dots"], False),
     ("bf16_cudnn_b8_remat_none", [*BF16, "--config.model.attention=cudnn", "--config.train.batch_size=8", "--config.model.remat=none"], False),
 ]
-HLO_PATTERNS = {  # what the optimized HLO calls, counted by custom-call target
-    "cudnn_attention_calls": r'custom_call_target="__cudnn\$fmha',
-    "fp8_gemm_calls": r'custom_call_target="__cublas\$lt\$matmul\$f8"',
-    "gemm_calls": r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)',
-    "triton_gemm_fusions": r'"kind":"__triton_gemm"',
-}
+
+
+def hlo_summary(text: str) -> dict:
+    """What the compiled step runs: GEMM operand types, custom calls (cuDNN, cuBLAS), collectives."""
+    from collections import Counter
+
+    from lm import hlo
+
+    return {
+        "gemm_operand_types": dict(Counter(f"{g.lhs} x {g.rhs} -> {g.out}" for g in hlo.gemms(text))),
+        "custom_calls": dict(hlo.custom_calls(text)),
+        "collectives": dict(hlo.collectives(text)),
+    }
 
 
 def device_info(out: Path) -> dict:
@@ -96,8 +103,7 @@ def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo
     if done.returncode == 0 and lines:
         result = {"ok": True, "wall_s": wall, **json.loads(lines[-1])}
         if hlo_dir and (hlo_dir / "train_step.hlo.txt").exists():
-            hlo = (hlo_dir / "train_step.hlo.txt").read_text()
-            result["hlo"] = {k: len(re.findall(p, hlo)) for k, p in HLO_PATTERNS.items()}
+            result["hlo"] = hlo_summary((hlo_dir / "train_step.hlo.txt").read_text())
         return result
     errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line or "RESOURCE_EXHAUSTED" in line]
     out_of_memory = "RESOURCE_EXHAUSTED" in done.stderr or "out of memory" in done.stderr.lower()
