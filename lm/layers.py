@@ -226,14 +226,16 @@ class Mlp(nnx.Module):
             self.b_out = _param(None, (d,), ("embed",), None, dt)
 
     def __call__(self, x_btd):
-        # The hidden activation is computed in float32 straight from the matmul accumulator and
-        # cast once: cheaper on CPU than bf16 elementwise maths (converted to f32 and back).
-        cfg, f32 = self.cfg, jnp.float32
-        h = self.policy.matmul("btd,df->btf", x_btd, self.w_in[...], out_dtype=f32, site=self.w_in_site)
+        # On CPU the hidden activation is computed in float32 straight from the matmul accumulator
+        # and cast once (bf16 elementwise maths is converted to f32 and back there); elsewhere it
+        # stays in the compute dtype, which halves what the backward pass keeps of it.
+        cfg = self.cfg
+        hidden = jnp.float32 if sharding.platform() == "cpu" else None
+        h = self.policy.matmul("btd,df->btf", x_btd, self.w_in[...], out_dtype=hidden, site=self.w_in_site)
         if cfg.use_bias:
             h = add_bias(h, self.b_in[...])
         if cfg.mlp == "swiglu":
-            gate = self.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=f32, site=self.w_gate_site)
+            gate = self.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=hidden, site=self.w_gate_site)
             h = jax.nn.silu(gate) * h
         else:
             h = jax.nn.gelu(h)
