@@ -149,3 +149,18 @@ def test_bench_compile_only_for_a_target(capsys):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["target"] == "h200" and summary["devices"] == 8 and summary["device_memory_bytes"] == 150754820096
     assert summary["compiled_train_step_per_device"]["temp_bytes"] > 0 and summary["compile_wall_s"] > 0
+
+
+def test_no_involuntary_full_rematerialization(h100s, capfd):
+    # XLA's SPMD partitioner logs (from C++, to the process's stderr) each tensor it can only
+    # reshard by replicating it whole; the training steps must cause none.
+    capfd.readouterr()
+    for mesh in ({"fsdp": 8}, {"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}):
+        compiled(h100s, mesh, sharding__sequence_parallel=True)
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+    # The detector: a transpose whose result is asked for in an interleaved layout is one.
+    mesh = jax.sharding.Mesh(np.asarray(h100s).reshape(2, 4), ("a", "b"))
+    x = jax.ShapeDtypeStruct((8, 8, 8), np.float32, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b", None)))
+    out = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("b", "a"), None))
+    jax.jit(lambda x: jax.numpy.transpose(x, (2, 0, 1)).reshape(64, 8) * 2, out_shardings=out).lower(x).compile()
+    assert "Involuntary full rematerialization" in capfd.readouterr().err
