@@ -37,19 +37,6 @@ CASES = [
 ]
 
 
-def hlo_summary(text: str) -> dict:
-    """What the compiled step runs: GEMM operand types, custom calls (cuDNN, cuBLAS), collectives."""
-    from collections import Counter
-
-    from lm import hlo
-
-    return {
-        "gemm_operand_types": dict(Counter(f"{g.lhs} x {g.rhs} -> {g.out}" for g in hlo.gemms(text))),
-        "custom_calls": dict(hlo.custom_calls(text)),
-        "collectives": dict(hlo.collectives(text)),
-    }
-
-
 def device_info(out: Path) -> dict:
     import jax
     from jax._src.lib import cuda_versions, xla_client
@@ -103,7 +90,9 @@ def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo
     if done.returncode == 0 and lines:
         result = {"ok": True, "wall_s": wall, **json.loads(lines[-1])}
         if hlo_dir and (hlo_dir / "train_step.hlo.txt").exists():
-            result["hlo"] = hlo_summary((hlo_dir / "train_step.hlo.txt").read_text())
+            from lm import hlo
+
+            result["hlo"] = hlo.summary((hlo_dir / "train_step.hlo.txt").read_text())
         return result
     errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line or "RESOURCE_EXHAUSTED" in line]
     out_of_memory = "RESOURCE_EXHAUSTED" in done.stderr or "out of memory" in done.stderr.lower()

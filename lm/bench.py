@@ -12,12 +12,11 @@ import dataclasses
 import json
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 
-from lm import cli, targets
+from lm import cli, hlo, targets
 from lm import data as lm_data
 from lm.cli import Parser
 from lm.config import UserError
@@ -46,8 +45,7 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str 
     compiled = program.train_step.lower(state, make_batch()).compile()
     compile_s = time.perf_counter() - start
     if save_hlo:
-        Path(save_hlo).mkdir(parents=True, exist_ok=True)
-        (Path(save_hlo) / "train_step.hlo.txt").write_text(compiled.as_text())
+        hlo.save(compiled.as_text(), save_hlo)
     batches = [make_batch() for _ in range(4)]
     for i in range(warmup):
         state, metrics = compiled(state, batches[i % 4])
@@ -105,10 +103,8 @@ def main(argv: list[str]) -> None:
         raise UserError("--target compiles for a GPU this machine may not have: add --compile_only")
     if args.compile_only:
         devices = None
-        if args.target:  # before JAX starts a backend
-            targets.with_compiler("lm.bench", argv)
-            jax.config.update("jax_platforms", "cpu")
-            devices = targets.devices(args.target, args.devices)
+        if args.target:
+            devices = targets.command_devices("lm.bench", argv, args.target, args.devices)
         start = time.perf_counter()
         _, result = layout(args.config, devices, save_hlo=args.save_hlo, target=args.target)
         result["compile_wall_s"] = round(time.perf_counter() - start, 3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from pathlib import Path
 from typing import NamedTuple
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?([a-z0-9]+)\[[^\]]*\]")
@@ -69,6 +70,23 @@ def gemms(hlo: str) -> list[Gemm]:
                 op_name = re.search(r'op_name="([^"]*)"', line)
                 found.append(Gemm(types.get(names[0], "?"), types.get(names[1], "?"), out_type, kind, name, op_name.group(1) if op_name else ""))
     return found
+
+
+def summary(hlo: str) -> dict:
+    """What a compiled program runs, as plain data: GEMM operand types, custom calls, collectives."""
+    return {
+        "gemm_operand_types": dict(Counter(f"{g.lhs} x {g.rhs} -> {g.out}" for g in gemms(hlo))),
+        "custom_calls": dict(custom_calls(hlo)),
+        "collectives": dict(collectives(hlo)),
+    }
+
+
+def save(hlo: str, directory: str) -> Path:
+    """Writes a train step's optimized HLO as DIRECTORY/train_step.hlo.txt."""
+    path = Path(directory) / "train_step.hlo.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(hlo)
+    return path
 
 
 def custom_calls(hlo: str) -> Counter:

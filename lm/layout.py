@@ -12,8 +12,6 @@ can be checked from a laptop); the last stdout line is the summary as one JSON o
 from __future__ import annotations
 
 import json
-from collections import Counter
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -52,8 +50,7 @@ def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None
         executable = program.train_step.lower(state, batch).compile()
         memory, text = executable.memory_analysis(), executable.as_text()
         if save_hlo:
-            Path(save_hlo).mkdir(parents=True, exist_ok=True)
-            (Path(save_hlo) / "train_step.hlo.txt").write_text(text)
+            hlo.save(text, save_hlo)
         fields = ("argument", "output", "alias", "temp", "generated_code")
         compiled = {f"{f}_bytes": getattr(memory, f"{f}_size_in_bytes", None) for f in fields}
         if None not in compiled.values():
@@ -62,11 +59,7 @@ def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None
                 compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
             )
         summary["compiled_train_step_per_device"] = compiled
-        summary["hlo"] = {
-            "gemm_operand_types": dict(Counter(f"{g.lhs} x {g.rhs} -> {g.out}" for g in hlo.gemms(text))),
-            "custom_calls": dict(hlo.custom_calls(text)),
-            "collectives": dict(hlo.collectives(text)),
-        }
+        summary["hlo"] = hlo.summary(text)
         if target:
             summary.update(target=target, device_memory_bytes=targets.memory_bytes(target))
             summary["fits"] = compiled.get("peak_estimate_bytes", 0) <= summary["device_memory_bytes"]
@@ -106,10 +99,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--save_hlo", help="directory to write the compiled train step's optimized HLO into")
     args = parser.parse(argv)
     devices = None
-    if args.target:
-        targets.with_compiler("lm.layout", argv)  # before JAX starts a backend: nothing above has asked for devices yet
-        jax.config.update("jax_platforms", "cpu")  # this host's own backend stays the CPU
-        devices = targets.devices(args.target, args.devices or 8, args.hosts)
+    if args.target:  # nothing above has asked JAX for devices yet
+        devices = targets.command_devices("lm.layout", argv, args.target, args.devices or 8, args.hosts)
     elif args.devices:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)

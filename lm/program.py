@@ -70,8 +70,7 @@ class ModelLayout:
 
     def __init__(self, spec: RunSpec, mesh: Mesh):
         self.spec, self.mesh, self.rules = spec, mesh, spec.rules
-        make = lambda: Transformer(spec.model, rngs=nnx.Rngs(0), policy=spec.policy, pipeline=spec.pipeline)  # noqa: E731
-        abstract = sharding.abstract_module(make)
+        abstract = sharding.abstract_module(lambda: self.build(0))
         self.graphdef, params, fp8, probes = nnx.split(abstract, nnx.Param, Fp8Meta, Probe)
         self.abstract_params, self.abstract_fp8 = nnx.to_pure_dict(params), nnx.to_pure_dict(fp8)
         self.probes = nnx.to_pure_dict(probes)  # shapes: the probes are zeros each step
@@ -79,6 +78,10 @@ class ModelLayout:
         self.param_shardings = sharding.state_shardings(params, mesh, spec.rules)
         self.fp8_shardings = sharding.state_shardings(fp8, mesh, spec.rules) if spec.policy.fp8 else None
         self.decay_mask = decay_mask(params)
+
+    def build(self, seed: int) -> Transformer:
+        """The model, initialised from `seed` (traced under jit or `eval_shape`)."""
+        return Transformer(self.spec.model, rngs=nnx.Rngs(seed), policy=self.spec.policy, pipeline=self.spec.pipeline)
 
     def zero_probes(self) -> dict:
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.probes)
@@ -146,7 +149,7 @@ class Program:
     # -- pure functions, traced under jit
 
     def _init(self, seed: int) -> TrainState:
-        model = Transformer(self.model_cfg, rngs=nnx.Rngs(seed), policy=self.policy, pipeline=self.spec.pipeline)
+        model = self.layout.build(seed)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         return TrainState(
             step=jnp.zeros((), jnp.int32),

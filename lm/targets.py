@@ -40,6 +40,17 @@ def with_compiler(module: str, argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", module, *argv], {**os.environ, "MESHLM_GPU_COMPILER": "1"})
 
 
+def command_devices(module: str, argv: list[str], name: str, count: int, hosts: int = 1) -> list:
+    """For a command (`python -m module argv`) compiling for target `name`: started again with
+    the compiler if need be, this host's backend kept to the CPU, then `devices(...)`. Call it
+    before anything asks JAX for devices."""
+    import jax
+
+    with_compiler(module, argv)
+    jax.config.update("jax_platforms", "cpu")
+    return devices(name, count, hosts)
+
+
 def target_config(name: str) -> str:
     if name not in TARGETS:
         raise UserError(f"--target={name!r} is not a known GPU target; choose one of {', '.join(TARGETS)}")
