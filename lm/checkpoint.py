@@ -34,6 +34,13 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def saved_fields(self, step: int) -> set[str]:
+        """The top-level entries of a step's state: {'params'} alone for imported weights."""
+        try:
+            return set(self.manager.item_metadata(step)["state"] or ())
+        except Exception as e:
+            raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} has unreadable metadata: {_first_line(e)}") from None
+
     def save(self, step: int, state, data_state: dict | None = None) -> None:
         """Starts writing `state` for `step` (every process takes part); returns before the write
         is durable when async. A step already saved is left as it is."""

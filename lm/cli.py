@@ -7,6 +7,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+import ml_collections
+
 import sharding.distributed
 from lm.config import UserError, apply_overrides
 from lm.recipe import load_file
@@ -15,12 +17,21 @@ from lm.recipe import load_file
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are UserErrors, and which collects `--config.KEY=VALUE` overrides."""
 
-    def __init__(self, *args, with_config: bool = True, distributed: bool = False, **kwargs):
+    def __init__(
+        self,
+        *args,
+        with_config: bool = True,
+        distributed: bool = False,
+        default_config: Callable[[argparse.Namespace], ml_collections.ConfigDict] | None = None,
+        **kwargs,
+    ):
+        """`default_config(args)`: the config when no --config is given (default configs/tiny.py)."""
         super().__init__(*args, **kwargs)
         self.with_config = with_config
         self.distributed = distributed
+        self.default_config = default_config or (lambda args: load_file("configs/tiny.py"))
         if with_config:
-            self.add_argument("--config", default="configs/tiny.py", help="recipe file; override keys with --config.KEY=VALUE")
+            self.add_argument("--config", default=None, help="recipe file (default: configs/tiny.py); override keys with --config.KEY=VALUE")
         if distributed:
             group = self.add_argument_group("several processes (default: from SLURM / Open MPI / Kubernetes, else one)")
             group.add_argument("--coordinator", help="host:port of process 0's coordination service")
@@ -30,7 +41,9 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{message} (see --help)")
 
-    def parse(self, argv: list[str]):
+    def parse(self, argv: list[str], defer_config: bool = False):
+        """The arguments; `args.config` the recipe with the overrides applied and validated, or with
+        `defer_config`, `args.config_base` (the recipe alone) for the command to finish."""
         overrides, rest = {}, []
         for arg in argv:
             if self.with_config and arg.startswith("--config."):
@@ -48,7 +61,11 @@ class Parser(argparse.ArgumentParser):
                 raise UserError(str(e)) from None
         if self.with_config:
             args.config_overrides = overrides
-            args.config = apply_overrides(load_file(args.config), overrides)
+            base = load_file(args.config) if args.config else self.default_config(args)
+            if defer_config:
+                args.config_base = base
+            else:
+                args.config = apply_overrides(base, overrides)
         return args
 
 

@@ -60,6 +60,9 @@ def default_config() -> ml_collections.ConfigDict:
         clip_norm=1.0,  # 0: no clipping
     )
     c.checkpoint = dict(every_steps=500, keep=3, async_save=True)
+    # Start a new run from trained weights: a Hugging Face checkpoint directory (config.json and
+    # safetensors; its architecture and tokenizer replace the recipe's) or a meshlm run directory.
+    c.init = dict(from_hf=config_dict.placeholder(str))
     c.mesh = dict(data=-1, stage=1, fsdp=1, tensor=1)
     c.pipeline = dict(
         microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages
@@ -89,6 +92,7 @@ _CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.position": ("rope", "learned"),
     "model.mlp": ("swiglu", "gelu"),
+    "model.rope_scaling": ("none", "linear", "llama3"),
     "model.remat": REMAT,
     "model.attention": ("auto", "cudnn", "xla", "einsum"),
     "train.on_nonfinite": ("skip", "stop"),
@@ -106,9 +110,11 @@ _POSITIVE = (
     "checkpoint.keep", "data.vocab_size",
     "precision.fp8_history", "precision.loss_scale_initial", "precision.loss_scale_growth_interval",
     "precision.loss_scale_min", "optim.lr", "optim.eps", "model.rope_theta", "model.norm_eps",
+    "model.rope_factor", "model.rope_original_max_len",
 )
 _NOT_NEGATIVE = (
     "optim.weight_decay", "optim.clip_norm", "optim.warmup_steps", "optim.decay_steps", "model.head_dim",
+    "model.vocab_size", "model.max_positions", "model.sliding_window",
     "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed",
 )
 # [low, high) intervals
@@ -159,6 +165,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
         )
     if m.position == "rope" and head_dim(c) % 2:
         raise UserError(f"RoPE needs an even head_dim, got {head_dim(c)}")
+    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+        raise UserError(
+            f"model.rope_scaling=llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, "
+            f"got {m.rope_low_freq_factor} and {m.rope_high_freq_factor}"
+        )
+    if m.position == "learned" and m.max_positions and c.train.seq_len > m.max_positions:
+        raise UserError(
+            f"train.seq_len={c.train.seq_len} is longer than the model's {m.max_positions} learned positions "
+            "(model.max_positions); lower train.seq_len"
+        )
     if c.train.batch_size % c.train.grad_accum:
         raise UserError(
             f"train.batch_size={c.train.batch_size} is not divisible by "
@@ -212,7 +228,7 @@ def shape_fields(c: ml_collections.ConfigDict) -> dict:
     fields["data.tokenizer"] = c.data.tokenizer
     if c.data.tokenizer == "bpe":
         fields["data.vocab_size"] = c.data.vocab_size
-    if c.model.position == "learned":
+    if c.model.position == "learned" and not c.model.max_positions:
         fields["train.seq_len"] = c.train.seq_len
     return fields
 

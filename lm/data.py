@@ -89,6 +89,41 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def save_hf(self, path: Path) -> None:
+        """The same tokenizer as a Hugging Face tokenizer.json: a byte-level BPE without merges,
+        whose id for each byte is the byte's value (for exported models)."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.save(str(path))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what byte-level BPE vocabularies hold)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spare = (256 + n for n in range(256))
+    return {b: chr(b if b in kept else next(spare)) for b in range(256)}
+
+
+class NoTokenizer:
+    """A run without a tokenizer (a Hugging Face checkpoint imported without tokenizer.json):
+    token ids only (`lm.generate --prompt_ids`)."""
+
+    vocab_size = 0  # the model's vocabulary comes from model.vocab_size
+    fingerprint = "none"
+    eos_id = None
+
+    def encode(self, text: str) -> np.ndarray:
+        raise UserError(
+            "this run has no tokenizer (data.tokenizer=none: imported without tokenizer.json), so text cannot be "
+            "encoded; pass --config.data.tokenizer=path/to/tokenizer.json, or token ids (lm.generate --prompt_ids)"
+        )
+
+    decode = encode
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json."""
@@ -141,6 +176,8 @@ def tokenizer_for(data_config, workdir: str | os.PathLike | None, files: list[Pa
     name = data_config.tokenizer
     if name == "byte":
         return ByteTokenizer()
+    if name == "none":
+        return NoTokenizer()
     kept = Path(workdir) / "tokenizer.json" if workdir is not None else None
     if kept is not None and kept.exists():
         return HFTokenizer(kept)
@@ -263,4 +300,6 @@ def nominal_vocab_size(data_config) -> int:
         return ByteTokenizer.vocab_size
     if data_config.tokenizer == "bpe":
         return data_config.vocab_size
+    if data_config.tokenizer == "none":
+        return NoTokenizer.vocab_size
     return HFTokenizer(Path(data_config.tokenizer).expanduser()).vocab_size

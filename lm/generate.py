@@ -2,6 +2,7 @@
 
     python -m lm.generate --workdir=runs/tiny --prompt="def " --max_new_tokens=200 \
         --temperature=0.8 --top_k=40
+    python -m lm.generate --workdir=runs/imported --prompt_ids=5,17,42 --temperature=0 --print_ids
 
 Decoding keeps a KV cache: the prompt is run once, then each new token attends to the cached
 keys and values instead of re-running the whole prefix. The whole loop is one compiled scan.
@@ -31,10 +32,15 @@ from sharding.pipeline import PipelinePlan
 
 
 def load(workdir: str | Path, step: int | None = None):
-    """(config, tokenizer, model) of the latest (or given) checkpoint in `workdir`, on one device.
+    """(config, tokenizer, model) of the latest (or given) checkpoint in `workdir`, on one device."""
+    config, tokenizer, layout, restored = restore(workdir, step)
+    return config, tokenizer, layout.model(restored["params"], restored.get("fp8"))
 
-    Only the parameters (and fp8 scales) are read from the checkpoint, never the optimizer's
-    moments: sampling needs a third of a training run's memory."""
+
+def restore(workdir: str | Path, step: int | None = None):
+    """(config, tokenizer, layout, {'params', 'fp8'?}) of a run's latest (or given) checkpoint, on
+    one device. Only the parameters (and fp8 scales) are read, never the optimizer's moments:
+    sampling or exporting needs a third of a training run's memory."""
     workdir = inputs.existing_run_dir(workdir)
     config = lm_config.load_run(workdir)
     tokenizer = lm_data.tokenizer_for(config.data, workdir)
@@ -46,17 +52,16 @@ def load(workdir: str | Path, step: int | None = None):
     ckpt = Checkpointer(workdir / "checkpoints")
     restored = ckpt.restore_part(part, step)
     ckpt.close()
-    return config, tokenizer, layout.model(restored["params"], restored.get("fp8"))
+    return config, tokenizer, layout, restored
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k", "vocab_size"))
-def _sample(model: Transformer, prompt_bt, key, temperature, *, max_new_tokens: int, top_k: int, vocab_size: int):
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "top_k"))
+def _sample(model: Transformer, prompt_bt, key, temperature, *, max_new_tokens: int, top_k: int):
     batch, prompt_len = prompt_bt.shape
     cache = model.init_cache(batch, prompt_len + max_new_tokens)
     logits, cache = model(prompt_bt, cache=cache, cache_index=0)
 
-    def pick(logits_bv, key):
-        logits_bv = jnp.where(jnp.arange(logits_bv.shape[-1]) < vocab_size, logits_bv, -jnp.inf)  # padding ids
+    def pick(logits_bv, key):  # the model gives padding ids the lowest logit: never picked
         if top_k:
             kth = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
             logits_bv = jnp.where(logits_bv < kth, -jnp.inf, logits_bv)
@@ -74,9 +79,12 @@ def _sample(model: Transformer, prompt_bt, key, temperature, *, max_new_tokens: 
     return tokens.T
 
 
-def generate(model, tokenizer, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> str:
-    """The prompt followed by `max_new_tokens` sampled tokens, as text."""
-    ids = tokenizer.encode(prompt or "\n")
+def generate_ids(model, prompt_ids, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> np.ndarray:
+    """`max_new_tokens` ids sampled after `prompt_ids` (temperature 0: greedy, the argmax)."""
+    ids = np.asarray(prompt_ids, np.int32)
+    vocab = model.cfg.used_vocab
+    if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
+        raise UserError(f"prompt ids must be a non-empty list of ids in [0, {vocab}), got {ids.tolist()}")
     limit = model.cfg.max_len if model.cfg.position == "learned" else None
     if limit is not None and len(ids) + max_new_tokens > limit:
         raise UserError(
@@ -84,21 +92,31 @@ def generate(model, tokenizer, prompt: str, max_new_tokens: int = 200, temperatu
             f"context of {limit} positions; ask for fewer tokens"
         )
     out = _sample(
-        model,
-        jnp.asarray(ids, jnp.int32)[None],
-        jax.random.key(seed),
-        jnp.float32(temperature),
-        max_new_tokens=max_new_tokens,
-        top_k=min(top_k, tokenizer.vocab_size),
-        vocab_size=tokenizer.vocab_size,
+        model, jnp.asarray(ids)[None], jax.random.key(seed), jnp.float32(temperature),
+        max_new_tokens=max_new_tokens, top_k=min(top_k, vocab),
     )
-    return prompt + tokenizer.decode(np.asarray(out[0]))
+    return np.asarray(out[0])
+
+
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> str:
+    """The prompt followed by `max_new_tokens` sampled tokens, as text."""
+    new = generate_ids(model, tokenizer.encode(prompt or "\n"), max_new_tokens, temperature, top_k, seed)
+    return prompt + tokenizer.decode(new)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(i) for i in text.split(",") if i.strip()]
+    except ValueError:
+        raise UserError(f"--prompt_ids={text!r}: write comma-separated token ids, e.g. 5,17,42") from None
 
 
 def main(argv: list[str]) -> None:
     parser = Parser(prog="python -m lm.generate", description="Sample text from a trained run.", with_config=False)
     parser.add_argument("--workdir", required=True, help="the run directory to sample from")
     parser.add_argument("--prompt", default="", help="text to continue")
+    parser.add_argument("--prompt_ids", default=None, help="token ids to continue, e.g. 5,17,42 (instead of --prompt)")
+    parser.add_argument("--print_ids", action="store_true", help="also print the generated ids, space-separated, on the last line")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     parser.add_argument("--top_k", type=int, default=40, help="sample among the k likeliest tokens; 0 for all")
@@ -106,7 +124,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     args = parser.parse(argv)
     _, tokenizer, model = load(args.workdir, args.step)
-    print(generate(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    if args.prompt_ids is not None and args.prompt:
+        raise UserError("give --prompt or --prompt_ids, not both")
+    prompt_ids = _ids(args.prompt_ids) if args.prompt_ids is not None else tokenizer.encode(args.prompt or "\n")
+    new = generate_ids(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    if not isinstance(tokenizer, lm_data.NoTokenizer):
+        print((args.prompt if args.prompt_ids is None else tokenizer.decode(prompt_ids)) + tokenizer.decode(new))
+    if args.print_ids or isinstance(tokenizer, lm_data.NoTokenizer):
+        print(" ".join(map(str, new.tolist())))
 
 
 if __name__ == "__main__":

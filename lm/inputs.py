@@ -29,6 +29,14 @@ def new_or_run_dir(path: str | os.PathLike, flag: str = "--workdir") -> Path:
     return p
 
 
+def new_output_dir(path: str | os.PathLike, flag: str) -> Path:
+    """A directory a command creates and fills: absent or empty, never one holding anything."""
+    p = new_or_run_dir(path, flag)
+    if p.exists() and any(p.iterdir()):
+        raise UserError(f"{flag}={path} exists and is not empty; nothing was written: pass a new directory")
+    return p
+
+
 def existing_run_dir(path: str | os.PathLike, flag: str = "--workdir") -> Path:
     """A directory a finished or running meshlm run wrote (it holds config.json)."""
     p = Path(path).expanduser()

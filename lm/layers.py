@@ -10,10 +10,12 @@ dim, f mlp hidden, v vocab.
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import sharding
@@ -99,14 +101,40 @@ def _add_bias_bwd(bias, dy):
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
-def rope(x_bthk: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (rotate-half form), computed in float32."""
-    half = x_bthk.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions_bt[..., None, None].astype(jnp.float32) * freq  # b t 1 k/2
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """The rotary angular frequencies [head_dim / 2] in float32, scaled as `cfg.rope_scaling` says
+    (computed as Hugging Face `transformers` does, so imported models match it to the last bit)."""
+    dim = cfg.head_dim
+    freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    if cfg.rope_scaling == "linear":
+        return (freq / cfg.rope_factor).astype(np.float32)
+    if cfg.rope_scaling == "llama3":
+        factor, low, high, old_len = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
+        wavelen = 2 * math.pi / freq
+        scaled = np.where(wavelen > old_len / low, freq / factor, freq)  # long wavelengths: slowed down
+        smooth = (old_len / wavelen - low) / (high - low)
+        ramp = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return np.where(medium, ramp, scaled).astype(np.float32)
+    return freq.astype(np.float32)
+
+
+def rope(x_bthk: jax.Array, positions_bt: jax.Array, freq_k: np.ndarray) -> jax.Array:
+    """Rotary position embedding in the rotate-half form (the first half of each head's features
+    pairs with the second half, as in `transformers`: no row permutation of imported q / k
+    weights), computed in float32."""
+    angle = positions_bt[..., None, None].astype(jnp.float32) * freq_k  # b t 1 k/2
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
+
+
+def causal_mask(q_positions_bt: jax.Array, k_positions_s: jax.Array, window: int = 0) -> jax.Array:
+    """[b, t, s] True where a query may attend to a key: not later than itself and, with a sliding
+    `window`, among its latest `window` positions (itself included)."""
+    q, k = q_positions_bt[:, :, None], k_positions_s[None, None, :]
+    mask = k <= q
+    return mask & (k > q - window) if window else mask
 
 
 @functools.cache
@@ -137,8 +165,9 @@ def attention_kernel(requested: str, q_bthk: jax.Array, causal: bool) -> str:
     return "cudnn" if backend == "gpu" and cudnn_ok and cudnn_available() else "xla"
 
 
-def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto") -> jax.Array:
-    """Softmax attention with grouped-query heads; `mask_bts` None means causal.
+def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0) -> jax.Array:
+    """Softmax attention with grouped-query heads; `mask_bts` None means causal (within a sliding
+    `window` of keys when it is > 0).
 
     On GPU this is `jax.nn.dot_product_attention` (cuDNN flash attention where it applies, see
     `attention_kernel`). On CPU the same maths is written out: XLA:CPU fuses the library
@@ -148,16 +177,16 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
     kernel = attention_kernel(kernel, q_bthk, mask_bts is None)
     if kernel != "einsum":
         mask = None if mask_bts is None else mask_bts[:, None]
+        local = (window - 1, 0) if window and mask_bts is None else None
         return jax.nn.dot_product_attention(
-            q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=mask_bts is None, implementation=kernel
+            q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=mask_bts is None, local_window_size=local, implementation=kernel
         )
     b, t, h, k = q_bthk.shape
     g = k_bsgk.shape[2]
     q = (q_bthk * jnp.asarray(k**-0.5, q_bthk.dtype)).reshape(b, t, g, h // g, k)
     logits = policy.matmul("btgrk,bsgk->bgrts", q, k_bsgk, out_dtype=jnp.float32)
     if mask_bts is None:
-        s = k_bsgk.shape[1]
-        mask_bts = (jnp.arange(s)[None, :] <= jnp.arange(t)[:, None])[None]
+        mask_bts = causal_mask(jnp.arange(t)[None], jnp.arange(k_bsgk.shape[1]), window)
     logits = jnp.where(mask_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = policy.matmul("bgrts,bsgk->btgrk", probs, v_bsgk)
@@ -175,10 +204,11 @@ class Attention(nnx.Module):
         self.wo = _param(rngs.params(), (h, k, d), ("heads", "head_dim", "embed"), out_std, dt)
         # The state each dense matmul keeps under the policy (fp8 scales), or None.
         self.wq_site, self.wk_site, self.wv_site, self.wo_site = (policy.site() for _ in range(4))
-        if cfg.use_bias:
+        if cfg.use_bias or cfg.qkv_bias:
             self.bq = _param(None, (h, k), ("heads", "head_dim"), None, dt)
             self.bk = _param(None, (g, k), ("kv_heads", "head_dim"), None, dt)
             self.bv = _param(None, (g, k), ("kv_heads", "head_dim"), None, dt)
+        if cfg.use_bias:
             self.bo = _param(None, (d,), ("embed",), None, dt)
 
     def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
@@ -186,23 +216,23 @@ class Attention(nnx.Module):
         q = self.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...], site=self.wq_site)
         k = self.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...], site=self.wk_site)
         v = self.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_site)
-        if cfg.use_bias:
+        if cfg.use_bias or cfg.qkv_bias:
             q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
         if cfg.position == "rope":
-            q, k = rope(q, positions_bt, cfg.rope_theta), rope(k, positions_bt, cfg.rope_theta)
+            freq_k = rope_frequencies(cfg)
+            q, k = rope(q, positions_bt, freq_k), rope(k, positions_bt, freq_k)
         q = constrain(q, ("batch", "length", "heads", "head_dim"), "queries")
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"), "keys")
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"), "values")
         if cache is None:
-            out = attention(q, k, v, None, self.policy, cfg.attention)
+            out = attention(q, k, v, None, self.policy, cfg.attention, cfg.sliding_window)
         else:  # decoding: write this chunk into the cache, attend to every filled position
             start = (0, cache_index, 0, 0)
             cache = {
                 "k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start),
                 "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start),
             }
-            key_positions = jnp.arange(cache["k"].shape[1])
-            mask_bts = key_positions[None, None, :] <= positions_bt[:, :, None]
+            mask_bts = causal_mask(positions_bt, jnp.arange(cache["k"].shape[1]), cfg.sliding_window)
             out = attention(q, self.policy.cast(cache["k"]), self.policy.cast(cache["v"]), mask_bts, self.policy, cfg.attention)
         y = self.policy.matmul("bthk,hkd->btd", out, self.wo[...], site=self.wo_site)
         if cfg.use_bias:

@@ -133,6 +133,8 @@ class Program:
         options = targets.compiler_options(mesh.devices.flat[0].platform)
         jit = lambda fn, **kw: sharding.jit(fn, mesh, self.rules, compiler_options=options or None, **kw)  # noqa: E731
         self.init_state = jit(self._init, static_argnums=0, out_shardings=self.state_shardings)
+        # A fresh state around given (e.g. imported) parameters, which it takes over.
+        self.init_from = jit(self._init, static_argnums=0, out_shardings=self.state_shardings, donate_argnums=1)
         self.train_step = jit(
             self._train_step,
             in_shardings=(self.state_shardings, self.batch_sharding),
@@ -148,9 +150,9 @@ class Program:
 
     # -- pure functions, traced under jit
 
-    def _init(self, seed: int) -> TrainState:
-        model = self.layout.build(seed)
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    def _init(self, seed: int, params: dict | None = None) -> TrainState:
+        model = self.layout.build(seed)  # with `params` given, XLA drops the unused random init
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param)) if params is None else params
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,

@@ -7,7 +7,7 @@ import dataclasses
 import ml_collections
 
 import sharding
-from lm.config import checked
+from lm.config import UserError, checked
 from lm.loss_scale import LossScaling
 from lm.model import ModelConfig
 from lm.precision import Policy
@@ -31,6 +31,11 @@ class RunSpec:
     def parse(cls, c: ml_collections.ConfigDict, vocab_size: int, *, observe: bool = False) -> RunSpec:
         """`observe`: every block matmul also reports its statistics (`lm.numerics`)."""
         c = checked(c)
+        if c.model.vocab_size and vocab_size > c.model.vocab_size:
+            raise UserError(
+                f"the tokenizer has {vocab_size} ids but model.vocab_size={c.model.vocab_size}; "
+                "raise model.vocab_size (0: the tokenizer's) or use the model's own tokenizer"
+            )
         policy = Policy.from_config(c.precision)
         stages = c.mesh.stage
         plan = PipelinePlan(stages, c.pipeline.microbatches or stages, c.pipeline.repeats, c.pipeline.remat) if stages > 1 else PipelinePlan()

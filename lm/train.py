@@ -35,7 +35,7 @@ from lm.metrics import (
     peak_flops,
     perplexity,
 )
-from lm.program import Faults, Program, setup
+from lm.program import Faults, Program, placed, setup
 from lm.spec import RunSpec
 
 
@@ -102,6 +102,10 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
     logged metrics (with `eval_loss`). SIGTERM / SIGINT end it after the current step with a
     durable checkpoint."""
     config = lm_config.checked(config)
+    if config.init.from_hf:
+        from lm.convert import with_init_model
+
+        config = with_init_model(config)
     workdir = inputs.new_or_run_dir(workdir)
     check_workdir(config, workdir)
     # The mesh is checked before the corpus is read: a bad mesh fails fast.
@@ -134,20 +138,37 @@ def _say(text: str) -> None:
         sys.stdout.flush()
 
 
+def _start(program: Program, ckpt: Checkpointer):
+    """(step, state, data iterator state) to begin from: the latest checkpoint; weights alone
+    (an imported model's step-0 checkpoint, or `init.from_hf`) with a fresh optimizer; or a
+    random initialisation."""
+    config, layout = program.config, program.layout
+    latest = ckpt.latest_step()
+    if latest is not None and ckpt.saved_fields(latest) == {"params"}:
+        params = ckpt.restore_part({"params": placed(layout.abstract_params, layout.param_shardings)}, latest)["params"]
+        _say(f"starting from the weights in {ckpt.directory / str(latest)} (fresh optimizer state)")
+        return latest, program.init_from(config.train.seed, params), None
+    restored = ckpt.restore_latest(program.abstract_sharded_state(), _say)
+    if restored is not None:
+        _say(f"resuming from step {restored[0]} ({ckpt.directory / str(restored[0])})")
+        return restored
+    if config.init.from_hf:
+        from lm.convert import initial_params
+
+        _say(f"starting from the weights of {config.init.from_hf}")
+        return 0, program.init_from(config.train.seed, initial_params(config.init.from_hf, layout)), None
+    return 0, program.init_state(config.train.seed), None
+
+
 def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: MetricsWriter, stop, faults: Faults) -> dict:
     from tqdm import tqdm
 
     config = program.config
     t, mesh, mcfg = config.train, program.mesh, program.model_cfg
     val_batches = [program.global_batch(rows) for rows in val_rows]  # on device once, reused
-    restored = ckpt.restore_latest(program.abstract_sharded_state(), _say)
-    if restored is None:
-        state, start = program.init_state(t.seed), 0
-    else:
-        start, state, data_state = restored
-        if data_state is not None:
-            batches.set_state(data_state)
-        _say(f"resuming from step {start} ({ckpt.directory / str(start)})")
+    start, state, data_state = _start(program, ckpt)
+    if data_state is not None:
+        batches.set_state(data_state)
     tokens_per_step = t.batch_size * t.seq_len
     rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(peak_dtype(config.precision))[0] * mesh.size)
     _say(
@@ -204,8 +225,22 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
     return last
 
 
+def _default_config(args):
+    """Without --config: the workdir's own config when it holds a run (resume as it was
+    trained, e.g. an imported model), else configs/tiny.py."""
+    from lm.recipe import load_file
+
+    saved = lm_config.load_run(inputs.new_or_run_dir(args.workdir))
+    return saved if saved is not None else load_file("configs/tiny.py")
+
+
 def main(argv: list[str]) -> None:
-    parser = Parser(prog="python -m lm.train", description="Train (or resume) a language model.", distributed=True)
+    parser = Parser(
+        prog="python -m lm.train",
+        description="Train (or resume) a language model.",
+        distributed=True,
+        default_config=_default_config,
+    )
     parser.add_argument("--workdir", required=True, help="run directory: checkpoints, metrics, tokenizer")
     for flag in ("kill_at_step", "kill_during_save_at_step"):
         parser.add_argument(f"--debug_{flag}", type=int, default=None, help=argparse.SUPPRESS)

@@ -1,0 +1,75 @@
+"""Tiny random `transformers` models, made offline, and meshlm's view of them (for test_hf.py and
+notebooks/hf_finetune.ipynb)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import sharding
+from lm import config as lm_config
+from lm import convert, data
+from lm.program import ModelLayout
+from lm.safetensors_dir import Reader
+from lm.spec import RunSpec
+
+VOCAB = 301  # not a multiple of 128: the import pads it
+
+FAMILIES = {
+    "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "mistral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=5),
+    "qwen2": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
+}
+
+
+def make_hf_model(directory: Path, family: str, std: float = 0.5, seed: int = 0, dtype: str = "float32", tokenizer: bool = True, max_shard_size: str | None = None, **overrides):
+    """A `transformers` model of `family` with weights ~ N(0, std) (norm scales ~ 1 + N(0, 0.1),
+    so logits are far from uniform), saved with `save_pretrained` into `directory`; returns it."""
+    import torch
+    import transformers
+
+    kind = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gpt2": "GPT2Config"}[family]
+    config = getattr(transformers, kind)(vocab_size=VOCAB, **{**FAMILIES[family], **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm = "norm" in name or ".ln_" in name or name.startswith("ln_") or "transformer.ln_f" in name
+            if norm and name.endswith("weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    if tokenizer:
+        data.ByteTokenizer().save_hf(directory / "tokenizer.json")
+    return model
+
+
+def hf_logits(model, tokens_bt: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens_bt, dtype=torch.long)).logits.float().numpy()
+
+
+def imported(hf_dir: Path, mesh: dict | None = None, devices=None, **overrides):
+    """(layout, params) of a checkpoint imported in memory (no run directory)."""
+    hf_dir, hf_config = convert.read_hf_config(hf_dir)
+    keys = {"model.attention": "einsum", **{f"mesh.{k}": v for k, v in (mesh or {"data": 1}).items()}, **overrides}
+    config = convert.config_from_hf(lm_config.default_config(), hf_dir, hf_config, keys)
+    spec = RunSpec.parse(config, 0)
+    devices = devices or jax.devices()[: max(1, int(np.prod(list((mesh or {"data": 1}).values()))))]
+    layout = ModelLayout(spec, sharding.make_mesh(spec.mesh, devices))
+    return layout, convert.load_params(Reader(hf_dir), layout)
+
+
+def meshlm_logits(layout, params, tokens_bt: np.ndarray) -> np.ndarray:
+    """Logits over the real vocabulary (the padding columns dropped)."""
+    model = layout.model(params)
+    with sharding.activate(layout.mesh, layout.rules):
+        logits = jax.jit(lambda m, t: m(t)[0])(model, tokens_bt)
+    return np.asarray(logits)[..., : layout.spec.model.used_vocab]

@@ -1,0 +1,293 @@
+"""Hugging Face checkpoints in and out (`lm.convert`, `lm.hf`): logits parity with `transformers`
+on tiny random models of every family, exact round trips, sharded import, training after import,
+greedy generation, and the one-line errors. Offline: every model is made here."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from conftest import assert_one_line_error, fast_config, run_cli, run_module
+from hf_models import VOCAB, hf_logits, imported, make_hf_model, meshlm_logits
+
+pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
+torch = pytest.importorskip("torch", reason="torch (the test extra) is not installed")
+
+from lm import config as lm_config  # noqa: E402
+from lm import convert  # noqa: E402
+from lm.generate import generate_ids, load  # noqa: E402
+from lm.program import setup  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
+
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+CASES = {
+    "llama-mha-untied": ("llama", dict(num_key_value_heads=4)),
+    "llama-gqa2-tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama-mqa-untied": ("llama", dict(num_key_value_heads=1)),
+    "llama-head_dim": ("llama", dict(head_dim=8)),
+    "llama3-rope": ("llama", dict(rope_scaling=LLAMA3)),
+    "qwen2-qkv-bias": ("qwen2", {}),
+    "mistral-window": ("mistral", {}),
+    "gpt2": ("gpt2", {}),
+}
+STD = 0.4  # logits reach |12..18|: far from uniform
+
+
+def _parity(ref, ours):
+    return float(np.abs(ref - ours).max()), bool((ref.argmax(-1) == ours.argmax(-1)).all())
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """Each case's (directory, torch model), made once."""
+    made = {}
+    for name, (family, kw) in CASES.items():
+        path = tmp_path_factory.mktemp(name)
+        made[name] = (path, make_hf_model(path, family, std=STD, **kw))
+    return made
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(hf_dirs, case):
+    path, model = hf_dirs[case]
+    layout, params = imported(path)
+    ours_full = np.asarray(jax.jit(lambda m, t: m(t)[0])(layout.model(params), TOKENS))
+    ref = hf_logits(model, TOKENS)
+    err, same_argmax = _parity(ref, ours_full[..., :VOCAB])
+    print(f"{case}: max |logit difference| {err:.2e}, max |logit| {np.abs(ref).max():.1f}")
+    assert err <= 1e-4 and same_argmax
+    assert np.abs(ref).max() > 5  # far from uniform: the check has teeth
+    # The padding ids (301 -> 384 rows) are never predicted.
+    assert ours_full.shape[-1] == 384 and (ours_full[..., VOCAB:] == np.finfo(np.float32).min).all()
+
+
+def _permuted(params, path, fn):
+    params = jax.tree.map(lambda a: a, params)
+    node = params
+    *groups, key = path.split("/")
+    for g in groups:
+        node = node[g]
+    node[key] = fn(node[key])
+    return params
+
+
+@pytest.mark.parametrize(
+    "control",
+    [
+        # What an import into an interleaved-RoPE model applies (HF's rows permuted back to
+        # pairs (0, 1), (2, 3), ...): wrong for meshlm's rotate-half form.
+        "interleaved_rotary",
+        # Query heads grouped (r, g) instead of (g, r) over the kv heads.
+        "wrong_kv_grouping",
+    ],
+)
+def test_negative_controls_fail_the_parity_check(hf_dirs, control):
+    path, model = hf_dirs["llama-gqa2-tied"]
+    layout, params = imported(path)
+    k = layout.spec.model.head_dim
+    if control == "interleaved_rotary":
+        order = np.stack([np.arange(k // 2), np.arange(k // 2) + k // 2], axis=1).reshape(-1)
+        for name in ("wq", "wk"):
+            params = _permuted(params, f"blocks/attn/{name}", lambda w: w[..., order])
+    else:
+        h, g = layout.spec.model.num_heads, layout.spec.model.num_kv_heads
+        order = np.arange(h).reshape(g, h // g).T.reshape(-1)
+        params = _permuted(params, "blocks/attn/wq", lambda w: w[:, :, order])
+    err, same_argmax = _parity(hf_logits(model, TOKENS), meshlm_logits(layout, params, TOKENS))
+    assert err > 1e-1 and not same_argmax
+
+
+@pytest.mark.parametrize("mesh", [{"fsdp": 4, "tensor": 2}, {"stage": 2, "data": 4}])
+def test_sharded_import_gives_the_same_logits(hf_dirs, mesh):
+    path, _ = hf_dirs["llama-gqa2-tied"]
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (8, 16))
+    one = meshlm_logits(*imported(path), tokens)
+    layout, params = imported(path, mesh, jax.devices())
+    leaf = params["blocks"]["attn"]["wq"]
+    assert len(leaf.sharding.device_set) == 8 and leaf.addressable_shards[0].data.size < leaf.size
+    # Equal up to the order of the tensor-parallel sums (logits of |5| with weights of std 0.4).
+    np.testing.assert_allclose(meshlm_logits(layout, params, tokens), one, atol=1e-4, rtol=1e-5)
+
+
+def test_sharded_safetensors_import_identically(tmp_path):
+    make_hf_model(tmp_path / "one", "llama", std=STD)
+    make_hf_model(tmp_path / "many", "llama", std=STD, max_shard_size="20KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "many").glob("model-*.safetensors"))) > 3
+    a, b = imported(tmp_path / "one")[1], imported(tmp_path / "many")[1]
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def _state_dict(directory):
+    out = {}
+    for file in directory.glob("*.safetensors"):
+        out.update(load_file(file))
+    return out
+
+
+@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "llama3-rope"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hf_meshlm_hf_round_trip_is_bit_identical(tmp_path, case, dtype):
+    family, kw = CASES[case]
+    make_hf_model(tmp_path / "hf", family, std=STD, dtype=dtype, **kw)
+    convert.import_hf(tmp_path / "hf", tmp_path / "run", lm_config.default_config(), {}, jax.devices()[:1])
+    convert.export_hf(tmp_path / "run", tmp_path / "out", dtype=dtype, max_shard_size="30KB")
+    before, after = _state_dict(tmp_path / "hf"), _state_dict(tmp_path / "out")
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert before[name].dtype == after[name].dtype and before[name].tobytes() == after[name].tobytes(), name
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert str(model.dtype) == f"torch.{dtype}"
+    for name in ("tokenizer.json", "generation_config.json"):
+        assert (tmp_path / "out" / name).exists()
+
+
+def test_meshlm_hf_meshlm_round_trip_is_bit_identical(tmp_path, small_corpus):
+    from lm.checkpoint import Checkpointer
+    from lm.train import train
+
+    train(fast_config(small_corpus, train__steps=3), tmp_path / "run", jax.devices()[:1])
+    convert.export_hf(tmp_path / "run", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+    convert.import_hf(tmp_path / "hf", tmp_path / "back", lm_config.default_config(), {}, jax.devices()[:1])
+    trained = Checkpointer(tmp_path / "run" / "checkpoints").restore_part({"params": _abstract(tmp_path / "run")})["params"]
+    back = Checkpointer(tmp_path / "back" / "checkpoints").restore_part({"params": _abstract(tmp_path / "back")})["params"]
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), trained, back)
+    # The byte tokenizer went out as a tokenizer.json that encodes text to the same ids.
+    from tokenizers import Tokenizer
+
+    text = "def f(x):\n    return 'é'"
+    assert Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json")).encode(text).ids == list(text.encode())
+
+
+def _abstract(workdir):
+    from lm.generate import restore
+
+    _, _, layout, restored = restore(workdir)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), restored["params"])
+
+
+@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2"])
+def test_greedy_generation_matches_transformers(hf_dirs, tmp_path, case):
+    path, model = hf_dirs[case]
+    convert.import_hf(path, tmp_path / "run", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])
+    _, _, ours = load(tmp_path / "run")
+    prompt = [5, 17, 42, 7]
+    mine = generate_ids(ours, prompt, max_new_tokens=32, temperature=0.0)
+    model.generation_config.eos_token_id = None  # 32 tokens, no early stop
+    model.generation_config.pad_token_id = 0
+    theirs = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=0)[0, len(prompt) :].numpy()
+    assert mine.tolist() == theirs.tolist()
+
+
+def test_one_train_step_after_import_matches_transformers_loss(hf_dirs):
+    path, model = hf_dirs["llama-gqa2-tied"]
+    hf_dir, hf_config = convert.read_hf_config(path)
+    overrides = {"mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 2, "train.batch_size": 4, "train.seq_len": 16, "model.attention": "einsum"}
+    config = convert.config_from_hf(lm_config.default_config(), hf_dir, hf_config, overrides)
+    program = setup(config, 0, jax.devices()[:4])
+    params = convert.load_params(convert.Reader(hf_dir), program.layout)
+    state = program.init_from(0, params)
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (4, 17)).astype(np.int32)
+    state, metrics = program.train_step(state, program.global_batch(tokens))
+    with torch.no_grad():
+        ref = model(torch.as_tensor(tokens, dtype=torch.long), labels=torch.as_tensor(tokens, dtype=torch.long)).loss.item()
+    assert abs(float(metrics["loss"]) - ref) <= 1e-5 * max(1.0, abs(ref)), (float(metrics["loss"]), ref)
+
+
+def test_cli_import_train_generate_export(tmp_path, hf_dirs, small_corpus):
+    path, model = hf_dirs["llama-gqa2-tied"]
+    run, out = tmp_path / "run", tmp_path / "out"
+    result = run_module("lm.convert", "from_hf", f"--hf={path}", f"--workdir={run}", "--config.train.seq_len=32")
+    assert result.returncode == 0, result.stderr
+    assert {"config.json", "tokenizer.json", "hf_config.json", "checkpoints"} <= {p.name for p in run.iterdir()}
+    result = run_module("lm.generate", f"--workdir={run}", "--prompt_ids=5,17,42", "--temperature=0", "--max_new_tokens=8", "--print_ids")
+    assert result.returncode == 0, result.stderr
+    ids = [int(i) for i in result.stdout.strip().splitlines()[-1].split()]
+    model.generation_config.eos_token_id = None
+    theirs = model.generate(torch.tensor([[5, 17, 42]]), do_sample=False, max_new_tokens=8)[0, 3:].tolist()
+    assert ids == theirs
+    # lm.train resumes the imported run (its own config; the data path and steps overridden).
+    result = run_module("lm.train", f"--workdir={run}", f"--config.data.path={small_corpus}", "--config.train.steps=4",
+                        "--config.train.batch_size=4", "--config.train.log_every=1", "--config.checkpoint.every_steps=4")
+    assert result.returncode == 0, result.stderr
+    assert "starting from the weights" in result.stdout and (run / "checkpoints" / "4").exists()
+    result = run_module("lm.convert", "to_hf", f"--workdir={run}", f"--out={out}", "--dtype=bfloat16")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_finetune_from_hf_equals_training_the_imported_run(tmp_path, hf_dirs, small_corpus):
+    from conftest import losses
+
+    from lm.train import train
+
+    path, _ = hf_dirs["llama-gqa2-tied"]
+    kw = dict(train__steps=4, train__seq_len=32, train__batch_size=4, train__log_every=1, model__attention="einsum")
+    train(fast_config(small_corpus, init__from_hf=str(path), **kw), tmp_path / "direct", jax.devices()[:1])
+    convert.import_hf(path, tmp_path / "imported", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])
+    train(fast_config(small_corpus, init__from_hf=str(tmp_path / "imported"), **kw), tmp_path / "via_run", jax.devices()[:1])
+    a, b = losses(tmp_path / "direct"), losses(tmp_path / "via_run")
+    assert a == b and a[4] < a[1]
+    saved = lm_config.load_run(tmp_path / "direct")
+    assert saved.model.num_layers == 2 and saved.model.vocab_size == VOCAB  # the checkpoint's architecture
+
+
+def test_import_without_tokenizer_works_on_ids(tmp_path, capsys):
+    make_hf_model(tmp_path / "hf", "gpt2", std=STD, tokenizer=False)
+    result = run_cli(capsys, convert.main, "from_hf", f"--hf={tmp_path / 'hf'}", f"--workdir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr
+    assert "warning:" in result.stdout and "tokenizer.json" in result.stdout
+    from lm import generate
+
+    result = run_cli(capsys, generate.main, f"--workdir={tmp_path / 'run'}", "--prompt_ids=1,2,3", "--temperature=0", "--max_new_tokens=5")
+    assert result.returncode == 0 and len(result.stdout.split()) == 5
+    result = run_cli(capsys, generate.main, f"--workdir={tmp_path / 'run'}", "--prompt=hello")
+    assert_one_line_error(result, "no tokenizer")
+
+
+def _without(src, dst, drop=None, reshape=None):
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1]
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, hf_dirs):
+    good, _ = hf_dirs["llama-gqa2-tied"]
+    (tmp_path / "empty").mkdir()
+    unsupported = tmp_path / "bert"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    act = tmp_path / "act"
+    act.mkdir()
+    (act / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()), "hidden_act": "gelu"}))
+    cases = [
+        (tmp_path / "empty", "has no config.json"),
+        (unsupported, "model_type='bert' is not supported"),
+        (act, "hidden_act='gelu'"),
+        (_without(good, tmp_path / "missing", drop="model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight is missing"),
+        (_without(good, tmp_path / "shape", reshape="model.layers.0.self_attn.k_proj.weight"), "has shape (31, 64), but config.json implies (32, 64)"),
+    ]
+    for hf_dir, fragment in cases:
+        result = run_cli(capsys, convert.main, "from_hf", f"--hf={hf_dir}", f"--workdir={tmp_path / 'run'}")
+        assert_one_line_error(result, fragment)
+        assert not (tmp_path / "run").exists()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    result = run_cli(capsys, convert.main, "from_hf", f"--hf={good}", f"--workdir={tmp_path / 'taken'}")
+    assert_one_line_error(result, "exists and is not empty")
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
