@@ -122,14 +122,12 @@ def _resolve(reader: Reader, name: str) -> str:
 
 def check_tensors(reader: Reader, cfg, our_shapes: dict) -> None:
     """Every tensor the config implies is in the checkpoint, with the implied shape."""
-    for link in hf.links(cfg):
-        want = hf.expected_shapes(link, our_shapes)
-        for layer in range(cfg.num_layers) if link.stacked else [None]:
-            name = _resolve(reader, hf.tensor_name(link, layer))
-            if name not in reader:
-                raise UserError(f"{reader.directory}: tensor {name} is missing from the checkpoint; its config.json implies it")
-            if reader.shape(name) != want:
-                raise UserError(f"{reader.directory}: tensor {name} has shape {reader.shape(name)}, but config.json implies {want}")
+    for name, want, _ in tensor_plan(cfg, our_shapes, None):
+        name = _resolve(reader, name)
+        if name not in reader:
+            raise UserError(f"{reader.directory}: tensor {name} is missing from the checkpoint; its config.json implies it")
+        if reader.shape(name) != want:
+            raise UserError(f"{reader.directory}: tensor {name} has shape {reader.shape(name)}, but config.json implies {want}")
 
 
 def load_params(reader: Reader, layout: ModelLayout) -> dict:
@@ -164,15 +162,24 @@ def _fetch(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def _tensors(cfg):
+    """(link, layer) of every checkpoint tensor of `cfg`'s family, in the order they are written."""
+    return [(link, layer) for link in hf.links(cfg) for layer in (range(cfg.num_layers) if link.stacked else [None])]
+
+
+def tensor_plan(cfg, our_shapes: dict, dtype) -> list[tuple[str, tuple, np.dtype]]:
+    """(name, shape, dtype) of every checkpoint tensor, in writing order."""
+    return [(hf.tensor_name(link, layer), hf.expected_shapes(link, our_shapes), dtype) for link, layer in _tensors(cfg)]
+
+
 def save_params(params: dict, cfg, writer: Writer | None, dtype) -> None:
     """Every checkpoint tensor of `cfg`'s family, one at a time, into `writer` (None: this
     process only contributes its shards)."""
     flat = _flat(params)
-    for link in hf.links(cfg):
-        for layer in range(cfg.num_layers) if link.stacked else [None]:
-            parts = [_fetch(flat[p] if layer is None else flat[p][layer]) for p in link.ours]
-            if writer is not None:
-                writer.add(hf.tensor_name(link, layer), link.to_theirs(*parts).astype(dtype))
+    for link, layer in _tensors(cfg):
+        parts = [_fetch(flat[p] if layer is None else flat[p][layer]) for p in link.ours]
+        if writer is not None:
+            writer.add(hf.tensor_name(link, layer), link.to_theirs(*parts).astype(dtype))
 
 
 # ---------------------------------------------------------------------------- commands
@@ -218,8 +225,10 @@ def export_hf(workdir: str | Path, out: str | Path, dtype: str | None = None, ma
     lead = jax.process_index() == 0
     if lead:
         out.mkdir(parents=True, exist_ok=True)
-    writer = Writer(out, max_bytes) if lead else None
-    save_params(restored["params"], cfg, writer, np.dtype(jax.numpy.dtype(dtype)))
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    shapes = {p: a.shape for p, a in _flat(restored["params"]).items()}
+    writer = Writer(out, tensor_plan(cfg, shapes, np_dtype), max_bytes) if lead else None
+    save_params(restored["params"], cfg, writer, np_dtype)
     if not lead:
         return out
     writer.close()

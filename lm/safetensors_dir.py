@@ -1,7 +1,7 @@
 """A directory of safetensors files as `transformers` reads and writes them: one
 `model.safetensors`, or shards named by `model.safetensors.index.json`. Read one tensor at a
-time through safetensors' memory-mapped numpy API; written shard by shard, so neither side holds
-more than one tensor (reading) or one shard (writing) on the host."""
+time through safetensors' numpy API; written one tensor at a time into planned shards, so neither
+side holds more than one tensor on the host."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from lm.config import UserError
 
@@ -20,9 +19,11 @@ SINGLE = "model.safetensors"
 
 
 class Reader:
+    """Each read maps the file, copies one tensor out and unmaps it again: pages of the file never
+    pile up in the process's resident memory (a mapping kept open would hold every page read)."""
+
     def __init__(self, directory: Path):
         self.directory = directory
-        self._files: dict = {}
         index = directory / INDEX
         if index.is_file():
             try:
@@ -30,7 +31,8 @@ class Reader:
             except (ValueError, KeyError, TypeError) as e:
                 raise UserError(f"{index} is not a safetensors index ({type(e).__name__}); re-save the model with save_pretrained") from None
         elif (directory / SINGLE).is_file():
-            weight_map = {name: SINGLE for name in self._open(SINGLE).keys()}
+            with self._open(SINGLE) as f:
+                weight_map = {name: SINGLE for name in f.keys()}
         else:
             raise UserError(
                 f"{directory} holds no {SINGLE} or {INDEX}: meshlm reads safetensors only "
@@ -39,64 +41,100 @@ class Reader:
         self.weight_map: dict[str, str] = weight_map
 
     def _open(self, file: str):
-        opened = self._files
-        if file not in opened:
-            path = self.directory / file
-            if not path.is_file():
-                raise UserError(f"{path} is named by {INDEX} but does not exist; the checkpoint is incomplete")
-            try:
-                opened[file] = safe_open(str(path), framework="np")
-            except Exception as e:  # the library raises its own error types for damaged headers
-                raise UserError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-        return opened[file]
+        path = self.directory / file
+        if not path.is_file():
+            raise UserError(f"{path} is named by {INDEX} but does not exist; the checkpoint is incomplete")
+        try:
+            return safe_open(str(path), framework="np")
+        except Exception as e:  # the library raises its own error types for damaged headers
+            raise UserError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+        with self._open(self.weight_map[name]) as f:
+            return tuple(f.get_slice(name).get_shape())
 
     def read(self, name: str) -> np.ndarray:
-        return self._open(self.weight_map[name]).get_tensor(name)
+        with self._open(self.weight_map[name]) as f:
+            return f.get_tensor(name)
 
 
 class Writer:
-    """Tensors added one at a time, written in shards of at most `max_shard_bytes` (a tensor
-    larger than that gets a shard of its own), named as `transformers` names them."""
+    """Tensors written one at a time, straight into their shard file, in the order `plan` lists
+    them ((name, shape, dtype) of each): shard boundaries (at most `max_shard_bytes`, a larger
+    tensor alone in its own) and every header are known up front, so nothing is held back.
 
-    def __init__(self, directory: Path, max_shard_bytes: int):
-        self.directory, self.max_shard_bytes = directory, max_shard_bytes
-        self.pending: dict[str, np.ndarray] = {}
-        self.shards: list[list[str]] = []
-        self.total_bytes = 0
+    Written here rather than with `safetensors.numpy.save_file`, which takes a whole shard as a
+    dict and serialises it in memory: the files are the same format, read back by safetensors'
+    own reader and by `transformers` in the tests."""
+
+    def __init__(self, directory: Path, plan: list[tuple[str, tuple, np.dtype]], max_shard_bytes: int):
+        self.directory = directory
+        self.shards: list[list[tuple[str, tuple, np.dtype]]] = [[]]
+        size = 0
+        for entry in plan:
+            nbytes = int(np.prod(entry[1], dtype=np.int64)) * np.dtype(entry[2]).itemsize
+            if self.shards[-1] and size + nbytes > max_shard_bytes:
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(entry)
+            size += nbytes
+        n = len(self.shards)
+        self.names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.order = [entry for shard in self.shards for entry in shard]
+        self.position, self.file, self.shard = 0, None, -1
 
     def add(self, name: str, array: np.ndarray) -> None:
-        if self.pending and sum(a.nbytes for a in self.pending.values()) + array.nbytes > self.max_shard_bytes:
-            self._flush()
-        self.pending[name] = np.ascontiguousarray(array)
-        self.total_bytes += array.nbytes
+        want_name, shape, dtype = self.order[self.position]
+        if (name, tuple(shape), np.dtype(dtype)) != (want_name, array.shape, array.dtype):
+            raise ValueError(f"expected {want_name} {shape} {dtype}, got {name} {array.shape} {array.dtype}")
+        if self.file is None or self._shard_of(self.position) != self.shard:
+            self._start(self._shard_of(self.position))
+        self.file.write(np.ascontiguousarray(array).tobytes())
+        self.position += 1
 
-    def _flush(self) -> None:
-        save_file(self.pending, str(self._part(len(self.shards))), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending = {}
+    def _shard_of(self, position: int) -> int:
+        for i, shard in enumerate(self.shards):
+            if position < len(shard):
+                return i
+            position -= len(shard)
+        raise ValueError("more tensors than planned")
+
+    def _start(self, shard: int) -> None:
+        if self.file is not None:
+            self.file.close()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype in self.shards[shard]:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": _DTYPES[np.dtype(dtype).name], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.file = open(self._part(shard), "wb")
+        self.file.write(len(text).to_bytes(8, "little") + text)
+        self.shard = shard
 
     def _part(self, i: int) -> Path:
         return self.directory / f".part-{i}.safetensors"
 
     def close(self) -> list[str]:
-        """Writes what is pending, names the shards, writes the index; returns the file names."""
-        if self.pending or not self.shards:
-            self._flush()
-        n = len(self.shards)
-        names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for i, name in enumerate(names):
+        """Names the shards (once all are written) and writes the index; returns the file names."""
+        if self.position != len(self.order):
+            raise ValueError(f"{len(self.order) - self.position} planned tensors were not written")
+        self.file.close()
+        for i, name in enumerate(self.names):
             os.replace(self._part(i), self.directory / name)
-        if n > 1:
-            weight_map = {tensor: name for name, tensors in zip(names, self.shards) for tensor in tensors}
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        if len(self.names) > 1:
+            weight_map = {entry[0]: name for name, shard in zip(self.names, self.shards) for entry in shard}
+            total = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for _, s, d in self.order)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (self.directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        return names
+        return self.names
+
+
+_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def parse_size(text: str) -> int:

@@ -3,6 +3,7 @@ on tiny random models of every family, exact round trips, sharded import, traini
 greedy generation, and the one-line errors. Offline: every model is made here."""
 
 import json
+import sys
 
 import jax
 import numpy as np
@@ -13,11 +14,12 @@ from hf_models import VOCAB, hf_logits, imported, make_hf_model, meshlm_logits
 pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
 torch = pytest.importorskip("torch", reason="torch (the test extra) is not installed")
 
+from safetensors.numpy import load_file  # noqa: E402
+
 from lm import config as lm_config  # noqa: E402
 from lm import convert  # noqa: E402
 from lm.generate import generate_ids, load  # noqa: E402
 from lm.program import setup  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
@@ -291,3 +293,78 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, hf_dirs):
     result = run_cli(capsys, convert.main, "from_hf", f"--hf={good}", f"--workdir={tmp_path / 'taken'}")
     assert_one_line_error(result, "exists and is not empty")
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+
+
+# A process of a 2-process cluster importing on {stage: 2, fsdp: 4}: the tensor names it read.
+_WORKER = """
+import json, sys
+flags = dict(a[2:].split("=", 1) for a in sys.argv[3:])
+import lm, sharding.distributed
+sharding.distributed.initialize(flags["coordinator"], int(flags["num_processes"]), int(flags["process_id"]))
+from lm import config, convert
+from lm.safetensors_dir import Reader
+reads, read = [], Reader.read
+Reader.read = lambda self, name: reads.append(name) or read(self, name)
+convert.import_hf(sys.argv[1], sys.argv[2], config.default_config(), {"mesh.data": 1, "mesh.stage": 2, "mesh.fsdp": 4})
+print("READ " + json.dumps(sorted(set(reads))))
+"""
+
+
+def test_multi_process_import_reads_only_each_process_slices(tmp_path, hf_dirs):
+    path, _ = hf_dirs["llama-mha-untied"]
+    result = run_module(
+        "lm.launch", "--processes=2", "--devices_per_process=4", "--",
+        sys.executable, "-c", _WORKER, str(path), str(tmp_path / "run"), timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    reads = {int(line[1]): set(json.loads(line.split("READ ", 1)[1])) for line in result.stdout.splitlines() if "READ " in line}
+    layer_reads = [{name.split(".")[2] for name in reads[p] if name.startswith("model.layers.")} for p in (0, 1)]
+    assert layer_reads == [{"0"}, {"1"}]  # each stage's process read its own layer only
+    # The same weights as a one-process import.
+    convert.import_hf(path, tmp_path / "one", lm_config.default_config(), {}, jax.devices()[:1])
+    from lm.generate import restore
+
+    a, b = restore(tmp_path / "run")[3]["params"], restore(tmp_path / "one")[3]["params"]
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_version(monkeypatch):
+    from lm import hf
+    from lm.model import ModelConfig
+
+    base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": VOCAB}
+    v4 = {**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **{k: v for k, v in LLAMA3.items() if k != "rope_type"}}}
+    v4_old_key = {**base, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **{k: v for k, v in LLAMA3.items() if k != "rope_type"}}}
+    v5 = {**base, "rope_parameters": {**LLAMA3, "rope_theta": 500000.0}}
+    keys = hf.model_keys(v5)
+    assert hf.model_keys(v4) == keys == hf.model_keys(v4_old_key)
+    assert keys["model.rope_scaling"] == "llama3" and keys["model.rope_theta"] == 500000.0 and keys["model.rope_original_max_len"] == 8
+    cfg = ModelConfig(vocab_size=384, real_vocab_size=VOCAB, max_len=128, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=4,
+                      head_dim=16, mlp_dim=96, rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=8)
+    monkeypatch.setattr(hf, "_transformers_major", lambda: 4)
+    written = hf.hf_config(cfg, "float32")
+    assert written["rope_scaling"]["rope_type"] == "llama3" and written["rope_theta"] == 500000.0 and "rope_parameters" not in written
+    assert written["torch_dtype"] == "float32"
+    monkeypatch.setattr(hf, "_transformers_major", lambda: 5)
+    written = hf.hf_config(cfg, "float32")
+    assert written["rope_parameters"] == {**LLAMA3, "rope_theta": 500000.0} and "rope_scaling" not in written
+    assert hf.model_keys(written) == {**keys, "model.num_kv_heads": 4, "model.head_dim": 16, "model.norm_eps": 1e-5}
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters.rope_type='yarn'"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ],
+)
+def test_configs_meshlm_cannot_represent_are_refused(change, fragment):
+    from lm import hf
+    from lm.config import UserError
+
+    base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": VOCAB}
+    with pytest.raises(UserError, match="cannot be represented exactly") as error:
+        hf.model_keys({**base, **change})
+    assert fragment in str(error.value)
