@@ -247,9 +247,11 @@ def export_hf(workdir: str | Path, out: str | Path, dtype: str | None = None, ma
 
 
 def _restore_for_export(workdir, step):
+    """The run's weights: on one device, or over every process's devices when there are several
+    (each then holds its slices, and every tensor is gathered in turn)."""
     from lm.generate import restore  # the one reader of a run's weights
 
-    return restore(workdir, step)
+    return restore(workdir, step, own_mesh=jax.process_count() > 1)
 
 
 def _say(text: str) -> None:

@@ -37,15 +37,21 @@ def load(workdir: str | Path, step: int | None = None):
     return config, tokenizer, layout.model(restored["params"], restored.get("fp8"))
 
 
-def restore(workdir: str | Path, step: int | None = None):
+def restore(workdir: str | Path, step: int | None = None, *, own_mesh: bool = False):
     """(config, tokenizer, layout, {'params', 'fp8'?}) of a run's latest (or given) checkpoint, on
-    one device. Only the parameters (and fp8 scales) are read, never the optimizer's moments:
+    one device (or, `own_mesh`, split over every process's devices as the run's mesh config
+    says). Only the parameters (and fp8 scales) are read, never the optimizer's moments:
     sampling or exporting needs a third of a training run's memory."""
     workdir = inputs.existing_run_dir(workdir)
     config = lm_config.load_run(workdir)
     tokenizer = lm_data.tokenizer_for(config.data, workdir)
-    spec = dataclasses.replace(RunSpec.parse(config, tokenizer.vocab_size), pipeline=PipelinePlan())  # one device
-    layout = ModelLayout(spec, sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1]))
+    spec = RunSpec.parse(config, tokenizer.vocab_size)
+    if own_mesh:
+        mesh = sharding.make_mesh(spec.mesh)
+    else:
+        spec = dataclasses.replace(spec, pipeline=PipelinePlan())
+        mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
+    layout = ModelLayout(spec, mesh)
     part = {"params": placed(layout.abstract_params, layout.param_shardings)}
     if layout.fp8_shardings is not None:
         part["fp8"] = placed(layout.abstract_fp8, layout.fp8_shardings)

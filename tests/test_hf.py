@@ -307,10 +307,12 @@ reads, read = [], Reader.read
 Reader.read = lambda self, name: reads.append(name) or read(self, name)
 convert.import_hf(sys.argv[1], sys.argv[2], config.default_config(), {"mesh.data": 1, "mesh.stage": 2, "mesh.fsdp": 4})
 print("READ " + json.dumps(sorted(set(reads))))
+convert.export_hf(sys.argv[2], sys.argv[2] + "-exported", max_shard_size="40KB")
 """
 
 
-def test_multi_process_import_reads_only_each_process_slices(tmp_path, hf_dirs):
+def test_multi_process_import_and_export(tmp_path, hf_dirs):
+    """Each process reads only its slices on import; export gathers them (process 0 writes)."""
     path, _ = hf_dirs["llama-mha-untied"]
     result = run_module(
         "lm.launch", "--processes=2", "--devices_per_process=4", "--",
@@ -326,6 +328,10 @@ def test_multi_process_import_reads_only_each_process_slices(tmp_path, hf_dirs):
 
     a, b = restore(tmp_path / "run")[3]["params"], restore(tmp_path / "one")[3]["params"]
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+    exported, original = _state_dict(tmp_path / "run-exported"), _state_dict(path)
+    assert sorted(exported) == sorted(original) and len(list((tmp_path / "run-exported").glob("model-*"))) > 1
+    for name in original:
+        assert exported[name].tobytes() == original[name].tobytes(), name
 
 
 def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_version(monkeypatch):
