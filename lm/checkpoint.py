@@ -10,6 +10,7 @@ mesh and process count the arrays fit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,7 +80,11 @@ class Checkpointer:
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_part)
         args = ocp.args.PyTreeRestore(item=abstract_part, restore_args=restore_args, partial_restore=True)
         try:
-            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+            # Bytes in flight bounded near the largest array: the host holds little beyond the
+            # restored arrays themselves (orbax's default lets 96 GB be read at once).
+            largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_part))
+            handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=math.ceil(largest / 1e9) + 1)
+            with ocp.Checkpointer(handler) as reader:
                 return reader.restore(self.directory / str(step) / "state", args=args)
         except Exception as e:  # orbax / tensorstore raise many kinds; all mean "cannot read"
             raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} cannot be read: {_first_line(e)}") from None

@@ -92,7 +92,7 @@ class Writer:
             raise ValueError(f"expected {want_name} {shape} {dtype}, got {name} {array.shape} {array.dtype}")
         if self.file is None or self._shard_of(self.position) != self.shard:
             self._start(self._shard_of(self.position))
-        self.file.write(np.ascontiguousarray(array).tobytes())
+        self.file.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))  # no copy
         self.position += 1
 
     def _shard_of(self, position: int) -> int:

@@ -3,6 +3,7 @@ notebooks/hf_finetune.ipynb)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import jax
@@ -32,7 +33,8 @@ def make_hf_model(directory: Path, family: str, std: float = 0.5, seed: int = 0,
     import transformers
 
     kind = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gpt2": "GPT2Config"}[family]
-    config = getattr(transformers, kind)(vocab_size=VOCAB, **{**FAMILIES[family], **overrides})
+    # A copy: transformers writes into the rope settings it is given.
+    config = getattr(transformers, kind)(vocab_size=VOCAB, **copy.deepcopy({**FAMILIES[family], **overrides}))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
