@@ -16,12 +16,9 @@ from pathlib import Path
 import ml_collections
 from ml_collections import config_dict
 
+from lm.errors import UserError
 from lm.model import config_defaults
 from sharding.remat import REMAT
-
-
-class UserError(Exception):
-    """A mistake the user can fix: printed as one line, with a non-zero exit and no traceback."""
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -29,10 +26,18 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.model = config_defaults()  # ModelConfig's fields and defaults, plus head_dim=0 and vocab_multiple
     c.data = dict(
-        path=config_dict.placeholder(str),  # None: this interpreter's standard-library sources
-        tokenizer="byte",  # byte | bpe | path/to/tokenizer.json
+        # A token store (python -m lm.prepare), or raw text: a file, directory or glob of text,
+        # JSONL (.gz / .zst), Parquet or a `datasets` save_to_disk directory, prepared into
+        # cache_dir on first use. None: this interpreter's standard-library sources.
+        path=config_dict.placeholder(str),
+        sources=config_dict.placeholder(tuple),  # ((path, weight), ...): a mixture instead of `path`
+        tokenizer="byte",  # byte | bpe | path/to/tokenizer.json | none (token ids only)
         vocab_size=4096,  # for tokenizer=bpe
-        val_fraction=0.1,
+        text_field="text",  # JSONL / Parquet / datasets column holding the text
+        skip_bad_records=False,  # malformed JSONL lines: an error naming the line, or skipped and counted
+        document_masking=False,  # attention within documents only, positions restart at each (Llama 3)
+        val_fraction=0.1,  # of the tokens, held out as whole documents
+        workers=0,  # tokenising processes when raw text is prepared; 0: every core
         cache_dir=config_dict.placeholder(str),  # None: $XDG_CACHE_HOME/meshlm
         prefetch=2,
     )
@@ -115,7 +120,7 @@ _POSITIVE = (
 _NOT_NEGATIVE = (
     "optim.weight_decay", "optim.clip_norm", "optim.warmup_steps", "optim.decay_steps", "model.head_dim",
     "model.vocab_size", "model.max_positions", "model.sliding_window",
-    "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed",
+    "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed", "data.workers",
 )
 # [low, high) intervals
 _INTERVALS = {"optim.b1": (0.0, 1.0), "optim.b2": (0.0, 1.0), "optim.min_lr_ratio": (0.0, 1.0 + 1e-12)}
@@ -211,6 +216,11 @@ def _validate_precision(c: ml_collections.ConfigDict) -> None:
                 f"--config.precision.fp8_skip={p.fp8_skip!r}: {index!r} is not a layer index of the "
                 f"{layers} layers; give comma-separated indices, negative from the end (e.g. 0,-1)"
             )
+    if c.data.document_masking and c.mesh.stage > 1:
+        raise UserError(
+            "data.document_masking with pipeline stages (mesh.stage > 1) is not supported yet: the pipeline "
+            "carries one set of positions for every microbatch; use mesh.stage=1"
+        )
     if p.fp8 != "off" and c.mesh.stage > 1:
         raise UserError(
             "precision.fp8 with pipeline stages (mesh.stage > 1) is not supported yet: the pipeline "
@@ -245,7 +255,7 @@ def from_json(text: str) -> ml_collections.ConfigDict:
         if group in c:
             for key, value in values.items():
                 if key in c[group]:
-                    c[group][key] = tuple(map(tuple, value)) if key == "rules" and value else value
+                    c[group][key] = tuple(map(tuple, value)) if key in ("rules", "sources") and value else value
     return c
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import sharding
 from lm import cli, hf, inputs
 from lm import config as lm_config
-from lm import data as lm_data
+from lm import tokenizer as lm_tokenizer
 from lm.checkpoint import Checkpointer
 from lm.cli import Parser
 from lm.config import UserError
@@ -191,15 +191,15 @@ def import_hf(hf_dir: str | Path, workdir: str | Path, base: ml_collections.Conf
     config = config_from_hf(base, hf_dir, hf_config, overrides)
     workdir = inputs.new_output_dir(workdir, "--workdir")
     reader = Reader(hf_dir)
-    tokenizer = lm_data.tokenizer_for(config.data, None)
+    tokenizer = lm_tokenizer.tokenizer_for(config.data, None)
     spec = RunSpec.parse(config, tokenizer.vocab_size)
     layout = ModelLayout(spec, sharding.make_mesh(spec.mesh, devices))
-    if isinstance(tokenizer, lm_data.NoTokenizer):
+    if isinstance(tokenizer, lm_tokenizer.NoTokenizer):
         _say(f"warning: {hf_dir} has no tokenizer.json; the run works on token ids (lm.generate --prompt_ids)")
     params = load_params(reader, layout)  # every check is done: now the run directory is written
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
-        if isinstance(tokenizer, lm_data.HFTokenizer):
+        if isinstance(tokenizer, lm_tokenizer.HFTokenizer):
             shutil.copyfile(tokenizer.path, workdir / "tokenizer.json")
         (workdir / HF_CONFIG).write_text(json.dumps(hf_config, indent=2))
         lm_config.save_run(config, workdir)
@@ -237,9 +237,9 @@ def export_hf(workdir: str | Path, out: str | Path, dtype: str | None = None, ma
     if not generation and tokenizer.eos_id is not None:
         generation["eos_token_id"] = tokenizer.eos_id
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if isinstance(tokenizer, lm_data.HFTokenizer):
+    if isinstance(tokenizer, lm_tokenizer.HFTokenizer):
         shutil.copyfile(tokenizer.path, out / "tokenizer.json")
-    elif isinstance(tokenizer, lm_data.ByteTokenizer):
+    elif isinstance(tokenizer, lm_tokenizer.ByteTokenizer):
         tokenizer.save_hf(out / "tokenizer.json")
     else:
         _say(f"warning: run {workdir} has no tokenizer; {out} holds no tokenizer.json")

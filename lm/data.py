@@ -1,202 +1,33 @@
-"""Text corpus -> tokens -> a Grain pipeline of global batches.
+"""Token stores -> training windows -> Grain iterators of global batches.
 
-Sources: one text file, a directory or glob of text files, or JSONL with a `text` field; with no
-source, this interpreter's own standard-library `.py` files (a code corpus found on every
-machine). Tokens are cached once per (corpus, tokenizer) fingerprint. The last `val_fraction`
-of the tokens is held out. Training windows of `seq_len + 1` tokens are shuffled from the seed,
-reshuffled each epoch, and each process reads only its own rows of every global batch.
+`data.path` is a prepared token store (`python -m lm.prepare`) or raw text (files, a directory,
+a glob, JSONL, Parquet, a `datasets` directory; unset: this interpreter's standard-library `.py`
+files), which is prepared into the cache (`data.cache_dir`) by the same code on first use.
+`data.sources` mixes several such paths with weights.
+
+Windows of `seq_len + 1` tokens (stride `seq_len`) run over the concatenation of a split's
+documents; validation holds out whole documents (a store of one document holds out its tail).
+Window order is shuffled from the seed once per epoch, the same for any process count: global
+batch i is the same rows whoever reads them, and each process reads only its own. With
+`data.document_masking`, each row also carries segment ids (which document each token is from),
+so attention stays inside documents and positions restart at each.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
-import shutil
-import sysconfig
-from collections.abc import Iterator
 from pathlib import Path
 
 import grain
 import numpy as np
 
-from lm.config import UserError
-from lm.inputs import readable_file
-
-EOS = "<|endoftext|>"
-
-
-# ---------------------------------------------------------------------------- corpus
-
-
-def default_corpus_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(path: str | None) -> list[Path]:
-    """The files of a corpus, sorted; `path` is a file, a directory, a glob, or None (stdlib)."""
-    if path is None:
-        root = default_corpus_root()
-        skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-        return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
-    if any(ch in path for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(path, recursive=True) if Path(p).is_file())
-        if not files:
-            raise UserError(f"data.path={path!r} matches no files; check the pattern")
-        return [readable_file(f, "a file matched by data.path") for f in files]
-    p = Path(path).expanduser()
-    if p.is_file():
-        return [readable_file(p, "data.path")]
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts))
-        if not files:
-            raise UserError(f"data.path={path!r} is an empty directory; put text files in it")
-        return [readable_file(f, "a file under data.path") for f in files]
-    raise UserError(f"data.path={path!r} does not exist; pass --config.data.path=FILE|DIR|GLOB (or leave it unset for the built-in corpus)")
-
-
-def documents(files: list[Path]) -> Iterator[str]:
-    """The text of each file, or of each JSONL record's `text` field; binary files are skipped."""
-    for f in files:
-        if f.suffix == ".jsonl":
-            with f.open(encoding="utf-8") as lines:
-                for n, line in enumerate(lines, 1):
-                    if line.strip():
-                        try:
-                            yield json.loads(line)["text"]
-                        except (json.JSONDecodeError, KeyError, TypeError) as e:
-                            raise UserError(f"{f}:{n}: not a JSON object with a 'text' field ({e})") from None
-            continue
-        raw = f.read_bytes()
-        if b"\0" not in raw[:8192]:
-            yield raw.decode("utf-8", errors="replace")
-
-
-# ---------------------------------------------------------------------------- tokenizers
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: no training, no files, 256 ids."""
-
-    vocab_size = 256
-    fingerprint = "byte"
-    eos_id = None
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-    def save_hf(self, path: Path) -> None:
-        """The same tokenizer as a Hugging Face tokenizer.json: a byte-level BPE without merges,
-        whose id for each byte is the byte's value (for exported models)."""
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-        vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tok.decoder = decoders.ByteLevel()
-        tok.save(str(path))
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for every byte (what byte-level BPE vocabularies hold)."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    spare = (256 + n for n in range(256))
-    return {b: chr(b if b in kept else next(spare)) for b in range(256)}
-
-
-class NoTokenizer:
-    """A run without a tokenizer (a Hugging Face checkpoint imported without tokenizer.json):
-    token ids only (`lm.generate --prompt_ids`)."""
-
-    vocab_size = 0  # the model's vocabulary comes from model.vocab_size
-    fingerprint = "none"
-    eos_id = None
-
-    def encode(self, text: str) -> np.ndarray:
-        raise UserError(
-            "this run has no tokenizer (data.tokenizer=none: imported without tokenizer.json), so text cannot be "
-            "encoded; pass --config.data.tokenizer=path/to/tokenizer.json, or token ids (lm.generate --prompt_ids)"
-        )
-
-    decode = encode
-
-
-class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json."""
-
-    def __init__(self, path: Path):
-        from tokenizers import Tokenizer
-
-        self.path = path
-        try:
-            text = path.read_bytes().decode("utf-8")
-            self.tokenizer = Tokenizer.from_str(text)
-        except Exception as e:  # UnicodeDecodeError, or the library's own parse errors (plain Exception)
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise UserError(f"{path} is not a Hugging Face tokenizer.json ({reason}); pass one saved by `tokenizers` or 'byte' / 'bpe'") from None
-        self.vocab_size = self.tokenizer.get_vocab_size()
-        if self.vocab_size < 1:
-            raise UserError(f"{path} holds an empty vocabulary; pass a trained tokenizer.json")
-        self.fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
-        self.eos_id = self.tokenizer.token_to_id(EOS)
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer.encode(text).ids, dtype=np.int32)
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
-
-
-def train_bpe(docs: Iterator[str], vocab_size: int, path: Path) -> None:
-    """A byte-level BPE tokenizer trained on `docs`, saved to `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(docs, trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tok.save(str(tmp))
-    os.replace(tmp, path)
-
-
-def tokenizer_for(data_config, workdir: str | os.PathLike | None, files: list[Path] | None = None):
-    """The run's tokenizer; a trained or given tokenizer.json is kept in the workdir and reused."""
-    name = data_config.tokenizer
-    if name == "byte":
-        return ByteTokenizer()
-    if name == "none":
-        return NoTokenizer()
-    kept = Path(workdir) / "tokenizer.json" if workdir is not None else None
-    if kept is not None and kept.exists():
-        return HFTokenizer(kept)
-    if name == "bpe":
-        if kept is None or files is None:
-            raise UserError("a BPE tokenizer is trained into the workdir; pass --workdir")
-        train_bpe(documents(files), data_config.vocab_size, kept)
-        return HFTokenizer(kept)
-    if not Path(name).expanduser().exists():
-        raise UserError(f"data.tokenizer={name!r} is not 'byte', 'bpe' or an existing tokenizer.json")
-    given = HFTokenizer(readable_file(name, "data.tokenizer"))  # parsed before anything is written
-    if kept is None:
-        return given
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(given.path, kept)
-    return HFTokenizer(kept)
-
-
-# ---------------------------------------------------------------------------- tokens
+from lm import sources, token_store
+from lm.errors import UserError
+from lm.prepare import prepare_store
+from lm.token_store import TokenStore
+from lm.tokenizer import HFTokenizer, tokenizer_for
 
 
 def cache_dir(data_config) -> Path:
@@ -205,99 +36,252 @@ def cache_dir(data_config) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshlm"
 
 
-def corpus_tokens(data_config, tokenizer, files: list[Path]) -> np.ndarray:
-    """All tokens of the corpus, tokenised once and cached under a fingerprint of both."""
-    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    key = hashlib.sha256(json.dumps([stats, tokenizer.fingerprint]).encode()).hexdigest()[:24]
-    cached = cache_dir(data_config) / f"tokens-{key}.npy"
-    if cached.exists():
-        return np.load(cached, mmap_mode="r")
-    pieces = []
-    for doc in documents(files):
-        pieces.append(tokenizer.encode(doc))
-        if tokenizer.eos_id is not None:
-            pieces.append(np.asarray([tokenizer.eos_id], np.int32))
-    tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
-    tokens = tokens.astype(np.uint16 if tokenizer.vocab_size <= 65536 else np.int32)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f"{cached.stem}.{os.getpid()}.tmp.npy")
-    np.save(tmp, tokens)
-    os.replace(tmp, cached)
-    return tokens
+def source_paths(data_config) -> list[tuple[str | None, float]]:
+    """(path, weight) of every source: `data.sources`, else `data.path` with weight 1."""
+    if not data_config.sources:
+        return [(data_config.path, 1.0)]
+    pairs = []
+    for entry in data_config.sources:
+        try:
+            path, weight = entry
+            weight = float(weight)
+        except (TypeError, ValueError):
+            raise UserError(f"data.sources entry {entry!r} is not a (path, weight) pair; write e.g. (('web/', 0.7), ('code/', 0.3))") from None
+        if not weight > 0:
+            raise UserError(f"data.sources weight for {path!r} must be positive, got {weight}")
+        pairs.append((str(path), weight))
+    return pairs
 
 
-class Windows:
-    """Windows of `seq_len + 1` tokens (stride seq_len) over one split of the token array."""
+def tokenizer_for_corpus(data_config, workdir, files: list[Path] | None = None):
+    """The tokenizer of a run: a store's own (when `data.path` is a store), else `data.tokenizer`
+    (a BPE is trained on `files` into `workdir`)."""
+    store_path = next((p for p, _ in source_paths(data_config) if token_store.is_store(p)), None)
+    if store_path is not None:
+        store = TokenStore(store_path)
+        kept = store.tokenizer_path
+        if kept is None:
+            if store.manifest["tokenizer"] != "byte":
+                raise UserError(f"token store {store_path} has no tokenizer.json; prepare it again")
+            return tokenizer_for(_with(data_config, tokenizer="byte"), workdir)
+        return tokenizer_for(_with(data_config, tokenizer=str(kept)), workdir)
+    return tokenizer_for(data_config, workdir, files)
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        self.tokens, self.seq_len = tokens, seq_len
-        self.count = (len(tokens) - 1) // seq_len
 
-    def rows(self, ids: np.ndarray) -> np.ndarray:
-        starts = np.asarray(ids, np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
-        return np.asarray(self.tokens[starts], dtype=np.int32)
+def _with(data_config, **changes):
+    import ml_collections
+
+    copy = ml_collections.ConfigDict(data_config.to_dict())
+    copy.update(changes)
+    return copy
 
 
-def split(tokens: np.ndarray, seq_len: int, val_fraction: float, where: str) -> tuple[Windows, Windows]:
-    """(train, validation) windows; the validation tokens are the last `val_fraction`."""
-    if len(tokens) == 0:
+def store_for(path: str | None, data_config, tokenizer, progress: bool = True) -> TokenStore:
+    """The token store of one source: itself, or raw text prepared into the cache (reused)."""
+    if token_store.is_store(path):
+        store = TokenStore(path)
+        if store.manifest["tokenizer"] != tokenizer.fingerprint:
+            raise UserError(f"token store {path} was made with another tokenizer than this run's; prepare it again or use its tokenizer")
+        return store
+    files = sources.corpus_files(path)
+    key = json.dumps([sources.fingerprint(files), tokenizer.fingerprint, data_config.text_field, data_config.skip_bad_records])
+    out = cache_dir(data_config) / f"store-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+    return prepare_store(files, tokenizer, out, workers=data_config.workers or None, text_field=data_config.text_field,
+                         skip_bad_records=data_config.skip_bad_records, progress=progress)
+
+
+# ---------------------------------------------------------------------------- windows
+
+
+class Split:
+    """A sequence made of store ranges [start, start + length) one after another, read as
+    windows of `seq_len + 1` tokens (stride `seq_len`)."""
+
+    def __init__(self, store: TokenStore, starts: np.ndarray, lengths: np.ndarray, seq_len: int):
+        self.store, self.seq_len = store, seq_len
+        self.starts, self.lengths = np.asarray(starts, np.int64), np.asarray(lengths, np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)  # in the split's own sequence
+        self.num_tokens = int(self.offsets[-1])
+        self.count = max((self.num_tokens - 1) // seq_len, 0)
+
+    def _read(self, begin: int, end: int) -> np.ndarray:
+        out, r = [], int(np.searchsorted(self.offsets, begin, side="right")) - 1
+        while begin < end:
+            take = min(end, self.offsets[r + 1]) - begin
+            at = self.starts[r] + begin - self.offsets[r]
+            out.append(self.store.read(at, at + take))
+            begin, r = begin + take, r + 1
+        return np.concatenate(out)
+
+    def rows(self, ids) -> np.ndarray:
+        """Windows `ids` as int32 [n, seq_len + 1]."""
+        return np.stack([self._read(i * self.seq_len, i * self.seq_len + self.seq_len + 1) for i in np.asarray(ids, np.int64)])
+
+    def segments(self, ids) -> np.ndarray:
+        """[n, seq_len + 1] int32: which document (numbered from 0 within the row) each token of
+        windows `ids` belongs to. A document boundary is one in the store, or a join of two
+        ranges of this split."""
+        positions = np.asarray(ids, np.int64)[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        r = np.searchsorted(self.offsets, positions, side="right") - 1
+        at = self.starts[r] + positions - self.offsets[r]
+        doc = np.searchsorted(self.store.doc_starts, at, side="right") - 1
+        key = doc * (len(self.starts) + 1) + r  # a new range is a new segment even within a document
+        changes = np.concatenate([np.zeros((len(key), 1), np.int64), (np.diff(key, axis=1) != 0).astype(np.int64)], axis=1)
+        return np.cumsum(changes, axis=1).astype(np.int32)
+
+
+def split(store: TokenStore, seq_len: int, val_fraction: float, where: str) -> tuple[Split, Split]:
+    """(train, validation): validation is whole documents picked in a fixed pseudo-random order
+    until they hold about `val_fraction` of the tokens (documents larger than that are passed
+    over); a store where none fits (one document) holds out its last tokens instead."""
+    if store.num_tokens == 0:
         raise UserError(f"the corpus at {where} holds no text; point data.path at non-empty text files")
-    n_val = int(len(tokens) * val_fraction)
-    train, val = Windows(tokens[: len(tokens) - n_val], seq_len), Windows(tokens[len(tokens) - n_val :], seq_len)
+    target = int(store.num_tokens * val_fraction)
+    held, total = [], 0
+    for d in np.random.default_rng(0).permutation(store.num_documents):
+        if total + store.doc_lengths[d] <= target:
+            held.append(d)
+            total += int(store.doc_lengths[d])
+        if total >= 0.9 * target:
+            break
+    if held and len(held) < store.num_documents:
+        mask = np.zeros(store.num_documents, bool)
+        mask[held] = True
+        train = Split(store, *_ranges(store, ~mask), seq_len)
+        val = Split(store, *_ranges(store, mask), seq_len)
+    else:
+        n_val = max(target, 1)
+        train = Split(store, [0], [store.num_tokens - n_val], seq_len)
+        val = Split(store, [store.num_tokens - n_val], [n_val], seq_len)
     if train.count < 1 or val.count < 1:
         raise UserError(
-            f"train.seq_len={seq_len} is longer than the corpus allows ({len(tokens)} tokens at "
-            f"{where}, {n_val} held out for validation); lower train.seq_len or use more text"
+            f"train.seq_len={seq_len} is longer than the corpus allows ({store.num_tokens} tokens at "
+            f"{where}, {val.num_tokens} held out for validation); lower train.seq_len or use more text"
         )
     return train, val
 
 
-def prepare(config, workdir: Path):
-    """(tokenizer, train windows, validation windows) for a run's config."""
-    files = corpus_files(config.data.path)
-    Path(workdir).mkdir(parents=True, exist_ok=True)
-    tokenizer = tokenizer_for(config.data, workdir, files)
-    tokens = corpus_tokens(config.data, tokenizer, files)
-    where = config.data.path or f"{default_corpus_root()} (standard library)"
-    return (tokenizer, *split(tokens, config.train.seq_len, config.data.val_fraction, where))
+def _ranges(store: TokenStore, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Store ranges covering the kept documents, adjacent ones merged."""
+    docs = np.flatnonzero(keep)
+    new_run = np.concatenate([[True], np.diff(docs) != 1])
+    firsts = docs[new_run]
+    ends = np.concatenate([docs[np.flatnonzero(new_run)[1:] - 1], docs[-1:]])
+    starts = store.doc_starts[firsts]
+    return starts, store.doc_starts[ends] + store.doc_lengths[ends] - starts
 
 
 # ---------------------------------------------------------------------------- batches
 
 
-def train_batches(windows: Windows, global_batch: int, seed: int, process_index: int, process_count: int, prefetch: int):
-    """A checkpointable iterator of this process's rows [b_local, seq_len + 1] of each global batch.
+class Corpus:
+    """The run's data: tokenizer, and per source its (train, validation) splits and weight."""
 
-    Global batch i is the same whatever the process count; process p reads its contiguous
-    block of `global_batch // process_count` rows.
-    """
-    local = global_batch // process_count
-    lo = process_index * local
-    ds = (
-        grain.MapDataset.range(windows.count)
-        .shuffle(seed=seed)
-        .repeat()
-        .batch(global_batch, drop_remainder=True)
-        .map(lambda ids: windows.rows(ids[lo : lo + local]))
-    )
-    return iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)))
+    def __init__(self, tokenizer, splits: list[tuple[Split, Split]], weights: list[float], names: list[str], document_masking: bool):
+        self.tokenizer, self.splits, self.names, self.document_masking = tokenizer, splits, names, document_masking
+        self.weights = list(np.asarray(weights) / np.sum(weights))
+
+    def _rows(self, split: Split, ids) -> dict:
+        batch = {"tokens": split.rows(ids)}
+        if self.document_masking:
+            batch["segments"] = split.segments(ids)
+        return batch
+
+    def _mixed(self, which: int, shuffle_seed: int | None):
+        """A MapDataset of (source, window) over every source, mixed by weight."""
+        parts = []
+        for s, pair in enumerate(self.splits):
+            ds = grain.MapDataset.range(pair[which].count)
+            if shuffle_seed is not None:
+                ds = ds.shuffle(seed=shuffle_seed + s)
+            parts.append(ds.repeat().map(lambda i, s=s: (s, i)))
+        return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, self.weights)
+
+    def _gather(self, src: np.ndarray, ids: np.ndarray, which: int, lo: int, hi: int) -> dict:
+        """This process's rows [lo, hi) of a global batch of (source, window) pairs, and every
+        row's source (for per-source token counts)."""
+        mine_src, mine_ids, out = src[lo:hi], ids[lo:hi], {}
+        for s in np.unique(mine_src):
+            rows = np.flatnonzero(mine_src == s)
+            for key, value in self._rows(self.splits[s][which], mine_ids[rows]).items():
+                out.setdefault(key, np.zeros((len(mine_ids), *value.shape[1:]), value.dtype))[rows] = value
+        out["sources"] = np.asarray(src, np.int32)
+        return out
+
+    def train_batches(self, global_batch: int, seed: int, process_index: int, process_count: int, prefetch: int):
+        """A checkpointable iterator of this process's part of every global batch: {'tokens'
+        [b_local, seq_len + 1], 'segments' (with document masking), 'sources' [global_batch]}."""
+        local = global_batch // process_count
+        lo = process_index * local
+        ds = self._mixed(0, seed).batch(global_batch, drop_remainder=True).map(lambda b: self._gather(*b, 0, lo, lo + local))
+        iterator = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)))
+        return Batches(iterator, self.names, self.splits[0][0].seq_len)
+
+    def eval_batches(self, global_batch: int, num_batches: int, process_index: int, process_count: int) -> list[dict]:
+        """The same validation rows at every evaluation: each source's first windows in order."""
+        local = global_batch // process_count
+        lo = process_index * local
+        ds = self._mixed(1, None)
+        out = []
+        for i in range(num_batches):
+            src, ids = np.asarray([ds[i * global_batch + k] for k in range(global_batch)]).T
+            out.append(self._gather(src, ids, 1, lo, lo + local))
+        return out
 
 
-def eval_batches(windows: Windows, global_batch: int, num_batches: int, process_index: int, process_count: int) -> list[np.ndarray]:
-    """The same validation rows at every evaluation: the first windows in order (wrapping)."""
-    local = global_batch // process_count
-    lo = process_index * local
-    out = []
-    for i in range(num_batches):
-        ids = (np.arange(global_batch) + i * global_batch) % windows.count
-        out.append(windows.rows(ids[lo : lo + local]))
-    return out
+class Batches:
+    """The train iterator, counting the tokens each source has given (checkpointed with it)."""
+
+    def __init__(self, iterator, names: list[str], seq_len: int):
+        self.iterator, self.names, self.seq_len = iterator, names, seq_len
+        self.counts = np.zeros(len(names), np.int64)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self.iterator)
+        self.counts += np.bincount(batch["sources"], minlength=len(self.names)) * self.seq_len
+        return batch
+
+    def get_state(self) -> dict:
+        return {"iterator": self.iterator.get_state(), "source_tokens": self.counts.tolist()}
+
+    def set_state(self, state: dict) -> None:
+        if "iterator" not in state:  # a checkpoint from before mixtures: the iterator's state alone
+            self.iterator.set_state(state)
+            return
+        self.iterator.set_state(state["iterator"])
+        self.counts = np.asarray(state["source_tokens"], np.int64)
+
+    def source_tokens(self) -> dict[str, int]:
+        """{'tokens_from/NAME': tokens trained on from that source so far}."""
+        return {f"tokens_from/{name}": int(n) for name, n in zip(self.names, self.counts)}
+
+
+def prepare(config, workdir: Path, progress: bool = True) -> Corpus:
+    """The run's corpus: tokenizer, sources prepared (or reused) as token stores, and split."""
+    d = config.data
+    pairs = source_paths(d)
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    raw = [p for p, _ in pairs if not token_store.is_store(p)]
+    tokenizer = tokenizer_for_corpus(d, workdir, sources.corpus_files(raw[0]) if raw and d.tokenizer == "bpe" else None)
+    splits, names = [], []
+    for path, _ in pairs:
+        store = store_for(path, d, tokenizer, progress)
+        where = path or f"{sources.default_corpus_root()} (standard library)"
+        splits.append(split(store, config.train.seq_len, d.val_fraction, where))
+        name = Path(path).name if path else "stdlib"
+        names.append(name if name not in names else f"{name}.{len(names)}")
+    return Corpus(tokenizer, splits, [w for _, w in pairs], names, d.document_masking)
 
 
 def nominal_vocab_size(data_config) -> int:
     """The vocabulary size a config implies, without training or reading a corpus."""
+    from lm.tokenizer import NoTokenizer
+
     if data_config.tokenizer == "byte":
-        return ByteTokenizer.vocab_size
+        return 256
     if data_config.tokenizer == "bpe":
         return data_config.vocab_size
     if data_config.tokenizer == "none":

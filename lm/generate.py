@@ -21,7 +21,7 @@ import numpy as np
 import sharding
 from lm import cli, inputs
 from lm import config as lm_config
-from lm import data as lm_data
+from lm import tokenizer as lm_tokenizer
 from lm.checkpoint import Checkpointer
 from lm.cli import Parser
 from lm.config import UserError
@@ -44,7 +44,7 @@ def restore(workdir: str | Path, step: int | None = None, *, own_mesh: bool = Fa
     sampling or exporting needs a third of a training run's memory."""
     workdir = inputs.existing_run_dir(workdir)
     config = lm_config.load_run(workdir)
-    tokenizer = lm_data.tokenizer_for(config.data, workdir)
+    tokenizer = lm_tokenizer.tokenizer_for(config.data, workdir)
     spec = RunSpec.parse(config, tokenizer.vocab_size)
     if own_mesh:
         mesh = sharding.make_mesh(spec.mesh)
@@ -134,9 +134,9 @@ def main(argv: list[str]) -> None:
         raise UserError("give --prompt or --prompt_ids, not both")
     prompt_ids = _ids(args.prompt_ids) if args.prompt_ids is not None else tokenizer.encode(args.prompt or "\n")
     new = generate_ids(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.seed)
-    if not isinstance(tokenizer, lm_data.NoTokenizer):
+    if not isinstance(tokenizer, lm_tokenizer.NoTokenizer):
         print((args.prompt if args.prompt_ids is None else tokenizer.decode(prompt_ids)) + tokenizer.decode(new))
-    if args.print_ids or isinstance(tokenizer, lm_data.NoTokenizer):
+    if args.print_ids or isinstance(tokenizer, lm_tokenizer.NoTokenizer):
         print(" ".join(map(str, new.tolist())))
 
 

@@ -1,7 +1,7 @@
 """The boundary for paths a user names: each kind is checked where it enters, in one place, so
 every command (and every new one) gives the same one-line `UserError` for the same mistake.
 
-Recipe files are `lm.config.load_file`'s; data paths `lm.data.corpus_files`'; checkpoints
+Recipe files are `lm.config.load_file`'s; data paths `lm.sources.corpus_files`'; checkpoints
 `lm.checkpoint`'s. Here: work directories (a new or resumed run, an existing run to read),
 output directories, and readable files (tokenizers, and anything else read whole). Only the
 mistakes listed are caught; anything else is a bug and keeps its traceback.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lm.config import UserError
+from lm.errors import UserError
 
 
 def new_or_run_dir(path: str | os.PathLike, flag: str = "--workdir") -> Path:

@@ -211,7 +211,7 @@ class Attention(nnx.Module):
         if cfg.use_bias:
             self.bo = _param(None, (d,), ("embed",), None, dt)
 
-    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
+    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, segments_bt=None):
         cfg = self.cfg
         q = self.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...], site=self.wq_site)
         k = self.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...], site=self.wk_site)
@@ -224,8 +224,13 @@ class Attention(nnx.Module):
         q = constrain(q, ("batch", "length", "heads", "head_dim"), "queries")
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"), "keys")
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"), "values")
-        if cache is None:
+        if cache is None and segments_bt is None:
             out = attention(q, k, v, None, self.policy, cfg.attention, cfg.sliding_window)
+        elif cache is None:  # packed documents: causal within each document only
+            index = jnp.arange(segments_bt.shape[1])
+            mask_bts = causal_mask(jnp.broadcast_to(index, segments_bt.shape), index, cfg.sliding_window)
+            mask_bts &= segments_bt[:, :, None] == segments_bt[:, None, :]
+            out = attention(q, k, v, mask_bts, self.policy, cfg.attention)
         else:  # decoding: write this chunk into the cache, attend to every filled position
             start = (0, cache_index, 0, 0)
             cache = {
@@ -285,8 +290,8 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg, policy)
         self.mlp = Mlp(cfg, policy, rngs)
 
-    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None):
-        y, cache = self.attn(gather_length(self.attn_norm(x_btd)), positions_bt, cache, cache_index)
+    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, segments_bt=None):
+        y, cache = self.attn(gather_length(self.attn_norm(x_btd)), positions_bt, cache, cache_index, segments_bt)
         x_btd = constrain(x_btd + y, ("batch", "norm_length", "act_embed"), "residual")
         x_btd = x_btd + self.mlp(gather_length(self.mlp_norm(x_btd)))
         return constrain(x_btd, ("batch", "norm_length", "act_embed"), "residual"), cache

@@ -111,19 +111,25 @@ class Transformer(nnx.Module):
         shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
-    def __call__(self, tokens_bt: jax.Array, cache=None, cache_index=0):
+    def __call__(self, tokens_bt: jax.Array, cache=None, cache_index=0, segments_bt: jax.Array | None = None):
         """Float32 logits [b, t, v] and the updated cache (None when not decoding).
 
-        With a cache, `tokens_bt` continues the sequence at position `cache_index`.
+        With a cache, `tokens_bt` continues the sequence at position `cache_index`. With
+        `segments_bt` (which document each token is from, packed windows), attention stays
+        within a document and positions restart at each document's first token.
         """
         cfg = self.cfg
-        positions_bt = cache_index + jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        if segments_bt is None:
+            positions_bt = cache_index + jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        else:
+            segments_bt = constrain(segments_bt, ("batch", None), "segment ids")
+            positions_bt = segment_positions(segments_bt)
         x = self.policy.cast(lookup(self.embedding[...], tokens_bt))
         if cfg.position == "learned":
             table_td = constrain(self.pos_embedding[...], (None, None), "position table")
             x = x + self.policy.cast(jnp.take(table_td, positions_bt, axis=0))
         x = constrain(x, ("batch", "norm_length", "act_embed"), "embeddings")
-        x, cache = self._layers(x, positions_bt, cache, cache_index)
+        x, cache = self._layers(x, positions_bt, cache, cache_index, segments_bt)
         x = gather_length(self.final_norm(x))
         if cfg.tie_embeddings:
             logits = self.policy.matmul("btd,vd->btv", x, self.embedding[...], out_dtype=jnp.float32)
@@ -133,7 +139,7 @@ class Transformer(nnx.Module):
             logits = jnp.where(jnp.arange(cfg.vocab_size) < cfg.used_vocab, logits, jnp.finfo(jnp.float32).min)
         return constrain(logits, ("batch", "length", "vocab"), "logits"), cache
 
-    def _layers(self, x, positions_bt, cache, cache_index):
+    def _layers(self, x, positions_bt, cache, cache_index, segments_bt=None):
         graphdef, stacked = nnx.split(self.blocks)
         if self.pipeline.stages > 1 and cache is None:
 
@@ -142,15 +148,15 @@ class Transformer(nnx.Module):
 
             layer_axes = nnx.get_partition_spec(stacked)
             return pipeline(stage, stacked, layer_axes, x, ("batch", "norm_length", "act_embed"), self.pipeline), None
-        return self._run_stack(graphdef, stacked, x, positions_bt, cache, cache_index)
+        return self._run_stack(graphdef, stacked, x, positions_bt, cache, cache_index, segments_bt)
 
-    def _run_stack(self, graphdef, stacked, x, positions_bt, cache, cache_index):
+    def _run_stack(self, graphdef, stacked, x, positions_bt, cache, cache_index, segments_bt=None):
         """The stacked layers (all of them, or one pipeline chunk) applied in order; layers that
         `precision.fp8_skip` keeps out of fp8 run as separate segments."""
 
         def layer(x, params_and_cache):
             params, layer_cache = params_and_cache
-            return nnx.merge(graphdef, params)(x, positions_bt, layer_cache, cache_index)
+            return nnx.merge(graphdef, params)(x, positions_bt, layer_cache, cache_index, segments_bt)
 
         # Also inside a pipeline tick: one layer's internals at a time.
         layer = remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
@@ -170,6 +176,13 @@ class Transformer(nnx.Module):
         if cache is None:
             return x, None
         return x, jax.tree.map(lambda *a: jnp.concatenate(a), *new_caches)
+
+
+def segment_positions(segments_bt: jax.Array) -> jax.Array:
+    """Each token's position within its document: 0 at every change of segment id."""
+    index = jnp.broadcast_to(jnp.arange(segments_bt.shape[1]), segments_bt.shape)
+    starts = jnp.concatenate([jnp.ones_like(segments_bt[:, :1], bool), segments_bt[:, 1:] != segments_bt[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def _runs(flags: list) -> list[tuple[int, int]]:

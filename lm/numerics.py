@@ -40,10 +40,10 @@ def collect(config, workdir: Path, steps: int, devices=None) -> dict:
     """{'step': restored step, 'rows': [{layer, tensor, absmax, <format>: {overflow, underflow}}]}."""
     if config.mesh.stage > 1:
         raise UserError("lm.numerics runs without pipeline stages: add --config.mesh.stage=1")
-    tokenizer, train_windows, _ = lm_data.prepare(config, workdir)
-    trainer = setup(config, tokenizer.vocab_size, devices, observe=True)
+    corpus = lm_data.prepare(config, workdir)
+    trainer = setup(config, corpus.tokenizer.vocab_size, devices, observe=True)
     t = config.train
-    batches = lm_data.train_batches(train_windows, t.batch_size, t.seed, jax.process_index(), jax.process_count(), 1)
+    batches = corpus.train_batches(t.batch_size, t.seed, jax.process_index(), jax.process_count(), 1)
     step = 0
     state, fp8_restored = trainer.init_state(t.seed), False
     if (workdir / "checkpoints").is_dir():

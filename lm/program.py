@@ -161,12 +161,15 @@ class Program:
             loss_scale=self.loss_scaling.init(),
         )
 
-    def _loss(self, params, tokens_bl: jax.Array, fp8=None, probes=None) -> jax.Array:
-        """`l` is the sequence length + 1: inputs are tokens[:, :-1], targets tokens[:, 1:]."""
-        logits, _ = self.layout.model(params, fp8, probes)(tokens_bl[:, :-1])
+    def _loss(self, params, batch, fp8=None, probes=None) -> jax.Array:
+        """`batch`: tokens [b, l], or {'tokens', 'segments'} with document masking; `l` is the
+        sequence length + 1: inputs are tokens[:, :-1], targets tokens[:, 1:]."""
+        tokens_bl, segments_bl = (batch["tokens"], batch["segments"]) if isinstance(batch, dict) else (batch, None)
+        segments_bt = None if segments_bl is None else segments_bl[:, :-1]
+        logits, _ = self.layout.model(params, fp8, probes)(tokens_bl[:, :-1], segments_bt=segments_bt)
         return cross_entropy(logits, tokens_bl[:, 1:])
 
-    def _grads(self, params, tokens_bl, fp8=None, loss_scale=1.0):
+    def _grads(self, params, batch, fp8=None, loss_scale=1.0):
         """(mean loss, mean grads of `loss * loss_scale`, matmul statistics) over the batch,
         accumulated over `train.grad_accum` microbatches (statistics: amaxes, the maximum)."""
         accum = self.config.train.grad_accum
@@ -182,8 +185,8 @@ class Program:
             return loss, grads, stats
 
         if accum == 1:
-            return one(tokens_bl)
-        micro = split_microbatches(tokens_bl, accum, ("batch", "length"))
+            return one(batch)
+        micro = jax.tree.map(lambda a: split_microbatches(a, accum, ("batch", "length")), batch)
 
         def add(carry, tokens):
             loss, grads, stats = one(tokens)
@@ -194,13 +197,13 @@ class Program:
         (loss, grads, stats), _ = jax.lax.scan(add, zeros, micro)
         return loss / accum, jax.tree.map(lambda g: g / accum, grads), stats
 
-    def _train_step(self, state: TrainState, tokens_bl):
+    def _train_step(self, state: TrainState, batch):
         step = state.step + 1
         scale = self.loss_scaling.current(state.loss_scale)
         applied_scale = scale
         if self.faults.overflow_steps:  # fault injection (tests): gradients far too large
             applied_scale = scale * jnp.where(jnp.isin(step, jnp.asarray(self.faults.overflow_steps)), 1e30, 1.0)
-        loss, grads, stats = self._grads(state.params, tokens_bl, state.fp8, applied_scale)
+        loss, grads, stats = self._grads(state.params, batch, state.fp8, applied_scale)
         if self.loss_scaling.kind != "none":
             grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
         if self.faults.nonfinite_steps:  # fault injection (tests): these steps' loss and gradients are NaN
@@ -234,9 +237,15 @@ class Program:
 
     # -- host side
 
-    def global_batch(self, local_rows: np.ndarray) -> jax.Array:
-        """This process's rows -> one global array sharded over `batch`."""
-        return jax.make_array_from_process_local_data(self.batch_sharding, local_rows)
+    def global_batch(self, local) -> jax.Array | dict:
+        """This process's rows (an array, or a batch from `lm.data`) -> global arrays sharded over
+        `batch`: the tokens, or {'tokens', 'segments'} when the batch carries segments."""
+        make = lambda rows: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(rows))  # noqa: E731
+        if not isinstance(local, dict):
+            return make(local)
+        if "segments" in local:
+            return {"tokens": make(local["tokens"]), "segments": make(local["segments"])}
+        return make(local["tokens"])
 
     def abstract_sharded_state(self) -> TrainState:
         """ShapeDtypeStructs of the state placed by its shardings: a restore or compile target."""

@@ -64,7 +64,7 @@ def _kill_self(step: int, when: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _prepare_in_turn(config, workdir: Path):
+def _prepare_in_turn(config, workdir: Path) -> lm_data.Corpus:
     """Process 0 tokenises (and trains a BPE) first; the others then read what it cached."""
     if jax.process_count() == 1:
         return lm_data.prepare(config, workdir)
@@ -72,7 +72,7 @@ def _prepare_in_turn(config, workdir: Path):
 
     prepared = lm_data.prepare(config, workdir) if jax.process_index() == 0 else None
     multihost_utils.sync_global_devices("meshlm: data prepared")
-    return prepared or lm_data.prepare(config, workdir)
+    return prepared or lm_data.prepare(config, workdir, progress=False)
 
 
 def _nonfinite_verdict(spec: RunSpec, first_step: int, host_metrics: list[dict], say) -> str | None:
@@ -110,12 +110,12 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
     check_workdir(config, workdir)
     # The mesh is checked before the corpus is read: a bad mesh fails fast.
     sharding.MeshConfig.from_mapping(config.mesh).resolve(len(devices or jax.devices()))
-    tokenizer, train_windows, val_windows = _prepare_in_turn(config, workdir)
-    program = setup(config, tokenizer.vocab_size, devices, faults)
+    corpus = _prepare_in_turn(config, workdir)
+    program = setup(config, corpus.tokenizer.vocab_size, devices, faults)
     ckpt = Checkpointer(workdir / "checkpoints", config.checkpoint.keep, config.checkpoint.async_save)
     pi, pc, t = jax.process_index(), jax.process_count(), config.train
-    batches = lm_data.train_batches(train_windows, t.batch_size, t.seed, pi, pc, config.data.prefetch)
-    val_rows = lm_data.eval_batches(val_windows, t.batch_size, t.eval_batches, pi, pc)
+    batches = corpus.train_batches(t.batch_size, t.seed, pi, pc, config.data.prefetch)
+    val_rows = corpus.eval_batches(t.batch_size, t.eval_batches, pi, pc)
     if pi == 0:
         lm_config.save_run(config, workdir)
     writer = MetricsWriter(workdir, enabled=pi == 0)
@@ -186,7 +186,7 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
         pending.append(metrics)
         if step % t.log_every == 0 or step == t.steps:
             host = jax.device_get(pending)  # the one device->host transfer
-            last = rate.row(step, host)
+            last = {**rate.row(step, host), **batches.source_tokens()}
             writer.write(last)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
             halt = _nonfinite_verdict(program.spec, step - len(host) + 1, host, _say)

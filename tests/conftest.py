@@ -86,6 +86,21 @@ def small_corpus(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def docs_corpus(small_corpus, tmp_path_factory) -> Path:
+    """`small_corpus` cut into 600 documents of 50 to 450 characters (a directory of files):
+    short enough that most training windows span several documents."""
+    import numpy as np
+
+    directory = tmp_path_factory.mktemp("docs")
+    text, start = small_corpus.read_text(), 0
+    lengths = np.random.default_rng(0).integers(50, 450, 600)
+    for i, n in enumerate(lengths):
+        (directory / f"{i:04d}.txt").write_text(text[start : start + n])
+        start += n
+    return directory
+
+
 def metrics_rows(workdir: Path) -> list[dict]:
     import json
 

@@ -11,10 +11,11 @@ import numpy as np
 
 import sharding
 from lm import config as lm_config
-from lm import convert, data
+from lm import convert
 from lm.program import ModelLayout
 from lm.safetensors_dir import Reader
 from lm.spec import RunSpec
+from lm.tokenizer import ByteTokenizer
 
 VOCAB = 301  # not a multiple of 128: the import pads it
 
@@ -47,7 +48,7 @@ def make_hf_model(directory: Path, family: str, std: float = 0.5, seed: int = 0,
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:
-        data.ByteTokenizer().save_hf(directory / "tokenizer.json")
+        ByteTokenizer().save_hf(directory / "tokenizer.json")
     return model
 
 

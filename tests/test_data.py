@@ -1,116 +1,279 @@
+"""Sources, the token store (lm.prepare), splits, batches, mixtures, document masking."""
+
+import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+from conftest import ROOT, assert_one_line_error, run_cli
 from ml_collections import ConfigDict
 
-from lm import data
+from lm import data, prepare, sources, token_store
 from lm.config import UserError
+from lm.tokenizer import ByteTokenizer, tokenizer_for
 
 
 def data_config(**kw):
-    return ConfigDict({"tokenizer": "byte", "vocab_size": 300, "cache_dir": None, **kw})
+    return ConfigDict({"tokenizer": "byte", "vocab_size": 300, "cache_dir": None, "text_field": "text", "skip_bad_records": False, **kw})
 
 
-def test_sources_file_directory_glob_jsonl(tmp_path):
+def texts_of(path, **reading):
+    """Every document's text, in order."""
+    r = sources.Reading(**reading)
+    return ["".join(doc) for unit in sources.plan_units(sources.corpus_files(str(path))) for piece in unit for doc in sources.documents(piece, r)]
+
+
+def make_corpus(directory, files=24, size=250_000, seed=0):
+    """`files` text files of about `size` bytes of word salad (multi-byte characters included)."""
+    rng = np.random.default_rng(seed)
+    words = np.array(["the", "quick", "brown", "fox", "jumps", "über", "lazy", "dog", "naïve", "café", "→", "\n"])
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        (directory / f"doc{i:03d}.txt").write_text(" ".join(rng.choice(words, size // 5)) + "\n")
+    return directory
+
+
+def test_every_source_kind_round_trips(tmp_path):
+    import datasets
+    import zstandard
+
+    records = ["gamma", "délta\nwith lines", "epsilon"]
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text("alpha ")
     (tmp_path / "d" / "b.txt").write_text("beta")
-    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "gamma"}) + "\n" + json.dumps({"text": "delta"}) + "\n")
-    assert list(data.documents(data.corpus_files(str(tmp_path / "d")))) == ["alpha ", "beta"]
-    assert [f.name for f in data.corpus_files(str(tmp_path / "d" / "*.txt"))] == ["a.txt", "b.txt"]
-    assert list(data.documents(data.corpus_files(str(tmp_path / "c.jsonl")))) == ["gamma", "delta"]
-    default = data.corpus_files(None)
+    assert texts_of(tmp_path / "d") == ["alpha ", "beta"]
+    assert [f.name for f in sources.corpus_files(str(tmp_path / "d" / "*.txt"))] == ["a.txt", "b.txt"]
+    lines = "".join(json.dumps({"body": t, "id": i}) + "\n" for i, t in enumerate(records)).encode()
+    (tmp_path / "c.jsonl").write_bytes(lines)
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(lines))
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    for name in ("c.jsonl", "c.jsonl.gz", "c.jsonl.zst"):
+        assert texts_of(tmp_path / name, text_field="body") == records
+    ds = datasets.Dataset.from_dict({"body": records})
+    ds.to_parquet(str(tmp_path / "c.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    assert texts_of(tmp_path / "c.parquet", text_field="body") == records
+    assert texts_of(tmp_path / "saved", text_field="body") == records
+    # Through the store and back, with the byte tokenizer.
+    store = prepare.prepare_store(sources.corpus_files(str(tmp_path / "saved")), ByteTokenizer(), tmp_path / "store", workers=1, text_field="body", progress=False)
+    assert [bytes(store.read(s, s + n).astype(np.uint8)).decode() for s, n in zip(store.doc_starts, store.doc_lengths)] == records
+    default = sources.corpus_files(None)
     assert len(default) > 100 and all(f.suffix == ".py" for f in default)
 
 
-def test_bad_sources_are_user_errors(tmp_path):
-    with pytest.raises(UserError, match="does not exist"):
-        data.corpus_files(str(tmp_path / "missing.txt"))
-    (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
-    with pytest.raises(UserError, match="bad.jsonl:1: not a JSON object with a 'text' field"):
-        list(data.documents([tmp_path / "bad.jsonl"]))
-    with pytest.raises(UserError, match="holds no text"):
-        data.split(np.zeros(0, np.int32), 8, 0.1, "x")
-    with pytest.raises(UserError, match="train.seq_len=64 is longer than the corpus allows"):
-        data.split(np.arange(100), 64, 0.1, "x")
+def test_large_jsonl_is_split_into_byte_ranges_at_line_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "unit_bytes", lambda total: 1000)
+    records = [f"record {i} " + "x" * (i % 37) for i in range(500)]
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in records))
+    units = sources.plan_units([tmp_path / "big.jsonl"])
+    assert len(units) > 10
+    assert texts_of(tmp_path / "big.jsonl") == records
 
 
-def test_byte_tokenizer_round_trip():
-    tok = data.ByteTokenizer()
-    assert tok.decode(tok.encode("héllo\n")) == "héllo\n"
+def test_binary_skipped_invalid_utf8_replaced_and_counted(tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "good.txt").write_text("fine text\n")
+    (tmp_path / "c" / "image.bin").write_bytes(b"\x89PNG\0\0\0binary")
+    (tmp_path / "c" / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    store = prepare.prepare_store(sources.corpus_files(str(tmp_path / "c")), ByteTokenizer(), tmp_path / "s", workers=1, progress=False)
+    assert store.manifest["counts"] == {"binary_files_skipped": 1, "invalid_utf8": 1}
+    assert store.num_documents == 2 and "caf\ufffd au lait" in bytes(store.read(0, store.num_tokens).astype(np.uint8)).decode()
+
+
+def test_malformed_jsonl_is_one_line_naming_file_and_line_or_skipped(tmp_path, capsys):
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"txt": 1}\nnot json\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:4: not a JSON object with a text field 'text'"):
+        texts_of(tmp_path / "bad.jsonl")
+    assert texts_of(tmp_path / "bad.jsonl", skip_bad_records=True) == ["ok", "fine"]
+    result = run_cli(capsys, prepare.main, f"--out={tmp_path / 'store'}", f"--config.data.path={tmp_path / 'bad.jsonl'}")
+    assert_one_line_error(result, "bad.jsonl:4:")
+    result = run_cli(capsys, prepare.main, f"--out={tmp_path / 'store2'}", f"--config.data.path={tmp_path / 'bad.jsonl'}", "--config.data.skip_bad_records=True")
+    assert result.returncode == 0, result.stderr
+    assert token_store.TokenStore(tmp_path / "store2").manifest["counts"] == {"bad_records_skipped": 2}
+
+
+def test_bad_inputs_are_one_line(tmp_path, capsys):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("x")
+    (tmp_path / "t.txt").write_text("some text\n" * 100)
+    cases = [
+        ([f"--config.data.path={tmp_path / 'missing'}"], "does not exist"),
+        (["--config.data.path=" + str(tmp_path / "nothing*.txt")], "matches no files"),
+        ([f"--config.data.path={tmp_path / 't.txt'}", f"--out={tmp_path / 'taken'}"], "is not a token store"),
+        ([f"--config.data.path={tmp_path / 't.txt'}", "--config.data.tokenizer=nope.json"], "data.tokenizer='nope.json'"),
+    ]
+    for argv, fragment in cases:
+        if not any(a.startswith("--out=") for a in argv):
+            argv = [*argv, f"--out={tmp_path / 'out'}"]
+        assert_one_line_error(run_cli(capsys, prepare.main, *argv), fragment)
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]
 
 
 def test_bpe_is_trained_saved_in_workdir_and_reused(tmp_path, small_corpus):
     cfg = data_config(tokenizer="bpe", vocab_size=300)
-    files = data.corpus_files(str(small_corpus))
-    tok = data.tokenizer_for(cfg, tmp_path, files)
+    files = sources.corpus_files(str(small_corpus))
+    tok = tokenizer_for(cfg, tmp_path, files)
     assert (tmp_path / "tokenizer.json").exists() and tok.vocab_size == 300
     text = "def main():\n    return 42\n"
     assert tok.decode(tok.encode(text)) == text
     assert len(tok.encode(text)) < len(text)
-    again = data.tokenizer_for(cfg, tmp_path, None)  # reused: no corpus needed
+    again = tokenizer_for(cfg, tmp_path, None)  # reused: no corpus needed
     assert again.fingerprint == tok.fingerprint
-    loaded = data.tokenizer_for(data_config(tokenizer=str(tmp_path / "tokenizer.json")), tmp_path / "other", None)
+    loaded = tokenizer_for(data_config(tokenizer=str(tmp_path / "tokenizer.json")), tmp_path / "other", None)
     assert loaded.fingerprint == tok.fingerprint and (tmp_path / "other" / "tokenizer.json").exists()
 
 
-def test_tokens_are_cached_by_fingerprint(tmp_path, small_corpus):
-    cfg = data_config(cache_dir=str(tmp_path / "cache"))
-    files = data.corpus_files(str(small_corpus))
-    first = data.corpus_tokens(cfg, data.ByteTokenizer(), files)
-    cached = list((tmp_path / "cache").glob("tokens-*.npy"))
-    assert len(cached) == 1
-    stamp = cached[0].stat().st_mtime_ns
-    second = data.corpus_tokens(cfg, data.ByteTokenizer(), files)
-    np.testing.assert_array_equal(first, second)
-    assert cached[0].stat().st_mtime_ns == stamp and len(first) == small_corpus.stat().st_size
+def _store_bytes(directory):
+    """Every file of a store except the manifest's timestamps-free parts: name -> bytes."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if not p.name.startswith(".")}
 
 
-def windows(n=10_000, seq_len=16):
-    return data.split(np.arange(n) % 60000, seq_len, 0.1, "test")
+def test_one_and_four_workers_give_byte_identical_stores(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus", files=24, size=250_000)  # 6 MB: 6 units of 1 MB
+    files = sources.corpus_files(str(corpus))
+    one = prepare.prepare_store(files, ByteTokenizer(), tmp_path / "one", workers=1, progress=False)
+    prepare.prepare_store(files, ByteTokenizer(), tmp_path / "four", workers=4, progress=False)
+    assert one.manifest["units"] >= 4 and one.num_documents == 24
+    assert _store_bytes(tmp_path / "one") == _store_bytes(tmp_path / "four")
+    assert one.dtype == np.uint8 and one.num_tokens == sum(f.stat().st_size for f in files)
+    # A finished store is never rewritten: preparing into it again checks it and returns it.
+    stamp = (tmp_path / "one" / "manifest.json").stat().st_mtime_ns
+    prepare.prepare_store(files, ByteTokenizer(), tmp_path / "one", workers=2, progress=False)
+    assert (tmp_path / "one" / "manifest.json").stat().st_mtime_ns == stamp
+    (corpus / "doc000.txt").write_text("changed")
+    with pytest.raises(UserError, match="was prepared from other sources"):
+        prepare.prepare_store(sources.corpus_files(str(corpus)), ByteTokenizer(), tmp_path / "one", workers=1, progress=False)
 
 
-def test_train_and_validation_windows_do_not_overlap():
-    train, val = windows()
-    train_tokens = set(train.rows(np.arange(train.count)).ravel().tolist())
-    val_tokens = set(val.rows(np.arange(val.count)).ravel().tolist())
-    assert train_tokens and val_tokens and not train_tokens & val_tokens
+def test_killed_prepare_resumes_to_the_same_store(tmp_path, small_corpus):
+    """SIGKILL the parent and its workers mid-way; running again finishes the same store."""
+    corpus = make_corpus(tmp_path / "corpus", files=32, size=400_000, seed=1)  # 13 MB, BPE: seconds
+    tok_cfg = ["--config.data.tokenizer=bpe", "--config.data.vocab_size=512", f"--config.data.path={corpus}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MESHLM_GPU_COMPILER")}
+    command = [sys.executable, "-m", "lm.prepare", "--workers=2", *tok_cfg]
+    subprocess.run([*command, f"--out={tmp_path / 'whole'}"], cwd=ROOT, env=env, check=True, capture_output=True)
+    out = tmp_path / "killed"
+    out.mkdir()
+    (out / "tokenizer.json").write_bytes((tmp_path / "whole" / "tokenizer.json").read_bytes())  # the same BPE
+    process = subprocess.Popen([*command, f"--out={out}"], cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(out.glob("*.docs.npy")) and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    done = len(list(out.glob("*.docs.npy")))
+    assert not (out / "manifest.json").exists() and 0 < done < token_store.TokenStore(tmp_path / "whole").manifest["units"]
+    subprocess.run([*command, f"--out={out}"], cwd=ROOT, env=env, check=True, capture_output=True)
+    assert _store_bytes(out) == _store_bytes(tmp_path / "whole")
+
+
+# ---------------------------------------------------------------------------- splits and batches
+
+
+def corpus_of(tmp_path, seq_len=16, document_masking=False, docs=40, paths=None, weights=None):
+    """A Corpus over `docs` text files of counting digits (each document distinct)."""
+    if paths is None:
+        d = tmp_path / "docs"
+        d.mkdir(exist_ok=True)
+        for i in range(docs):
+            (d / f"{i:03d}.txt").write_text("".join(chr(65 + (i + j) % 26) for j in range(50 + 7 * i)))
+        paths = [str(d)]
+    config = ConfigDict({
+        "data": {**data_config(cache_dir=str(tmp_path / "cache")).to_dict(), "path": None, "sources": tuple(zip(paths, weights or [1.0] * len(paths))),
+                 "val_fraction": 0.1, "document_masking": document_masking, "workers": 1},
+        "train": {"seq_len": seq_len},
+    })
+    return data.prepare(config, tmp_path / "run", progress=False)
 
 
 def take(it, n):
     return [next(it) for _ in range(n)]
 
 
-def test_same_seed_same_batches_and_windows_of_seq_len_plus_one():
-    train, _ = windows()
-    a = take(data.train_batches(train, 8, seed=3, process_index=0, process_count=1, prefetch=2), 5)
-    b = take(data.train_batches(train, 8, seed=3, process_index=0, process_count=1, prefetch=0), 5)
-    c = take(data.train_batches(train, 8, seed=4, process_index=0, process_count=1, prefetch=0), 5)
-    assert a[0].shape == (8, 17)
-    np.testing.assert_array_equal(a[0][:, 1:], a[0][:, :-1] + 1)  # contiguous text
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
-    assert any((x != z).any() for x, z in zip(a, c))
+def test_validation_holds_out_whole_documents(tmp_path):
+    corpus = corpus_of(tmp_path)
+    train, val = corpus.splits[0]
+    store = train.store
+    starts = set(store.doc_starts.tolist())
+    ends = set((store.doc_starts + store.doc_lengths).tolist())
+    for split in (train, val):
+        assert set(split.starts.tolist()) <= starts and set((split.starts + split.lengths).tolist()) <= ends
+    held = set().union(*(range(s, s + n) for s, n in zip(val.starts, val.lengths)))
+    kept = set().union(*(range(s, s + n) for s, n in zip(train.starts, train.lengths)))
+    assert not held & kept and len(held | kept) == store.num_tokens
+    assert 0.05 < len(held) / store.num_tokens <= 0.1
 
 
-def test_restored_iterator_gives_the_same_next_batch():
-    train, _ = windows()
-    it = data.train_batches(train, 8, 0, 0, 1, prefetch=2)
+def test_global_order_is_the_same_for_any_process_count_and_resumes_across_counts(tmp_path):
+    corpus = corpus_of(tmp_path)
+    whole = take(corpus.train_batches(8, seed=3, process_index=0, process_count=1, prefetch=2), 6)
+    for count in (2, 4):
+        parts = [take(corpus.train_batches(8, 3, p, count, 0), 6) for p in range(count)]
+        for i in range(6):
+            np.testing.assert_array_equal(np.concatenate([parts[p][i]["tokens"] for p in range(count)]), whole[i]["tokens"])
+    assert whole[0]["tokens"].shape == (8, 17)
+    other_seed = take(corpus.train_batches(8, 4, 0, 1, 0), 6)
+    assert any((a["tokens"] != b["tokens"]).any() for a, b in zip(whole, other_seed))
+    # Resume: the state after 3 batches of a 1-process run, restored into 2 processes.
+    it = corpus.train_batches(8, 3, 0, 1, 2)
     take(it, 3)
     state = json.loads(json.dumps(it.get_state()))  # as saved in a checkpoint
-    expected = next(it)
-    fresh = data.train_batches(train, 8, 0, 0, 1, prefetch=2)
-    fresh.set_state(state)
-    np.testing.assert_array_equal(next(fresh), expected)
-
-
-def test_each_process_reads_its_own_rows_of_the_global_batch():
-    train, val = windows()
-    whole = take(data.train_batches(train, 8, 0, 0, 1, 0), 3)
-    parts = [take(data.train_batches(train, 8, 0, p, 2, 0), 3) for p in range(2)]
+    resumed = []
+    for p in range(2):
+        fresh = corpus.train_batches(8, 3, p, 2, 2)
+        fresh.set_state(state)
+        resumed.append(take(fresh, 3))
     for i in range(3):
-        np.testing.assert_array_equal(np.concatenate([parts[0][i], parts[1][i]]), whole[i])
-    ev = data.eval_batches(val, 8, 2, 0, 1)
-    ev_parts = [data.eval_batches(val, 8, 2, p, 2) for p in range(2)]
-    np.testing.assert_array_equal(np.concatenate([ev_parts[0][1], ev_parts[1][1]]), ev[1])
+        np.testing.assert_array_equal(np.concatenate([resumed[0][i]["tokens"], resumed[1][i]["tokens"]]), whole[3 + i]["tokens"])
+    ev = corpus.eval_batches(8, 2, 0, 1)
+    ev_parts = [corpus.eval_batches(8, 2, p, 2) for p in range(2)]
+    np.testing.assert_array_equal(np.concatenate([ev_parts[0][1]["tokens"], ev_parts[1][1]["tokens"]]), ev[1]["tokens"])
+
+
+def test_mixture_proportions_and_counts(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, letter in ((a, "a"), (b, "b")):
+        d.mkdir()
+        for i in range(10):
+            (d / f"{i}.txt").write_text(letter * 400)
+    corpus = corpus_of(tmp_path, paths=[str(a), str(b)], weights=[0.7, 0.3])
+    schedule = corpus._mixed(0, 5)
+    picks = np.asarray([schedule[i][0] for i in range(10_000 * 8)])
+    share = np.bincount(picks, minlength=2) / len(picks)
+    assert abs(share[0] - 0.7) < 0.01 and abs(share[1] - 0.3) < 0.01
+    again = corpus_of(tmp_path, paths=[str(a), str(b)], weights=[0.7, 0.3])._mixed(0, 5)
+    assert all(again[i] == schedule[i] for i in range(0, 80_000, 997))
+    it = corpus.train_batches(8, 5, 0, 1, 0)
+    batches = take(it, 50)
+    for batch in batches:  # every row holds its source's text
+        rows = batch["tokens"]
+        for row, source in zip(rows, batch["sources"]):
+            assert set(row.tolist()) == {ord("ab"[source])}
+    counts = it.source_tokens()
+    assert counts == {"tokens_from/a": 16 * int(sum((bt["sources"] == 0).sum() for bt in batches)), "tokens_from/b": 16 * int(sum((bt["sources"] == 1).sum() for bt in batches))}
+
+
+def test_document_masking_segments_and_positions(tmp_path):
+    corpus = corpus_of(tmp_path, seq_len=64, document_masking=True)
+    batch = next(corpus.train_batches(8, 0, 0, 1, 0))
+    tokens, segments = batch["tokens"], batch["segments"]
+    # Each file is a run of consecutive letters: a segment change is exactly where the run breaks.
+    breaks = ((tokens[:, 1:] - tokens[:, :-1]) % 26) != 1
+    assert (breaks == (segments[:, 1:] != segments[:, :-1])).all() and breaks.any()
+    from lm.model import segment_positions
+
+    positions = np.asarray(segment_positions(segments))
+    assert (positions[segments != np.roll(segments, 1, axis=1)] == 0).all() and positions.max() <= 64
+
+
+def test_random_windows_never_cross_out_of_range(tmp_path):
+    corpus = corpus_of(tmp_path, seq_len=8)
+    train, val = corpus.splits[0]
+    for split in (train, val):
+        rows = split.rows(np.arange(split.count))
+        assert rows.shape == (split.count, 9) and rows.min() >= 65 and rows.max() < 65 + 26

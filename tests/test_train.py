@@ -74,3 +74,14 @@ def test_weight_decay_moves_matmul_weights_only_on_the_real_model():
     assert moved == weights
     assert {jax.tree_util.keystr(p, simple=True, separator="/") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]} > weights | {
         "embedding", "pos_embedding", "blocks/attn/bq", "blocks/mlp/b_in", "blocks/attn_norm/bias", "final_norm/scale"}
+
+
+def test_document_masking_trains_sharded_like_one_device(tmp_path, docs_corpus):
+    kw = dict(data__document_masking=True, train__steps=4, train__grad_accum=2)
+    train(fast_config(docs_corpus, mesh__data=1, **kw), tmp_path / "one", jax.devices()[:1])
+    train(fast_config(docs_corpus, mesh__data=2, mesh__tensor=2, sharding__sequence_parallel=True, **kw), tmp_path / "sharded", jax.devices()[:4])
+    train(fast_config(docs_corpus, mesh__data=1, train__steps=4, train__grad_accum=2), tmp_path / "unmasked", jax.devices()[:1])
+    a, b, c = losses(tmp_path / "one"), losses(tmp_path / "sharded"), losses(tmp_path / "unmasked")
+    np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=1e-5)
+    assert max(abs(a[s] - c[s]) for s in range(1, 5)) > 1e-4  # the masks change what the model sees
+    assert "tokens_from/" + docs_corpus.name in metrics_rows(tmp_path / "one")[0]

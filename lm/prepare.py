@@ -1,0 +1,204 @@
+"""Preparing a corpus once, `python -m lm.prepare`: text -> token store (`lm.token_store`).
+
+    python -m lm.prepare --config=configs/X.py --out=DIR [--workers=N]
+
+The data source (`data.path`, `data.text_field`, `data.skip_bad_records`) and tokenizer
+(`data.tokenizer`) come from the config, as for training. Units of work (`lm.sources`) are
+tokenised by N worker processes (default: every core), each writing its own unit's shard
+straight to disk: no process holds the corpus or all its tokens. A killed prepare resumes where
+it stopped (finished units are kept, the plan must match); a finished store is never rewritten:
+preparing into it again only checks that it was made from the same sources and tokenizer.
+`lm.train` prepares raw text through the same code, into a cache directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from lm import sources, token_store
+from lm.errors import UserError
+from lm.sources import Piece, Reading
+from lm.tokenizer import ByteTokenizer, load_tokenizer
+
+ENCODE_CHARS = 1 << 22  # text handed to the tokenizer per batch (its Rust side is parallel)
+
+
+def _spec(tokenizer) -> str:
+    """How a worker process rebuilds the tokenizer: 'byte' or a tokenizer.json path."""
+    return "byte" if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path)
+
+
+def prepare_unit(directory: Path, index: int, pieces: list[Piece], tokenizer, reading: Reading) -> tuple[int, int, int]:
+    """Tokenises one unit into its shard; returns (index, tokens, documents)."""
+    dtype = token_dtype_for(tokenizer)
+    writer = token_store.UnitWriter(directory, index, dtype)
+    eos = [np.asarray([tokenizer.eos_id], np.int32)] if tokenizer.eos_id is not None else []
+    batch: list[tuple[int, str | None]] = []  # (document number, text chunk or None at its end)
+    size = 0
+
+    def flush():
+        texts = [text for _, text in batch if text is not None]
+        encoded = iter(tokenizer.encode_batch(texts)) if texts else iter(())
+        for _, text in batch:
+            if text is None:
+                writer.end_document(eos)
+            else:
+                writer.write(next(encoded))
+        batch.clear()
+
+    doc = 0
+    for piece in pieces:
+        for chunks in sources.documents(piece, reading):
+            for text in chunks:
+                batch.append((doc, text))
+                size += len(text)
+                if size >= ENCODE_CHARS:
+                    flush()
+                    size = 0
+            batch.append((doc, None))
+            doc += 1
+    flush()
+    writer.commit(dict(reading.counts))
+    return index, writer.tokens, len(writer.lengths)
+
+
+def token_dtype_for(tokenizer) -> np.dtype:
+    return token_store.token_dtype(tokenizer.vocab_size)
+
+
+_WORKER_TOKENIZER = {}
+
+
+def _work(args) -> tuple[int, int, int]:
+    """A worker process's unit (the tokenizer is built once per process)."""
+    directory, index, pieces, spec, text_field, skip_bad = args
+    if spec not in _WORKER_TOKENIZER:
+        _WORKER_TOKENIZER[spec] = load_tokenizer(spec)
+    return prepare_unit(Path(directory), index, pieces, _WORKER_TOKENIZER[spec], Reading(text_field, skip_bad))
+
+
+def prepare_store(files: list[Path], tokenizer, out: str | os.PathLike, *, workers: int | None = None, text_field: str = "text",
+                  skip_bad_records: bool = False, progress: bool = True) -> token_store.TokenStore:
+    """The token store of `files` under `tokenizer` in `out`: made, resumed, or (finished
+    already) checked and returned as it is."""
+    out = Path(out).expanduser()
+    plan = {
+        "format": token_store.FORMAT,
+        "version": token_store.VERSION,
+        "tokenizer": tokenizer.fingerprint,
+        "sources": sources.fingerprint(files),
+        "text_field": text_field,
+        "skip_bad_records": skip_bad_records,
+    }
+    if token_store.is_store(out):
+        store = token_store.TokenStore(out)
+        _check_same(out, store.manifest, plan)
+        return store
+    units = sources.plan_units(files)
+    plan["units"] = [[vars(p) for p in unit] for unit in units]
+    out.mkdir(parents=True, exist_ok=True)
+    plan_path = out / token_store.PLAN
+    if plan_path.is_file():
+        _check_same(out, json.loads(plan_path.read_text()), plan)
+    else:
+        if any(p.name != "tokenizer.json" for p in out.iterdir()):  # a BPE may have been trained into it
+            raise UserError(f"{out} exists and is not a token store; nothing was written: pass a new --out")
+        if getattr(tokenizer, "path", None) and Path(tokenizer.path).resolve() != (out / "tokenizer.json").resolve():
+            (out / "tokenizer.json").write_bytes(Path(tokenizer.path).read_bytes())
+        plan_path.write_text(json.dumps(plan))
+    todo = [i for i in range(len(units)) if not token_store.unit_done(out, i)]
+    _run(out, units, todo, tokenizer, Reading(text_field, skip_bad_records), workers or os.cpu_count() or 1, progress)
+    return _finish(out, plan, len(units), tokenizer)
+
+
+def _check_same(out: Path, saved: dict, plan: dict) -> None:
+    for key in ("tokenizer", "sources", "text_field", "skip_bad_records"):
+        if saved.get(key) != plan[key]:
+            raise UserError(
+                f"{out} was prepared from other {key.replace('_', ' ')} than these (sources changed on disk, or another "
+                "tokenizer or setting); it is left as it is: prepare into a new directory"
+            )
+
+
+def _run(out: Path, units, todo: list[int], tokenizer, reading: Reading, workers: int, progress: bool) -> None:
+    from tqdm import tqdm
+
+    sizes = [sum(sources._size(Path(p.path)) for p in unit) for unit in units]
+    bar = tqdm(total=sum(sizes), initial=sum(sizes) - sum(sizes[i] for i in todo), unit="B", unit_scale=True,
+               disable=not progress, file=sys.stdout, dynamic_ncols=True, desc="tokenising")
+    start, tokens = time.perf_counter(), 0
+
+    def done(result):
+        nonlocal tokens
+        index, n, _ = result
+        tokens += n
+        bar.update(sizes[index])
+        bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
+
+    if workers <= 1 or len(todo) <= 1:
+        for i in todo:
+            done(prepare_unit(out, i, units[i], tokenizer, reading))
+    else:
+        import multiprocessing
+
+        # spawn, not fork: the parent may be a training process with JAX's threads running.
+        context = multiprocessing.get_context("spawn")
+        jobs = [(str(out), i, units[i], _spec(tokenizer), reading.text_field, reading.skip_bad_records) for i in todo]
+        with context.Pool(min(workers, len(todo))) as pool:
+            for result in pool.imap_unordered(_work, jobs):
+                done(result)
+    bar.close()
+
+
+def _finish(out: Path, plan: dict, num_units: int, tokenizer) -> token_store.TokenStore:
+    counts, tokens, documents = {}, 0, 0
+    for i in range(num_units):
+        name = token_store.unit_name(i)
+        for key, value in json.loads((out / f"{name}.counts.json").read_text()).items():
+            counts[key] = counts.get(key, 0) + value
+        lengths = np.load(out / f"{name}.docs.npy")
+        tokens, documents = tokens + int(lengths.sum()), documents + len(lengths)
+    manifest = {
+        **{k: v for k, v in plan.items() if k != "units"},
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": token_dtype_for(tokenizer).name,
+        "units": num_units,
+        "tokens": tokens,
+        "documents": documents,
+        "counts": counts,
+    }
+    tmp = out / f".{token_store.MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, out / token_store.MANIFEST)
+    return token_store.TokenStore(out)
+
+
+def main(argv: list[str]) -> None:
+    from lm import cli
+    from lm.data import tokenizer_for_corpus
+
+    parser = cli.Parser(prog="python -m lm.prepare", description="Tokenise a corpus once into a token store.")
+    parser.add_argument("--out", required=True, help="the store directory (new, or a prepare to resume)")
+    parser.add_argument("--workers", type=int, default=None, help="tokenising processes (default: every core)")
+    args = parser.parse(argv)
+    d = args.config.data
+    files = sources.corpus_files(d.path)
+    out = Path(args.out).expanduser()
+    tokenizer = tokenizer_for_corpus(d, out, files)
+    finished = token_store.is_store(out)
+    store = prepare_store(files, tokenizer, out, workers=args.workers, text_field=d.text_field, skip_bad_records=d.skip_bad_records)
+    m = store.manifest
+    verb = "already prepared" if finished else "prepared"
+    print(f"{verb}: {out}: {m['tokens']:,} tokens in {m['documents']:,} documents, {m['units']} units ({m['dtype']}); counts {m['counts']}")
+
+
+if __name__ == "__main__":
+    from lm import cli
+
+    cli.run(main)
