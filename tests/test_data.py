@@ -277,3 +277,19 @@ def test_random_windows_never_cross_out_of_range(tmp_path):
     for split in (train, val):
         rows = split.rows(np.arange(split.count))
         assert rows.shape == (split.count, 9) and rows.min() >= 65 and rows.max() < 65 + 26
+
+
+def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path):
+    """Peak RSS (the largest of lm.prepare and its workers) for 4x the text stays within 10%
+    (benchmarks/prepare.py measures the same at 2 GB and 8 GB with a BPE: PERFORMANCE.md)."""
+    peak = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MESHLM_GPU_COMPILER")}
+    peaks = []
+    for n in (16, 64):
+        corpus = make_corpus(tmp_path / f"c{n}", files=4 * n, size=250_000, seed=n)
+        command = [sys.executable, "-m", "lm.prepare", f"--out={tmp_path / f's{n}'}", "--workers=2", f"--config.data.path={corpus}"]
+        result = subprocess.run([sys.executable, "-c", peak, *command], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+        peaks.append(int(result.stdout.strip().splitlines()[-1]) * 1024)
+        assert token_store.TokenStore(tmp_path / f"s{n}").num_tokens > n * 900_000
+    print(f"peak RSS: {peaks[0] / 2**20:.0f} MiB for 16 MB, {peaks[1] / 2**20:.0f} MiB for 64 MB")
+    assert peaks[1] <= 1.1 * peaks[0] and max(peaks) < 1.5 * 2**30
