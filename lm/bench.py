@@ -3,7 +3,12 @@
     python -m lm.bench --config=configs/shakespeare_char.py [--config.KEY=VALUE ...] [--steps=N]
 
 Runs `--warmup` steps (compilation included), then N timed steps, each timed to completion, on
-synthetic tokens (speed does not depend on the text). The last stdout line is one JSON object.
+synthetic tokens (speed does not depend on the text), or with `--data` on the config's corpus
+through the real input pipeline (prepared into the cache first), each step's time then
+including the host's wait for its batch (`data_wait_s`; prefetching should make it ~0), and the
+pipeline's own time per global batch measured back to back (`data_time_s`). `--data_only`
+measures that alone, without a model (e.g. `llama_1b`-shaped batches on a laptop). The last
+stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -32,14 +39,52 @@ from lm.program import setup
 from sharding.pipeline import bubble_fraction, schedule
 
 
-def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str | None = None) -> dict:
-    program = setup(config, lm_data.nominal_vocab_size(config.data), devices)
+def _corpus_batches(config, workdir: Path):
+    """The config's training batches through the real pipeline (prepared first), as lm.train
+    reads them, and the corpus's vocabulary size."""
+    t = config.train
+    corpus = lm_data.prepare(config, workdir, progress=jax.process_index() == 0)
+    return corpus.train_batches(t.batch_size, t.seed, jax.process_index(), jax.process_count(), config.data.prefetch), corpus.tokenizer.vocab_size
+
+
+def _time_batches(batches, count: int) -> dict:
+    """The pipeline's time per global batch, pulled back to back (after one to start it)."""
+    next(batches)
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        next(batches)
+        times.append(time.perf_counter() - start)
+    return {"data_time_s": statistics.median(times), "data_time_max_s": max(times)}
+
+
+def data_bench(config, batches: int = 50) -> dict:
+    """Host time to produce a global batch of this config's shape, without a model."""
+    with tempfile.TemporaryDirectory() as workdir:
+        iterator, _ = _corpus_batches(config, Path(workdir))
+        timing = _time_batches(iterator, batches)
+    t = config.train
+    return {"batch_size": t.batch_size, "seq_len": t.seq_len, "document_masking": config.data.document_masking, **timing}
+
+
+def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str | None = None, with_data: bool = False) -> dict:
+    if with_data:
+        with tempfile.TemporaryDirectory() as workdir:
+            return _bench(config, steps, warmup, devices, save_hlo, *_corpus_batches(config, Path(workdir)))
+    return _bench(config, steps, warmup, devices, save_hlo, None, lm_data.nominal_vocab_size(config.data))
+
+
+def _bench(config, steps, warmup, devices, save_hlo, data_batches, vocab_size) -> dict:
+    program = setup(config, vocab_size, devices)
     mesh, mcfg = program.mesh, program.model_cfg
     rng = np.random.default_rng(config.train.seed)
     local_rows = config.train.batch_size // jax.process_count()
-    make_batch = lambda: program.global_batch(  # noqa: E731
-        rng.integers(0, mcfg.vocab_size, (local_rows, config.train.seq_len + 1), dtype=np.int32)
-    )
+    if data_batches is None:
+        make_batch = lambda: program.global_batch(  # noqa: E731
+            rng.integers(0, mcfg.vocab_size, (local_rows, config.train.seq_len + 1), dtype=np.int32)
+        )
+    else:
+        make_batch = lambda: program.global_batch(next(data_batches))  # noqa: E731
     state = program.init_state(config.train.seed)
     start = time.perf_counter()
     compiled = program.train_step.lower(state, make_batch()).compile()
@@ -50,13 +95,16 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str 
     for i in range(warmup):
         state, metrics = compiled(state, batches[i % 4])
     jax.block_until_ready(metrics)
-    times = []
+    times, waits = [], []
     for i in range(steps):
         start = time.perf_counter()
-        state, metrics = compiled(state, batches[i % 4])
+        batch = batches[i % 4] if data_batches is None else make_batch()  # the real pipeline: a fresh batch each step
+        waits.append(time.perf_counter() - start)
+        state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     step_time = statistics.median(times)
+    data = {} if data_batches is None else {"data_wait_s": statistics.median(waits), **_time_batches(data_batches, 20)}
     tokens = config.train.batch_size * config.train.seq_len
     fpt = flops_per_token(mcfg, config.train.seq_len)
     peak, source = peak_flops(peak_dtype(config.precision))
@@ -87,6 +135,7 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str 
         "final_loss": float(metrics["loss"]),
         "pipeline": dataclasses.asdict(plan),
         "pipeline_bubble": bubble,
+        **data,
     }
 
 
@@ -98,10 +147,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--compile_only", action="store_true", help="compile the step and report its memory, without running it")
     parser.add_argument("--target", choices=sorted(targets.TARGETS), help="with --compile_only: for GPUs of this kind (no GPU needed)")
     parser.add_argument("--devices", type=int, default=8, help="with --target: how many GPUs")
+    parser.add_argument("--data", action="store_true", help="feed the steps from the config's corpus through the real input pipeline")
+    parser.add_argument("--data_only", action="store_true", help="time the input pipeline alone (no model): host time per global batch")
     args = parser.parse(argv)
     if args.target and not args.compile_only:
         raise UserError("--target compiles for a GPU this machine may not have: add --compile_only")
-    if args.compile_only:
+    if args.data_only:
+        result = data_bench(args.config, args.steps)
+    elif args.compile_only:
         devices = None
         if args.target:
             devices = targets.command_devices("lm.bench", argv, args.target, args.devices)
@@ -109,7 +162,7 @@ def main(argv: list[str]) -> None:
         _, result = layout(args.config, devices, save_hlo=args.save_hlo, target=args.target)
         result["compile_wall_s"] = round(time.perf_counter() - start, 3)
     else:
-        result = bench(args.config, args.steps, args.warmup, save_hlo=args.save_hlo)
+        result = bench(args.config, args.steps, args.warmup, save_hlo=args.save_hlo, with_data=args.data)
     if jax.process_index() == 0:
         print(json.dumps(result))
 

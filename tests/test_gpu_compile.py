@@ -164,3 +164,17 @@ def test_no_involuntary_full_rematerialization(h100s, capfd):
     out = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("b", "a"), None))
     jax.jit(lambda x: jax.numpy.transpose(x, (2, 0, 1)).reshape(64, 8) * 2, out_shardings=out).lower(x).compile()
     assert "Involuntary full rematerialization" in capfd.readouterr().err
+
+
+def test_document_masking_and_sliding_windows_compile_for_h100s(h100s):
+    """Packed documents reach the GPU attention as a mask (XLA's fused attention: the cuDNN
+    call takes causal masks only); a sliding window stays on cuDNN when cuDNN is there."""
+    c = recipe("tiny", **SMALL, mesh__data=1, mesh__fsdp=8, data__document_masking=True)
+    program = setup(c, 256, h100s)
+    shape = (c.train.batch_size, c.train.seq_len + 1)
+    batch = {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=program.batch_sharding) for k in ("tokens", "segments")}
+    text = program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
+    assert not [k for k in hlo.custom_calls(text) if "cudnn" in k]
+    windowed = hlo.custom_calls(compiled(h100s, {"fsdp": 8}, model__sliding_window=32))
+    if cudnn_available():
+        assert windowed["__cudnn$fmhaSoftmax"] == 2 and windowed["__cudnn$fmhaSoftmaxBackward"] == 2
