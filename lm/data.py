@@ -53,6 +53,18 @@ def source_paths(data_config) -> list[tuple[str | None, float]]:
     return pairs
 
 
+def with_store_tokenizer(config):
+    """`config` with `data.tokenizer` naming a store's own tokenizer when a source is a prepared
+    store (what the run's config.json then records, for resuming and `lm.generate`)."""
+    store_path = next((p for p, _ in source_paths(config.data) if token_store.is_store(p)), None)
+    if store_path is None:
+        return config
+    from lm.config import apply_overrides
+
+    kept = TokenStore(store_path).tokenizer_path
+    return apply_overrides(config, {"data.tokenizer": str(kept.absolute()) if kept else "byte"})
+
+
 def tokenizer_for_corpus(data_config, workdir, files: list[Path] | None = None):
     """The tokenizer of a run: a store's own (when `data.path` is a store), else `data.tokenizer`
     (a BPE is trained on `files` into `workdir`)."""

@@ -212,6 +212,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--workers", type=int, default=None, help="tokenising processes (default: every core)")
     args = parser.parse(argv)
     d = args.config.data
+    if token_store.is_store(d.path):
+        raise UserError(f"data.path={d.path} is already a token store; train from it (--config.data.path={d.path})")
+    if d.sources:
+        raise UserError("lm.prepare makes one store from data.path; prepare each source of data.sources on its own")
     files = sources.corpus_files(d.path)
     out = Path(args.out).expanduser()
     tokenizer = tokenizer_for_corpus(d, out, files)

@@ -106,6 +106,7 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
         from lm.convert import with_init_model
 
         config = with_init_model(config)
+    config = lm_data.with_store_tokenizer(config)
     workdir = inputs.new_or_run_dir(workdir)
     check_workdir(config, workdir)
     # The mesh is checked before the corpus is read: a bad mesh fails fast.

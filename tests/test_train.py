@@ -85,3 +85,25 @@ def test_document_masking_trains_sharded_like_one_device(tmp_path, docs_corpus):
     np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=1e-5)
     assert max(abs(a[s] - c[s]) for s in range(1, 5)) > 1e-4  # the masks change what the model sees
     assert "tokens_from/" + docs_corpus.name in metrics_rows(tmp_path / "one")[0]
+
+
+def test_training_from_a_prepared_store_uses_its_tokenizer(tmp_path, docs_corpus, capsys):
+    from conftest import run_cli
+
+    from lm import prepare
+    from lm.config import load_run
+    from lm.generate import generate, load
+
+    result = run_cli(capsys, prepare.main, f"--out={tmp_path / 'store'}", f"--config.data.path={docs_corpus}",
+                     "--config.data.tokenizer=bpe", "--config.data.vocab_size=300", "--workers=2")
+    assert result.returncode == 0 and "600 documents" in result.stdout, result.stderr
+    train(fast_config(tmp_path / "store", train__steps=3), tmp_path / "run", jax.devices()[:1])
+    saved = load_run(tmp_path / "run")
+    assert saved.data.tokenizer == str((tmp_path / "store" / "tokenizer.json").absolute())
+    _, tokenizer, model = load(tmp_path / "run")
+    assert tokenizer.vocab_size == 300 and model.cfg.used_vocab == 300
+    assert generate(model, tokenizer, "def ", 8).startswith("def ")
+    # Again into the finished store: checked and left as it is.
+    result = run_cli(capsys, prepare.main, f"--out={tmp_path / 'store'}", f"--config.data.path={docs_corpus}",
+                     "--config.data.tokenizer=bpe", "--config.data.vocab_size=300")
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1].startswith("already prepared")
