@@ -60,6 +60,7 @@ def _spec(tokenizer) -> str:
 
 def prepare_unit(directory: Path, index: int, pieces: list[Piece], tokenizer, reading: Reading) -> tuple[int, int, int]:
     """Tokenises one unit into its shard; returns (index, tokens, documents)."""
+    reading = Reading(reading.text_field, reading.skip_bad_records)  # this unit's own counts
     dtype = token_dtype_for(tokenizer)
     writer = token_store.UnitWriter(directory, index, dtype)
     eos = [np.asarray([tokenizer.eos_id], np.int32)] if tokenizer.eos_id is not None else []

@@ -135,12 +135,15 @@ def _store_bytes(directory):
 
 def test_one_and_four_workers_give_byte_identical_stores(tmp_path):
     corpus = make_corpus(tmp_path / "corpus", files=24, size=250_000)  # 6 MB: 6 units of 1 MB
+    (corpus / "doc000.bin").write_bytes(b"\0\1\2 binary")
+    (corpus / "doc001.latin1").write_bytes("na\xefve\n".encode("latin-1"))
     files = sources.corpus_files(str(corpus))
     one = prepare.prepare_store(files, ByteTokenizer(), tmp_path / "one", workers=1, progress=False)
     prepare.prepare_store(files, ByteTokenizer(), tmp_path / "four", workers=4, progress=False)
-    assert one.manifest["units"] >= 4 and one.num_documents == 24
+    assert one.manifest["units"] >= 4 and one.num_documents == 25
     assert _store_bytes(tmp_path / "one") == _store_bytes(tmp_path / "four")
-    assert one.dtype == np.uint8 and one.num_tokens == sum(f.stat().st_size for f in files)
+    assert one.manifest["counts"] == {"binary_files_skipped": 1, "invalid_utf8": 1}
+    assert one.dtype == np.uint8 and one.num_tokens == sum(f.stat().st_size for f in files if f.suffix == ".txt") + len("na\ufffdve\n".encode())
     # A finished store is never rewritten: preparing into it again checks it and returns it.
     stamp = (tmp_path / "one" / "manifest.json").stat().st_mtime_ns
     prepare.prepare_store(files, ByteTokenizer(), tmp_path / "one", workers=2, progress=False)
