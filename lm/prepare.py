@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,22 +98,32 @@ def token_dtype_for(tokenizer) -> np.dtype:
     return token_store.token_dtype(tokenizer.vocab_size)
 
 
-_WORKER_TOKENIZER = {}
+def _worker(job_path: str, k: int, n: int) -> None:
+    """Worker k of n (`python -m lm.prepare --worker JOB k n`): units k, k + n, ... of the job."""
+    job = json.loads(Path(job_path).read_text())
+    tokenizer, reading = load_tokenizer(job["tokenizer"]), Reading(job["text_field"], job["skip_bad_records"])
+    for index, pieces in job["units"][k::n]:
+        prepare_unit(Path(job["out"]), index, [Piece(**p) for p in pieces], tokenizer, reading)
 
 
-def _one_thread_each() -> None:
-    """Several workers share the cores: each tokenises on one thread (the tokenizers library
-    would otherwise start a thread per core in every worker: 15% slower on 2 cores, measured).
-    One worker, in-process, keeps the library's threads."""
-    os.environ["RAYON_NUM_THREADS"] = "1"  # read when the library first starts its thread pool
-
-
-def _work(args) -> tuple[int, int, int]:
-    """A worker process's unit (the tokenizer is built once per process)."""
-    directory, index, pieces, spec, text_field, skip_bad = args
-    if spec not in _WORKER_TOKENIZER:
-        _WORKER_TOKENIZER[spec] = load_tokenizer(spec)
-    return prepare_unit(Path(directory), index, pieces, _WORKER_TOKENIZER[spec], Reading(text_field, skip_bad))
+def _start_workers(out: Path, units, todo: list[int], tokenizer, reading: Reading, workers: int) -> list[subprocess.Popen]:
+    """Worker processes started as programs of their own (`python -m lm.prepare --worker`), not
+    by `multiprocessing`, whose children re-run the caller's main module (a script without a
+    `__main__` guard would start over in every worker). Each tokenises on one thread: the
+    tokenizers library would otherwise start a thread per core in every worker (15% slower on
+    2 cores, measured); a single worker, in-process, keeps the library's threads."""
+    job = out / ".job.json"
+    job.write_text(json.dumps({
+        "out": str(out), "tokenizer": _spec(tokenizer), "text_field": reading.text_field,
+        "skip_bad_records": reading.skip_bad_records, "units": [[i, [vars(p) for p in units[i]]] for i in todo],
+    }))
+    env = {**os.environ, "RAYON_NUM_THREADS": "1"}
+    n = min(workers, len(todo))
+    return [
+        subprocess.Popen([sys.executable, "-m", "lm.prepare", "--worker", str(job), str(k), str(n)],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for k in range(n)
+    ]
 
 
 def prepare_store(files: list[Path], tokenizer, out: str | os.PathLike, *, workers: int | None = None, text_field: str = "text",
@@ -166,26 +177,38 @@ def _run(out: Path, units, todo: list[int], tokenizer, reading: Reading, workers
                disable=not progress, file=sys.stdout, dynamic_ncols=True, desc="tokenising")
     start, tokens = time.perf_counter(), 0
 
-    def done(result):
+    def done(index: int) -> None:
         nonlocal tokens
-        index, n, _ = result
-        tokens += n
+        tokens += int(np.load(out / f"{token_store.unit_name(index)}.docs.npy").sum())
         bar.update(sizes[index])
         bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
 
     if workers <= 1 or len(todo) <= 1:
         for i in todo:
-            done(prepare_unit(out, i, units[i], tokenizer, reading))
-    else:
-        import multiprocessing
-
-        # spawn, not fork: the parent may be a training process with JAX's threads running.
-        context = multiprocessing.get_context("spawn")
-        jobs = [(str(out), i, units[i], _spec(tokenizer), reading.text_field, reading.skip_bad_records) for i in todo]
-        with context.Pool(min(workers, len(todo)), initializer=_one_thread_each) as pool:
-            for result in pool.imap_unordered(_work, jobs):
-                done(result)
-    bar.close()
+            prepare_unit(out, i, units[i], tokenizer, reading)
+            done(i)
+        bar.close()
+        return
+    processes, waiting = _start_workers(out, units, todo, tokenizer, reading, workers), set(todo)
+    try:
+        while waiting:
+            for i in sorted(i for i in waiting if token_store.unit_done(out, i)):
+                waiting.discard(i)
+                done(i)
+            failed = next((p for p in processes if p.poll() not in (None, 0)), None)
+            if failed is not None:
+                lines = [line for line in failed.stderr.read().splitlines() if line.strip()]
+                message = lines[-1].removeprefix("error: ") if lines else f"exit code {failed.returncode}"
+                raise UserError(f"a tokenising worker failed: {message}")
+            if all(p.poll() == 0 for p in processes) and waiting:
+                raise RuntimeError(f"workers finished without units {sorted(waiting)}")
+            time.sleep(0.05)
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        bar.close()
 
 
 def _finish(out: Path, plan: dict, num_units: int, tokenizer) -> token_store.TokenStore:
@@ -235,6 +258,13 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from lm import cli
+    if sys.argv[1:2] == ["--worker"]:  # a worker started by _start_workers: no config, no JAX
+        try:
+            _worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+    else:
+        from lm import cli
 
-    cli.run(main)
+        cli.run(main)
