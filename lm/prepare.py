@@ -29,6 +29,7 @@ from lm.sources import Piece, Reading
 from lm.tokenizer import ByteTokenizer, load_tokenizer
 
 ENCODE_CHARS = 1 << 22  # text handed to the tokenizer per batch (its Rust side is parallel)
+IN_PROCESS_BYTES = 64 << 20  # less text than this is quicker to tokenise than to start workers for
 PIECE_CHARS = 1 << 16  # longer texts are cut (at a line start) into pieces about this long
 _LINE_START = re.compile(r"\n(?=\S)")
 
@@ -156,7 +157,7 @@ def prepare_store(files: list[Path], tokenizer, out: str | os.PathLike, *, worke
             (out / "tokenizer.json").write_bytes(Path(tokenizer.path).read_bytes())
         plan_path.write_text(json.dumps(plan))
     todo = [i for i in range(len(units)) if not token_store.unit_done(out, i)]
-    _run(out, units, todo, tokenizer, Reading(text_field, skip_bad_records), workers or os.cpu_count() or 1, progress)
+    _run(out, units, todo, tokenizer, Reading(text_field, skip_bad_records), workers, progress)
     return _finish(out, plan, len(units), tokenizer)
 
 
@@ -169,7 +170,7 @@ def _check_same(out: Path, saved: dict, plan: dict) -> None:
             )
 
 
-def _run(out: Path, units, todo: list[int], tokenizer, reading: Reading, workers: int, progress: bool) -> None:
+def _run(out: Path, units, todo: list[int], tokenizer, reading: Reading, workers: int | None, progress: bool) -> None:
     from tqdm import tqdm
 
     sizes = [sum(sources._size(Path(p.path)) for p in unit) for unit in units]
@@ -183,6 +184,8 @@ def _run(out: Path, units, todo: list[int], tokenizer, reading: Reading, workers
         bar.update(sizes[index])
         bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
 
+    if workers is None:  # as many as cores, unless there is too little text to be worth starting them
+        workers = 1 if sum(sizes[i] for i in todo) < IN_PROCESS_BYTES else os.cpu_count() or 1
     if workers <= 1 or len(todo) <= 1:
         for i in todo:
             prepare_unit(out, i, units[i], tokenizer, reading)
@@ -240,7 +243,7 @@ def main(argv: list[str]) -> None:
 
     parser = cli.Parser(prog="python -m lm.prepare", description="Tokenise a corpus once into a token store.")
     parser.add_argument("--out", required=True, help="the store directory (new, or a prepare to resume)")
-    parser.add_argument("--workers", type=int, default=None, help="tokenising processes (default: every core)")
+    parser.add_argument("--workers", type=int, default=None, help="tokenising processes (default: every core; none under 64 MB of text)")
     args = parser.parse(argv)
     d = args.config.data
     if token_store.is_store(d.path):
