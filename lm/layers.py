@@ -129,10 +129,11 @@ def rope(x_bthk: jax.Array, positions_bt: jax.Array, freq_k: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
 
 
-def causal_mask(q_positions_bt: jax.Array, k_positions_s: jax.Array, window: int = 0) -> jax.Array:
+def causal_mask(q_positions_bt: jax.Array, k_positions_bs: jax.Array, window: int = 0) -> jax.Array:
     """[b, t, s] True where a query may attend to a key: not later than itself and, with a sliding
-    `window`, among its latest `window` positions (itself included)."""
-    q, k = q_positions_bt[:, :, None], k_positions_s[None, None, :]
+    `window`, among its latest `window` positions (itself included). From positions, not array
+    indices: it holds for a sequence in any order (context parallelism reorders it)."""
+    q, k = q_positions_bt[:, :, None], k_positions_bs[:, None, :]
     mask = k <= q
     return mask & (k > q - window) if window else mask
 
@@ -149,11 +150,12 @@ def cudnn_available() -> bool:
     return True
 
 
-def attention_kernel(requested: str, q_bthk: jax.Array, causal: bool) -> str:
+def attention_kernel(requested: str, q_bthk: jax.Array, decoding: bool = False) -> str:
     """Which attention runs: `einsum` (written out, the CPU default), `xla` (XLA's own fused
     attention) or `cudnn` (cuDNN flash attention). `auto` takes cuDNN when compiling for a GPU
     and it can take the call: cuDNN loadable here, bf16 / float16 inputs, a head dim that is a
-    multiple of 8 up to 128, a causal mask (decoding's cache mask goes to XLA); otherwise XLA on
+    multiple of 8 up to 128, not decoding (the cache's mask goes to XLA); a training mask
+    (packed documents, a reordered sequence) reaches cuDNN as a bias. Otherwise XLA on
     accelerators and einsum on CPU."""
     if requested != "auto":
         return requested
@@ -161,20 +163,20 @@ def attention_kernel(requested: str, q_bthk: jax.Array, causal: bool) -> str:
     if backend == "cpu":
         return "einsum"
     head_dim = q_bthk.shape[-1]
-    cudnn_ok = causal and q_bthk.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+    cudnn_ok = not decoding and q_bthk.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
     return "cudnn" if backend == "gpu" and cudnn_ok and cudnn_available() else "xla"
 
 
-def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0) -> jax.Array:
+def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0, decoding: bool = False) -> jax.Array:
     """Softmax attention with grouped-query heads; `mask_bts` None means causal (within a sliding
-    `window` of keys when it is > 0).
+    `window` of keys when it is > 0); `decoding`: the queries continue a KV cache.
 
     On GPU this is `jax.nn.dot_product_attention` (cuDNN flash attention where it applies, see
     `attention_kernel`). On CPU the same maths is written out: XLA:CPU fuses the library
     version's softmax backward into a slow reduction, and the einsums here run on the policy's
     matmul (bf16 units).
     """
-    kernel = attention_kernel(kernel, q_bthk, mask_bts is None)
+    kernel = attention_kernel(kernel, q_bthk, decoding)
     if kernel != "einsum":
         mask = None if mask_bts is None else mask_bts[:, None]
         local = (window - 1, 0) if window and mask_bts is None else None
@@ -186,7 +188,7 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
     q = (q_bthk * jnp.asarray(k**-0.5, q_bthk.dtype)).reshape(b, t, g, h // g, k)
     logits = policy.matmul("btgrk,bsgk->bgrts", q, k_bsgk, out_dtype=jnp.float32)
     if mask_bts is None:
-        mask_bts = causal_mask(jnp.arange(t)[None], jnp.arange(k_bsgk.shape[1]), window)
+        mask_bts = causal_mask(jnp.arange(t)[None], jnp.arange(k_bsgk.shape[1])[None], window)
     logits = jnp.where(mask_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1)
     out = policy.matmul("bgrts,bsgk->btgrk", probs, v_bsgk)
@@ -211,7 +213,10 @@ class Attention(nnx.Module):
         if cfg.use_bias:
             self.bo = _param(None, (d,), ("embed",), None, dt)
 
-    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, segments_bt=None):
+    def __call__(self, x_btd, positions_bt=None, cache=None, cache_index=None, segments_bt=None):
+        """`positions_bt` None: the tokens are in order from position 0, and the mask is causal by
+        index (what fused kernels take). Given, the mask comes from the positions (and
+        `segments_bt`), whatever order the tokens are in."""
         cfg = self.cfg
         q = self.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...], site=self.wq_site)
         k = self.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...], site=self.wk_site)
@@ -220,25 +225,32 @@ class Attention(nnx.Module):
             q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
         if cfg.position == "rope":
             freq_k = rope_frequencies(cfg)
-            q, k = rope(q, positions_bt, freq_k), rope(k, positions_bt, freq_k)
+            rope_positions = jnp.arange(x_btd.shape[1])[None] if positions_bt is None else positions_bt
+            q, k = rope(q, rope_positions, freq_k), rope(k, rope_positions, freq_k)
         q = constrain(q, ("batch", "length", "heads", "head_dim"), "queries")
-        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"), "keys")
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"), "values")
-        if cache is None and segments_bt is None:
-            out = attention(q, k, v, None, self.policy, cfg.attention, cfg.sliding_window)
-        elif cache is None:  # packed documents: causal within each document only
-            index = jnp.arange(segments_bt.shape[1])
-            mask_bts = causal_mask(jnp.broadcast_to(index, segments_bt.shape), index, cfg.sliding_window)
-            mask_bts &= segments_bt[:, :, None] == segments_bt[:, None, :]
-            out = attention(q, k, v, mask_bts, self.policy, cfg.attention)
+        if cache is None:
+            # Queries stay split along the sequence (over `context`); keys and values are whole
+            # on every shard: all-gathered, and their gradients reduce-scattered.
+            k = constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"), "keys")
+            v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"), "values")
+            mask_bts = None
+            if positions_bt is not None:
+                mask_bts = causal_mask(positions_bt, constrain(positions_bt, ("batch", "kv_length"), "key positions"), cfg.sliding_window)
+            if segments_bt is not None:  # packed documents: within each document only
+                mask_bts &= segments_bt[:, :, None] == constrain(segments_bt, ("batch", "kv_length"), "key segments")[:, None, :]
+            out = attention(q, k, v, mask_bts, self.policy, cfg.attention, cfg.sliding_window)
         else:  # decoding: write this chunk into the cache, attend to every filled position
             start = (0, cache_index, 0, 0)
             cache = {
                 "k": jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start),
                 "v": jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start),
             }
-            mask_bts = causal_mask(positions_bt, jnp.arange(cache["k"].shape[1]), cfg.sliding_window)
-            out = attention(q, self.policy.cast(cache["k"]), self.policy.cast(cache["v"]), mask_bts, self.policy, cfg.attention)
+            mask_bts = causal_mask(positions_bt, jnp.arange(cache["k"].shape[1])[None], cfg.sliding_window)
+            k, v = self.policy.cast(cache["k"]), self.policy.cast(cache["v"])
+            out = attention(q, k, v, mask_bts, self.policy, cfg.attention, decoding=True)
+        # Its gradient arrives split as the queries are (not along the sequence over `tensor` too,
+        # as sequence parallelism's would, which XLA can only reshard by replicating).
+        out = constrain(out, ("batch", "length", "heads", "head_dim"), "attention output")
         y = self.policy.matmul("bthk,hkd->btd", out, self.wo[...], site=self.wo_site)
         if cfg.use_bias:
             y = add_bias(y, self.bo[...])
@@ -290,11 +302,23 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg, policy)
         self.mlp = Mlp(cfg, policy, rngs)
 
-    def __call__(self, x_btd, positions_bt, cache=None, cache_index=None, segments_bt=None):
+    def __call__(self, x_btd, positions_bt=None, cache=None, cache_index=None, segments_bt=None):
         y, cache = self.attn(gather_length(self.attn_norm(x_btd)), positions_bt, cache, cache_index, segments_bt)
-        x_btd = constrain(x_btd + y, ("batch", "norm_length", "act_embed"), "residual")
-        x_btd = x_btd + self.mlp(gather_length(self.mlp_norm(x_btd)))
+        x_btd = constrain(x_btd + gathered_gradient(y), ("batch", "norm_length", "act_embed"), "residual")
+        x_btd = x_btd + gathered_gradient(self.mlp(gather_length(self.mlp_norm(x_btd))))
         return constrain(x_btd, ("batch", "norm_length", "act_embed"), "residual"), cache
+
+
+@jax.custom_vjp
+def gathered_gradient(y_btd: jax.Array) -> jax.Array:
+    """`y_btd` itself; its gradient is made whole along the sequence over `tensor`
+    (`gather_length`) before it enters the row-parallel matmul's backward, as Megatron's sequence
+    parallelism does. Left to itself, XLA may place the weight gradient's inputs by the weight's
+    split of `embed` over `context`, which it can only reach by replicating the gradient."""
+    return y_btd
+
+
+gathered_gradient.defvjp(lambda y: (y, None), lambda _, dy: (gather_length(dy),))
 
 
 def gather_length(x_btd: jax.Array) -> jax.Array:

@@ -111,23 +111,30 @@ class Transformer(nnx.Module):
         shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
-    def __call__(self, tokens_bt: jax.Array, cache=None, cache_index=0, segments_bt: jax.Array | None = None):
+    def __call__(self, tokens_bt: jax.Array, cache=None, cache_index=0, segments_bt=None, positions_bt=None):
         """Float32 logits [b, t, v] and the updated cache (None when not decoding).
 
         With a cache, `tokens_bt` continues the sequence at position `cache_index`. With
         `segments_bt` (which document each token is from, packed windows), attention stays
-        within a document and positions restart at each document's first token.
+        within a document and positions restart at each document's first token. `positions_bt`
+        given: the tokens' positions, in whatever order they come (context parallelism's
+        load-balanced order, `sharding.context`); attention's mask is built from them.
         """
         cfg = self.cfg
-        if segments_bt is None:
-            positions_bt = cache_index + jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        else:
-            segments_bt = constrain(segments_bt, ("batch", None), "segment ids")
+        if segments_bt is not None:
+            segments_bt = constrain(segments_bt, ("batch", "length"), "segment ids")
+        if positions_bt is not None:
+            positions_bt = constrain(positions_bt, ("batch", "length"), "positions")
+        elif segments_bt is not None:
             positions_bt = segment_positions(segments_bt)
+        elif cache is not None:
+            positions_bt = cache_index + jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        # positions_bt None from here: in order from 0, attention causal by index
         x = self.policy.cast(lookup(self.embedding[...], tokens_bt))
         if cfg.position == "learned":
             table_td = constrain(self.pos_embedding[...], (None, None), "position table")
-            x = x + self.policy.cast(jnp.take(table_td, positions_bt, axis=0))
+            in_order = jnp.arange(tokens_bt.shape[1])[None] if positions_bt is None else positions_bt
+            x = x + self.policy.cast(jnp.take(table_td, in_order, axis=0))
         x = constrain(x, ("batch", "norm_length", "act_embed"), "embeddings")
         x, cache = self._layers(x, positions_bt, cache, cache_index, segments_bt)
         x = gather_length(self.final_norm(x))
@@ -144,7 +151,8 @@ class Transformer(nnx.Module):
         if self.pipeline.stages > 1 and cache is None:
 
             def stage(chunk, x_btd):  # a chunk of consecutive layers on one microbatch
-                return self._run_stack(graphdef, chunk, x_btd, positions_bt[: x_btd.shape[0]], None, None)[0]
+                positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
+                return self._run_stack(graphdef, chunk, x_btd, positions, None, None)[0]
 
             layer_axes = nnx.get_partition_spec(stacked)
             return pipeline(stage, stacked, layer_axes, x, ("batch", "norm_length", "act_embed"), self.pipeline), None

@@ -23,9 +23,10 @@ from lm import targets
 from lm.config import UserError
 from lm.fp8 import Fp8Meta, Probe, update_fp8
 from lm.layers import Embedding
-from lm.model import Transformer
+from lm.model import Transformer, segment_positions
 from lm.optim import optimizer, schedule
 from lm.spec import RunSpec
+from sharding import constrain
 from sharding.pipeline import split_microbatches
 
 
@@ -128,8 +129,13 @@ class Program:
             loss_scale=None if loss_scale is None else jax.tree.map(lambda _: replicated, loss_scale),
         )
         batch_size, length = c.train.batch_size, c.train.seq_len + 1
-        self.batch_sharding = sharding.named_sharding(mesh, ("batch", "length"), self.rules, shape=(batch_size, length), name="batch")
+        # Rows split over `batch`, each row whole (it is l = seq_len + 1 long, and a context shard
+        # takes its part only after the load-balancing reorder).
+        self.batch_sharding = sharding.named_sharding(mesh, ("batch", None), self.rules, shape=(batch_size, length), name="batch")
         self.replicated = replicated
+        # Context parallelism: the order that balances causal attention over the sequence's shards.
+        shards = sharding.axis_size(mesh, self.rules, "length")
+        self.sequence_order = sharding.load_balanced_order(c.train.seq_len, shards) if shards > 1 else None
         options = targets.compiler_options(mesh.devices.flat[0].platform)
         jit = lambda fn, **kw: sharding.jit(fn, mesh, self.rules, compiler_options=options or None, **kw)  # noqa: E731
         self.init_state = jit(self._init, static_argnums=0, out_shardings=self.state_shardings)
@@ -161,13 +167,28 @@ class Program:
             loss_scale=self.loss_scaling.init(),
         )
 
-    def _loss(self, params, batch, fp8=None, probes=None) -> jax.Array:
-        """`batch`: tokens [b, l], or {'tokens', 'segments'} with document masking; `l` is the
-        sequence length + 1: inputs are tokens[:, :-1], targets tokens[:, 1:]."""
+    def model_inputs(self, batch) -> tuple[dict, jax.Array]:
+        """(the model's keyword inputs, the targets) of a batch: tokens [b, l], or {'tokens',
+        'segments'} with document masking, where `l` is the sequence length + 1 (inputs are
+        tokens[:, :-1], targets tokens[:, 1:]). Under context parallelism the sequence is put in
+        `self.sequence_order` here, once, with its positions (and segment ids)."""
         tokens_bl, segments_bl = (batch["tokens"], batch["segments"]) if isinstance(batch, dict) else (batch, None)
-        segments_bt = None if segments_bl is None else segments_bl[:, :-1]
-        logits, _ = self.layout.model(params, fp8, probes)(tokens_bl[:, :-1], segments_bt=segments_bt)
-        return cross_entropy(logits, tokens_bl[:, 1:])
+        inputs = {"tokens_bt": tokens_bl[:, :-1], "segments_bt": None if segments_bl is None else segments_bl[:, :-1]}
+        targets_bt = tokens_bl[:, 1:]
+        if self.sequence_order is not None:
+            segments_bt = inputs["segments_bt"]
+            in_order = jnp.broadcast_to(jnp.arange(targets_bt.shape[1]), targets_bt.shape)
+            inputs["positions_bt"] = in_order if segments_bt is None else segment_positions(segments_bt)
+            inputs = {k: None if a is None else sharding.reorder(a, self.sequence_order) for k, a in inputs.items()}
+            targets_bt = sharding.reorder(targets_bt, self.sequence_order)
+        return inputs, constrain(targets_bt, ("batch", "length"), "targets")
+
+    def _loss(self, params, batch, fp8=None, probes=None) -> jax.Array:
+        """Mean cross entropy of a batch (see `model_inputs`); the mean does not depend on the
+        tokens' order, so nothing is undone after a reorder."""
+        inputs, targets_bt = self.model_inputs(batch)
+        logits, _ = self.layout.model(params, fp8, probes)(**inputs)
+        return cross_entropy(logits, targets_bt)
 
     def _grads(self, params, batch, fp8=None, loss_scale=1.0):
         """(mean loss, mean grads of `loss * loss_scale`, matmul statistics) over the batch,
@@ -186,7 +207,7 @@ class Program:
 
         if accum == 1:
             return one(batch)
-        micro = jax.tree.map(lambda a: split_microbatches(a, accum, ("batch", "length")), batch)
+        micro = jax.tree.map(lambda a: split_microbatches(a, accum, ("batch", None)), batch)
 
         def add(carry, tokens):
             loss, grads, stats = one(tokens)
@@ -276,12 +297,30 @@ def check_batch_split(spec: RunSpec, mesh: Mesh) -> None:
             f"sequence parallelism splits the sequence over {axes}, which does not "
             f"divide train.seq_len={c.train.seq_len}; change one of them"
         )
+    _check_context(spec, mesh)
     plan = spec.pipeline
     if plan.stages > 1:
         per_replica = b // (dp * accum)
         sharding.pipeline.check(plan.stages, plan.microbatches, plan.repeats, spec.model.num_layers, per_replica)
     if b % jax.process_count():
         raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
+
+
+def _check_context(spec: RunSpec, mesh: Mesh) -> None:
+    """UserErrors for context parallelism the sequence or the rules cannot carry."""
+    shards, seq_len = sharding.axis_size(mesh, spec.rules, "length"), spec.config.train.seq_len
+    if shards > 1 and seq_len % (2 * shards):
+        raise UserError(
+            f"context parallelism splits each sequence over {shards} shards as 2 x {shards} equal chunks "
+            f"(load balance for causal attention), which train.seq_len={seq_len} does not divide; "
+            f"use a multiple of {2 * shards}"
+        )
+    if mesh.shape["context"] > 1 and "context" not in sharding.rule_axes(spec.rules, "length"):
+        raise UserError(
+            f"mesh.context={mesh.shape['context']} but the sharding rules do not split the sequence "
+            "('length') over 'context', so its devices would repeat each other's work; drop "
+            "sharding.rules' 'length' entry or set mesh.context=1"
+        )
 
 
 def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), observe: bool = False) -> Program:

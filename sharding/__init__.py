@@ -3,6 +3,12 @@
 Reusable on its own: imports jax (and flax.nnx metadata helpers) only, never `lm`.
 """
 
+from sharding.context import (
+    causal_pairs_per_shard,
+    inverse_order,
+    load_balanced_order,
+    reorder,
+)
 from sharding.flax_nnx import (
     abstract_module,
     create_sharded,
@@ -37,16 +43,20 @@ __all__ = [
     "activate",
     "axis_size",
     "bind",
+    "causal_pairs_per_shard",
     "check_rules",
     "constrain",
     "create_sharded",
+    "inverse_order",
     "jit",
+    "load_balanced_order",
     "logical_axes",
     "logical_to_spec",
     "make_mesh",
     "merge_rules",
     "named_sharding",
     "platform",
+    "reorder",
     "rule_axes",
     "state_shardings",
     "tree_shardings",

@@ -1,4 +1,4 @@
-"""A device mesh with the axes ('data', 'stage', 'fsdp', 'tensor'), built from plain sizes."""
+"""A device mesh with the axes ('data', 'stage', 'context', 'fsdp', 'tensor'), built from plain sizes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 # Outermost (slowest link) to innermost (fastest link).
-MESH_AXES = ("data", "stage", "fsdp", "tensor")
+MESH_AXES = ("data", "stage", "context", "fsdp", "tensor")
 
 
 class ShardingError(ValueError):
@@ -24,6 +24,7 @@ class MeshConfig:
 
     data: int = -1
     stage: int = 1
+    context: int = 1
     fsdp: int = 1
     tensor: int = 1
 

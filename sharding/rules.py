@@ -23,9 +23,12 @@ Rules = Sequence[tuple[str, MeshAxes]]
 
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")),
-    ("length", None),  # the sequence inside attention / MLP, where heads and mlp use `tensor`
-    ("norm_length", None),  # the sequence in the residual stream and norms
-    ("embed", "fsdp"),
+    ("length", "context"),  # the sequence inside attention / MLP, where heads and mlp use `tensor`
+    ("norm_length", "context"),  # the sequence in the residual stream and norms
+    ("kv_length", None),  # keys and values inside attention: whole, gathered over `context`
+    # Parameters are split over `context` too: its devices would otherwise each hold a replica of
+    # the weights and optimizer state (FSDP over context x fsdp, as MaxText does).
+    ("embed", ("context", "fsdp")),
     ("act_embed", None),
     ("mlp", "tensor"),
     ("heads", "tensor"),
@@ -39,7 +42,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
 
 # Megatron-LM's sequence parallelism: the residual stream and norms, replicated over `tensor`
 # under plain tensor parallelism, are split along the sequence instead.
-SEQUENCE_PARALLEL_RULES: tuple[tuple[str, MeshAxes], ...] = (("norm_length", "tensor"),)
+SEQUENCE_PARALLEL_RULES: tuple[tuple[str, MeshAxes], ...] = (("norm_length", ("context", "tensor")),)
 
 
 def merge_rules(base: Rules, *overrides: Rules) -> tuple[tuple[str, MeshAxes], ...]:

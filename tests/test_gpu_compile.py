@@ -79,11 +79,11 @@ def test_attention_falls_back_where_cudnn_cannot_take_the_call(h100s):
     from sharding import activate
 
     with activate(mesh):  # what the model sees inside a program compiled for H100s
-        assert attention_kernel("auto", q(jax.numpy.bfloat16), causal=True) == ("cudnn" if cudnn_available() else "xla")
-        assert attention_kernel("auto", q(jax.numpy.float32), causal=True) == "xla"  # cuDNN takes bf16 / fp16
-        assert attention_kernel("auto", q(jax.numpy.bfloat16, k=256), causal=True) == "xla"  # head dim over 128
-        assert attention_kernel("auto", q(jax.numpy.bfloat16), causal=False) == "xla"  # a decoding mask
-    assert attention_kernel("auto", q(jax.numpy.bfloat16), causal=True) == "einsum"  # on this CPU
+        assert attention_kernel("auto", q(jax.numpy.bfloat16)) == ("cudnn" if cudnn_available() else "xla")
+        assert attention_kernel("auto", q(jax.numpy.float32)) == "xla"  # cuDNN takes bf16 / fp16
+        assert attention_kernel("auto", q(jax.numpy.bfloat16, k=256)) == "xla"  # head dim over 128
+        assert attention_kernel("auto", q(jax.numpy.bfloat16), decoding=True) == "xla"  # a decoding mask
+    assert attention_kernel("auto", q(jax.numpy.bfloat16)) == "einsum"  # on this CPU
 
 
 def test_fsdp_gathers_weights_per_layer_and_reduce_scatters_gradients(h100s):

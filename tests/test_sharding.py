@@ -19,8 +19,8 @@ from sharding import (
 
 def test_mesh_fills_minus_one_and_orders_axes():
     mesh = make_mesh(MeshConfig(data=-1, tensor=2))
-    assert mesh.axis_names == ("data", "stage", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 1, "tensor": 2}
+    assert mesh.axis_names == ("data", "stage", "context", "fsdp", "tensor")
+    assert dict(mesh.shape) == {"data": 4, "stage": 1, "context": 1, "fsdp": 1, "tensor": 2}
 
 
 @pytest.mark.parametrize(
@@ -38,8 +38,9 @@ def test_mesh_errors(cfg, message):
 
 
 def test_default_rules():
-    assert logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp"), None, None)
-    assert logical_to_spec(("layers", "embed", "mlp")) == P("stage", "fsdp", "tensor")
+    assert logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp"), "context", None)
+    assert logical_to_spec(("batch", "kv_length", "kv_heads")) == P(("data", "fsdp"), None, "tensor")
+    assert logical_to_spec(("layers", "embed", "mlp")) == P("stage", ("context", "fsdp"), "tensor")
 
 
 def test_unknown_logical_name_is_an_error():
@@ -69,8 +70,8 @@ def test_model_state_shardings_follow_rules():
     abstract = nnx.eval_shape(lambda: Transformer(ModelConfig(vocab_size=256, max_len=16), rngs=nnx.Rngs(0)))
     state = nnx.state(abstract)
     shardings = sharding.tree_shardings(nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)), mesh)
-    assert shardings["blocks"]["attn"]["wq"].spec == P("stage", "fsdp", "tensor", None)
-    assert shardings["embedding"].spec == P("tensor", "fsdp")
+    assert shardings["blocks"]["attn"]["wq"].spec == P("stage", ("context", "fsdp"), "tensor", None)
+    assert shardings["embedding"].spec == P("tensor", ("context", "fsdp"))
 
 
 def test_activation_constraint_is_noop_outside_and_applied_inside():
@@ -122,7 +123,7 @@ def test_hosts_take_the_outermost_axes_first():
 def test_rule_overrides_replace_defaults_and_sequence_parallelism_splits_norm_length():
     rules = sharding.merge_rules(DEFAULT_RULES, [("embed", None), ("experts", ["data"])], sharding.SEQUENCE_PARALLEL_RULES)
     table = dict(rules)
-    assert table["embed"] is None and table["experts"] == ("data",) and table["norm_length"] == "tensor"
+    assert table["embed"] is None and table["experts"] == ("data",) and table["norm_length"] == ("context", "tensor")
     assert [name for name, _ in rules][: len(DEFAULT_RULES)] == [name for name, _ in DEFAULT_RULES]
     with pytest.raises(ShardingError, match=r"rule 'embed' is not \(logical_name, mesh_axes\)"):
         sharding.check_rules(["embed"])
@@ -138,14 +139,14 @@ def _setup(**overrides):
 
 
 def test_config_rules_are_validated_naming_parameter_shape_logical_and_mesh_axes():
-    mesh = r"mesh data=1 stage=1 fsdp=8 tensor=1"
+    mesh = r"mesh data=1 stage=1 context=1 fsdp=8 tensor=1"
     with pytest.raises(ShardingError, match=rf"blocks/attn/wk \(shape \(2, 64, 2, 16\), logical axes \('layers', 'embed', 'kv_heads', 'head_dim'\), {mesh}\): rule 'embed' -> 'model' names a mesh axis that does not exist"):
         _setup(mesh__data=1, mesh__fsdp=8, sharding__rules="(('embed', 'model'),)")
     with pytest.raises(ShardingError, match=r"rule \('experts', 'expert'\) names mesh axis 'expert', which does not exist"):
         _setup(sharding__rules="(('experts', 'expert'),)")  # no parameter uses it: still an error
     with pytest.raises(ShardingError, match=rf"blocks/mlp/w_gate \(shape \(2, 64, 128\), logical axes \('layers', 'embed', 'mlp'\), {mesh}\): mesh axis 'fsdp' is used by both 'embed' and 'mlp'"):
         _setup(mesh__data=1, mesh__fsdp=8, sharding__rules="(('mlp', 'fsdp'),)")
-    with pytest.raises(ShardingError, match=r"blocks/attn/wk \(shape \(2, 64, 2, 16\), .*mesh data=1 stage=1 fsdp=1 tensor=8\): dimension 2 \('kv_heads', size 2\) is not divisible by mesh axes \('tensor',\) of total size 8"):
+    with pytest.raises(ShardingError, match=r"blocks/attn/wk \(shape \(2, 64, 2, 16\), .*mesh data=1 stage=1 context=1 fsdp=1 tensor=8\): dimension 2 \('kv_heads', size 2\) is not divisible by mesh axes \('tensor',\) of total size 8"):
         _setup(mesh__data=1, mesh__tensor=8)
 
 
@@ -154,7 +155,7 @@ def test_a_logical_name_without_a_rule_names_the_parameter():
 
     state = nnx.state(nnx.eval_shape(lambda: Transformer(ModelConfig(vocab_size=256, max_len=16), rngs=nnx.Rngs(0))))
     rules = [r for r in DEFAULT_RULES if r[0] != "mlp"]
-    with pytest.raises(ShardingError, match=r"blocks/mlp/w_gate \(shape \(2, 128, 512\), logical axes \('layers', 'embed', 'mlp'\), mesh data=8 stage=1 fsdp=1 tensor=1\): logical axis 'mlp' has no rule"):
+    with pytest.raises(ShardingError, match=r"blocks/mlp/w_gate \(shape \(2, 128, 512\), logical axes \('layers', 'embed', 'mlp'\), mesh data=8 stage=1 context=1 fsdp=1 tensor=1\): logical axis 'mlp' has no rule"):
         sharding.tree_shardings(nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)), make_mesh(MeshConfig()), rules)
 
 
@@ -178,4 +179,4 @@ def test_report_counts_bytes_per_device_from_shardings():
     assert rows["b"].device_shape == (32,) and rows["b"].device_bytes == 64
     assert report.device_bytes(tree) == 32 * 16 * 4 + 64
     text = report.table(list(rows.values()))
-    assert "(embed, mlp)" in text and "(fsdp, tensor)" in text and "2.00 KiB" in text
+    assert "(embed, mlp)" in text and "(context+fsdp, tensor)" in text and "2.00 KiB" in text
