@@ -223,6 +223,10 @@ class Attention(nnx.Module):
         v = self.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_site)
         if cfg.use_bias or cfg.qkv_bias:
             q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
+        # Each context shard projects its own part of the sequence; only then are keys and
+        # values gathered (left free, XLA may gather the wider input instead and project it all).
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"), "local keys")
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"), "local values")
         if cfg.position == "rope":
             freq_k = rope_frequencies(cfg)
             rope_positions = jnp.arange(x_btd.shape[1])[None] if positions_bt is None else positions_bt
