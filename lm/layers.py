@@ -178,11 +178,20 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
     """
     kernel = attention_kernel(kernel, q_bthk, decoding)
     if kernel != "einsum":
-        mask = None if mask_bts is None else mask_bts[:, None]
         local = (window - 1, 0) if window and mask_bts is None else None
-        return jax.nn.dot_product_attention(
-            q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=mask_bts is None, local_window_size=local, implementation=kernel
-        )
+
+        def fused(q_bthk, k_bsgk, v_bsgk, *mask_bts):
+            mask = mask_bts[0][:, None] if mask_bts else None
+            return jax.nn.dot_product_attention(
+                q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=mask is None, local_window_size=local, implementation=kernel
+            )
+
+        if mask_bts is None or sharding.split_ways("length") == 1:
+            return fused(q_bthk, k_bsgk, v_bsgk, *([] if mask_bts is None else [mask_bts]))
+        # Context parallelism: queries split along the sequence, keys and values whole. cuDNN's
+        # partitioner takes the three split alike only, so each device runs its own part.
+        queries, keys = ("batch", "length", "heads", "head_dim"), ("batch", "kv_length", "kv_heads", "head_dim")
+        return sharding.per_shard(fused, (queries, keys, keys, ("batch", "length", "kv_length")), queries)(q_bthk, k_bsgk, v_bsgk, mask_bts)
     b, t, h, k = q_bthk.shape
     g = k_bsgk.shape[2]
     q = (q_bthk * jnp.asarray(k**-0.5, q_bthk.dtype)).reshape(b, t, g, h // g, k)

@@ -28,8 +28,10 @@ from sharding.rules import (
     logical_to_spec,
     merge_rules,
     named_sharding,
+    per_shard,
     platform,
     rule_axes,
+    split_ways,
     tree_shardings,
 )
 
@@ -55,9 +57,11 @@ __all__ = [
     "make_mesh",
     "merge_rules",
     "named_sharding",
+    "per_shard",
     "platform",
     "reorder",
     "rule_axes",
+    "split_ways",
     "state_shardings",
     "tree_shardings",
 ]

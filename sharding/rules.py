@@ -237,3 +237,25 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str = "act
         return x
     mesh, rules = _ACTIVE.stack[-1]
     return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules, shape=x.shape, name=name))
+
+
+def split_ways(logical: str) -> int:
+    """How many ways the mesh and rules in force split the logical axis `logical` (1 outside
+    `activate`)."""
+    return axis_size(*_ACTIVE.stack[-1], logical) if _ACTIVE.stack else 1
+
+
+def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]) -> Callable:
+    """`fn` run on each device's shards of its arguments (`jax.shard_map`), the arguments and the
+    result placed by logical names under the mesh and rules in force; outside `activate`, `fn`
+    itself. For a kernel that cannot be partitioned as its arguments are split (cuDNN attention
+    takes queries, keys and values split alike; context parallelism splits only the queries)."""
+
+    def run(*args):
+        if not _ACTIVE.stack:
+            return fn(*args)
+        mesh, rules = _ACTIVE.stack[-1]
+        specs = tuple(logical_to_spec(axes, rules, mesh=mesh, shape=a.shape) for axes, a in zip(in_axes, args))
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=logical_to_spec(out_axes, rules, mesh=mesh))(*args)
+
+    return run

@@ -78,12 +78,12 @@ def one_device():
     [
         ({"context": 2}, False, {}),
         ({"context": 4}, True, {}),
-        ({"context": 2, "tensor": 2, "data": 2}, False, {}),
+        ({"context": 2, "tensor": 2, "data": 2}, False, {"model__attention": "xla"}),  # a fused kernel, run per shard
         ({"context": 2, "tensor": 2, "data": 2}, True, {}),
         ({"context": 2, "fsdp": 2}, True, {"sharding__sequence_parallel": True}),
         ({"context": 2, "fsdp": 2, "tensor": 2}, False, {"sharding__sequence_parallel": True}),
     ],
-    ids=["context2", "context4-docs", "context2-tensor2-data2", "context2-tensor2-data2-docs", "context2-fsdp2-sp-docs", "context2-fsdp2-tensor2-sp"],
+    ids=["context2", "context4-docs", "context2-tensor2-data2-xla", "context2-tensor2-data2-docs", "context2-fsdp2-sp-docs", "context2-fsdp2-tensor2-sp"],
 )
 def test_context_parallel_logits_gradients_and_training_match_one_device(one_device, mesh, segments, kw):
     logits, grads, losses_, params = _run(mesh, segments, **kw)

@@ -155,7 +155,7 @@ def test_no_involuntary_full_rematerialization(h100s, capfd):
     # XLA's SPMD partitioner logs (from C++, to the process's stderr) each tensor it can only
     # reshard by replicating it whole; the training steps must cause none.
     capfd.readouterr()
-    for mesh in ({"fsdp": 8}, {"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}):
+    for mesh in ({"fsdp": 8}, {"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}, {"context": 2, "fsdp": 2, "tensor": 2}):
         compiled(h100s, mesh, sharding__sequence_parallel=True)
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
     # The detector: a transpose whose result is asked for in an interleaved layout is one.
@@ -166,15 +166,21 @@ def test_no_involuntary_full_rematerialization(h100s, capfd):
     assert "Involuntary full rematerialization" in capfd.readouterr().err
 
 
-def test_document_masking_and_sliding_windows_compile_for_h100s(h100s):
-    """Packed documents reach the GPU attention as a mask (XLA's fused attention: the cuDNN
-    call takes causal masks only); a sliding window stays on cuDNN when cuDNN is there."""
+def test_document_masking_context_parallelism_and_sliding_windows_compile_for_h100s(h100s):
+    """Packed documents and context parallelism's reordered sequence reach cuDNN's attention as a
+    mask (a bias); a sliding window stays on cuDNN's own causal mask."""
     c = recipe("tiny", **SMALL, mesh__data=1, mesh__fsdp=8, data__document_masking=True)
     program = setup(c, 256, h100s)
     shape = (c.train.batch_size, c.train.seq_len + 1)
     batch = {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=program.batch_sharding) for k in ("tokens", "segments")}
-    text = program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
-    assert not [k for k in hlo.custom_calls(text) if "cudnn" in k]
+    documents = hlo.custom_calls(program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text())
+    context = compiled(h100s, {"context": 4, "fsdp": 2})
     windowed = hlo.custom_calls(compiled(h100s, {"fsdp": 8}, model__sliding_window=32))
-    if cudnn_available():
-        assert windowed["__cudnn$fmhaSoftmax"] == 2 and windowed["__cudnn$fmhaSoftmaxBackward"] == 2
+    if not cudnn_available():
+        return
+    assert documents["__cudnn$fmhaScaleBiasSoftmax"] == 2 and documents["__cudnn$fmhaScaleBiasSoftmaxBackward"] == 2
+    calls = hlo.custom_calls(context)
+    assert calls["__cudnn$fmhaScaleBiasSoftmax"] == 2 and calls["__cudnn$fmhaScaleBiasSoftmaxBackward"] == 2
+    # Keys and values gathered over context (4 ways): per device 16 / 2 rows, 128 positions, 2 kv heads of 32.
+    assert (8, 128, 2, 32) in hlo.collective_shapes(context, "all-gather")
+    assert windowed["__cudnn$fmhaSoftmax"] == 2 and windowed["__cudnn$fmhaSoftmaxBackward"] == 2
