@@ -1,11 +1,12 @@
-"""Per-GPU memory of recipes on GPU targets, from the real XLA GPU compiler with no GPU present.
+"""Per-device memory of recipes on GPU targets, from the real XLA GPU compiler with no GPU present.
 
-    python benchmarks/gpu_memory.py [--target=h100] [--remat=none,dots,full]
+    python benchmarks/gpu_memory.py [--target=h100|cpu] [--remat=none,dots,full] [--grid=recipes|context]
 
-Runs `python -m lm.layout --target=...` for each (recipe, GPU count, mesh, remat) of the grid
-below and prints a markdown table (state = parameters + gradients + optimizer state, from the
-sharding rules; temporaries and the peak estimate from the compiled step's memory analysis;
-whether it fits the target's memory), then every result as one JSON line.
+Runs `python -m lm.layout` (`--target=...`, or on fake CPU devices with `--target=cpu`) for each
+(recipe, device count, overrides) of a grid below and each remat policy, and prints a markdown
+table (state = parameters + gradients + optimizer state, from the sharding rules; temporaries and
+the peak estimate from the compiled step's memory analysis; whether it fits the target's memory),
+then every result as one JSON line.
 """
 
 from __future__ import annotations
@@ -18,12 +19,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GRID = [  # recipe, GPUs, mesh overrides
-    ("llama_1b", 1, {"data": 1}),
-    ("llama_1b", 8, {"data": 1, "fsdp": 8}),
-    ("llama_8b", 8, {"data": 1, "fsdp": 8}),
-    ("llama_8b", 8, {"data": 1, "fsdp": 4, "tensor": 2}),
-]
+GRIDS = {  # recipe, devices, config overrides
+    "recipes": [
+        ("llama_1b", 1, {"mesh.data": 1}),
+        ("llama_1b", 8, {"mesh.data": 1, "mesh.fsdp": 8}),
+        ("llama_8b", 8, {"mesh.data": 1, "mesh.fsdp": 8}),
+        ("llama_8b", 8, {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}),
+    ],
+    # Long context: one sequence per `context` group of devices (the least a layout can hold),
+    # so each device holds seq_len / context tokens.
+    "context": [
+        ("llama_1b", 8, {"train.seq_len": length, "train.batch_size": 8 // c, "mesh.data": 1, "mesh.fsdp": 8 // c, "mesh.context": c})
+        for length in (8192, 32768, 131072)
+        for c in (1, 2, 4, 8)
+    ],
+}
 
 
 def gib(n: float) -> str:
@@ -32,28 +42,31 @@ def gib(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="h100")
+    parser.add_argument("--target", default="h100", help="a GPU target, or cpu: fake CPU devices")
     parser.add_argument("--remat", default="none,dots,full")
+    parser.add_argument("--grid", default="recipes", choices=sorted(GRIDS))
     args, extra = parser.parse_known_args()
     rows = []
-    for recipe, gpus, mesh in GRID:
+    for recipe, devices, overrides in GRIDS[args.grid]:
         for remat in args.remat.split(","):
-            command = [sys.executable, "-m", "lm.layout", f"--config=configs/{recipe}.py", f"--target={args.target}",
-                       f"--devices={gpus}", f"--config.model.remat={remat}", *(f"--config.mesh.{k}={v}" for k, v in mesh.items()), *extra]
+            target = [] if args.target == "cpu" else [f"--target={args.target}"]
+            command = [sys.executable, "-m", "lm.layout", f"--config=configs/{recipe}.py", *target, f"--devices={devices}",
+                       f"--config.model.remat={remat}", *(f"--config.{k}={v}" for k, v in overrides.items()), *extra]
             start = time.perf_counter()
             out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
             if out.returncode:
-                print(f"{recipe} {mesh} {remat}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+                print(f"{recipe} {overrides} {remat}: failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
                 continue
             summary = json.loads(out.stdout.strip().splitlines()[-1])
-            summary.update(recipe=recipe, remat=remat, compile_wall_s=round(time.perf_counter() - start, 1))
+            summary.update(recipe=recipe, remat=remat, overrides=overrides, compile_wall_s=round(time.perf_counter() - start, 1))
             rows.append(summary)
-    print(f"| recipe | GPUs | mesh | remat | params + grads + Adam (GiB) | temporaries (GiB) | peak estimate (GiB) | fits one {args.target} |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| recipe | devices | seq_len x batch | mesh | remat | params + grads + Adam (GiB) | temporaries (GiB) | peak estimate (GiB) | fits one {args.target} |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         compiled, mesh = r["compiled_train_step_per_device"], {k: v for k, v in r["mesh"].items() if v > 1} or {"data": 1}
-        print(f"| {r['recipe']} | {r['devices']} | {mesh} | {r['remat']} | {gib(r['per_device']['total_state_bytes'])} | "
-              f"{gib(compiled['temp_bytes'])} | {gib(compiled['peak_estimate_bytes'])} | {'yes' if r['fits'] else 'no'} |")
+        shape = f"{r['overrides'].get('train.seq_len', 'recipe')} x {r['overrides'].get('train.batch_size', 'recipe')}"
+        print(f"| {r['recipe']} | {r['devices']} | {shape} | {mesh} | {r['remat']} | {gib(r['per_device']['total_state_bytes'])} | "
+              f"{gib(compiled['temp_bytes'])} | {gib(compiled['peak_estimate_bytes'])} | { {True: 'yes', False: 'no'}.get(r.get('fits'), '-')} |")
     for r in rows:
         print(json.dumps(r))
 

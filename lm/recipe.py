@@ -32,6 +32,7 @@ def load_file(path: str) -> ml_collections.ConfigDict:
         where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         raise UserError(f"config file {path!r} is not valid Python{where}: {getattr(e, 'msg', e)}") from None
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(f"meshlm_config_{p.stem}", loader=None))
+    module.__file__ = str(p)  # a recipe may build on another beside it: load_file(Path(__file__).with_name(...))
     try:
         exec(code, module.__dict__)  # noqa: S102 - the user's recipe, run as Python
         get_config = module.__dict__.get("get_config")
