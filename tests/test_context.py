@@ -6,7 +6,15 @@ import math
 import jax
 import numpy as np
 import pytest
-from conftest import FAST, VOCAB, assert_one_line_error, fast_config, losses, run_cli, small_config
+from conftest import (
+    FAST,
+    VOCAB,
+    assert_one_line_error,
+    fast_config,
+    losses,
+    run_cli,
+    small_config,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -73,19 +81,21 @@ def one_device():
     return {segments: _run({"data": 1}, segments) for segments in (False, True)}
 
 
+MESHES = [  # mesh, overrides
+    ({"context": 2}, {}),
+    ({"context": 4}, {}),
+    ({"context": 2, "tensor": 2, "data": 2}, {}),
+    ({"context": 2, "fsdp": 2}, {"sharding__sequence_parallel": True}),
+    ({"context": 2, "fsdp": 2, "tensor": 2}, {"sharding__sequence_parallel": True}),
+    ({"context": 2, "tensor": 2, "data": 2}, {"model__attention": "xla"}),  # a fused kernel, run per shard
+]
+
+
+@pytest.mark.parametrize("segments", [False, True], ids=["", "docs"])
 @pytest.mark.parametrize(
-    "mesh, segments, kw",
-    [
-        ({"context": 2}, False, {}),
-        ({"context": 4}, True, {}),
-        ({"context": 2, "tensor": 2, "data": 2}, False, {"model__attention": "xla"}),  # a fused kernel, run per shard
-        ({"context": 2, "tensor": 2, "data": 2}, True, {}),
-        ({"context": 2, "fsdp": 2}, True, {"sharding__sequence_parallel": True}),
-        ({"context": 2, "fsdp": 2, "tensor": 2}, False, {"sharding__sequence_parallel": True}),
-    ],
-    ids=["context2", "context4-docs", "context2-tensor2-data2-xla", "context2-tensor2-data2-docs", "context2-fsdp2-sp-docs", "context2-fsdp2-tensor2-sp"],
+    "mesh, kw", MESHES, ids=["context2", "context4", "context2-tensor2-data2", "context2-fsdp2-sp", "context2-fsdp2-tensor2-sp", "context2-tensor2-data2-xla"]
 )
-def test_context_parallel_logits_gradients_and_training_match_one_device(one_device, mesh, segments, kw):
+def test_context_parallel_logits_gradients_and_training_match_one_device(one_device, mesh, kw, segments):
     logits, grads, losses_, params = _run(mesh, segments, **kw)
     ref_logits, ref_grads, ref_losses, ref_params = one_device[segments]
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
@@ -146,7 +156,10 @@ def test_resume_and_evaluation_under_context_parallelism(tmp_path, small_corpus)
     assert one["eval_loss"] == pytest.approx(straight["eval_loss"], rel=1e-5)
     np.testing.assert_allclose([a[s] for s in range(1, 7)], [losses(tmp_path / "one")[s] for s in range(1, 7)], rtol=1e-5)
 
-    from lm.generate import generate, load  # decoding: one device, whatever the run's mesh was
+    from lm.generate import (  # decoding: one device, whatever the run's mesh was
+        generate,
+        load,
+    )
 
     _, tokenizer, model = load(tmp_path / "straight")
     assert generate(model, tokenizer, "def ", 8, temperature=0.0).startswith("def ")
