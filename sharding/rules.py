@@ -33,7 +33,10 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
-    ("vocab", "tensor"),
+    # The embedding, the head and the logits: split over `stage` as well, so that under pipeline
+    # parallelism the head and loss (outside the pipeline) are shared by the stages rather than
+    # repeated whole on each (no stage holds a full-vocabulary logits buffer).
+    ("vocab", ("stage", "tensor")),
     ("head_dim", None),
     ("layers", "stage"),  # stacked layer weights: split into pipeline stages (no-op when stage=1)
     ("stages", "stage"),  # the stage axis of pipeline buffers

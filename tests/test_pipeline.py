@@ -1,5 +1,7 @@
 """Pipeline parallelism over 'stage': the schedule as data, and training equal to one device."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -82,6 +84,24 @@ def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
     assert loss == pytest.approx(ref_loss, rel=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
     assert "collective-permute" in hlo  # stages hand activations on, forward and backward
+    assert not full_vocabulary_buffers(hlo)  # the head and loss are split over the stages
+
+
+def full_vocabulary_buffers(hlo: str) -> set[str]:
+    """[batch, length, vocab]-shaped buffers of the whole vocabulary in a compiled program."""
+    return {m.group(0) for m in re.finditer(r"(?:f32|bf16)\[\d+,\d+,(\d+)\]", hlo) if int(m.group(1)) == VOCAB}
+
+
+def test_no_stage_holds_full_vocabulary_logits_unless_the_rules_say_so():
+    def compiled(**kw):
+        c = small_config({"data": -1, "stage": 2}, **DEEP, **kw)
+        program = setup(c, VOCAB)
+        batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
+        return program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
+
+    assert not full_vocabulary_buffers(compiled())
+    # The detector: with the vocabulary over `tensor` alone, every stage computes the whole head.
+    assert full_vocabulary_buffers(compiled(sharding__rules="(('vocab', 'tensor'),)")) == {"f32[4,32,256]"}
 
 
 def test_checkpoint_from_a_pipelined_mesh_restores_on_one_device(tmp_path, small_corpus):

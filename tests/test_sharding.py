@@ -71,7 +71,7 @@ def test_model_state_shardings_follow_rules():
     state = nnx.state(abstract)
     shardings = sharding.tree_shardings(nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)), mesh)
     assert shardings["blocks"]["attn"]["wq"].spec == P("stage", ("context", "fsdp"), "tensor", None)
-    assert shardings["embedding"].spec == P("tensor", ("context", "fsdp"))
+    assert shardings["embedding"].spec == P(("stage", "tensor"), ("context", "fsdp"))
 
 
 def test_activation_constraint_is_noop_outside_and_applied_inside():
