@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm.fp8 import fp8_suspended
+from lm.fp8 import Probe, fp8_suspended
 from lm.layers import Block, Embedding, Norm, _param, gather_length, lookup
 from lm.precision import Policy
 from sharding import constrain
@@ -147,24 +147,27 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"), "logits"), cache
 
     def _layers(self, x, positions_bt, cache, cache_index, segments_bt=None):
-        graphdef, stacked = nnx.split(self.blocks)
         if self.pipeline.stages > 1 and cache is None:
+            # The statistics probes apart: the pipeline gives each tick its own (`sharding.pipeline`).
+            graphdef, probes, stacked = nnx.split(self.blocks, Probe, ...)
 
-            def stage(chunk, x_btd):  # a chunk of consecutive layers on one microbatch
+            def stage(chunk, chunk_probes, x_btd):  # a chunk of consecutive layers on one microbatch
                 positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
-                return self._run_stack(graphdef, chunk, x_btd, positions, None, None)[0]
+                return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None)[0]
 
-            layer_axes = nnx.get_partition_spec(stacked)
-            return pipeline(stage, stacked, layer_axes, x, ("batch", "norm_length", "act_embed"), self.pipeline), None
-        return self._run_stack(graphdef, stacked, x, positions_bt, cache, cache_index, segments_bt)
+            axes = nnx.get_partition_spec
+            probes_given = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
+            return pipeline(stage, stacked, axes(stacked), x, ("batch", "norm_length", "act_embed"), self.pipeline, *probes_given), None
+        graphdef, stacked = nnx.split(self.blocks)
+        return self._run_stack(graphdef, (stacked,), x, positions_bt, cache, cache_index, segments_bt)
 
-    def _run_stack(self, graphdef, stacked, x, positions_bt, cache, cache_index, segments_bt=None):
-        """The stacked layers (all of them, or one pipeline chunk) applied in order; layers that
-        `precision.fp8_skip` keeps out of fp8 run as separate segments."""
+    def _run_stack(self, graphdef, stacked: tuple, x, positions_bt, cache, cache_index, segments_bt=None):
+        """The stacked layers (all of them, or one pipeline chunk; `stacked`: their states) applied
+        in order; layers that `precision.fp8_skip` keeps out of fp8 run as separate segments."""
 
         def layer(x, params_and_cache):
             params, layer_cache = params_and_cache
-            return nnx.merge(graphdef, params)(x, positions_bt, layer_cache, cache_index, segments_bt)
+            return nnx.merge(graphdef, *[p for p in params if p is not None])(x, positions_bt, layer_cache, cache_index, segments_bt)
 
         # Also inside a pipeline tick: one layer's internals at a time.
         layer = remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)

@@ -124,13 +124,39 @@ def _chunked(params, params_axes, stages: int, repeats: int):
     return jax.tree.map(one, params, params_axes)
 
 
-def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | None], plan: PipelinePlan):
-    """`stage_fn(chunk_params, x_mb) -> y_mb` applied to every microbatch of `x` through all chunks.
+def _per_tick(chunks, ticks: dict[str, np.ndarray], repeats: int):
+    """`chunks` (`[repeats, stages, ...]` leaves) handed to every tick: `[ticks, repeats, stages,
+    ...]`. Their gradient back is the maximum, not the sum, over the ticks at which stage s ran
+    its repeat r: statistics (amaxes) of the work a stage did, bubble ticks excluded."""
+    used = ticks["active"][:, None, :] & (ticks["repeat"][:, None, :] == np.arange(repeats)[None, :, None])  # [T, R, S]
+    count = used.shape[0]
+
+    @jax.custom_vjp
+    def spread(chunks):
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (count, *a.shape)), chunks)
+
+    def backward(_, grads):
+        def one(g):  # every (repeat, stage) runs at some tick: no -inf is left
+            mask = used.reshape(*used.shape, *([1] * (g.ndim - used.ndim)))
+            return jnp.max(jnp.where(mask, g, -jnp.inf), axis=0)
+
+        return (jax.tree.map(one, grads),)
+
+    spread.defvjp(lambda chunks: (spread(chunks), None), backward)
+    return spread(chunks)
+
+
+def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | None], plan: PipelinePlan, probes=None, probes_axes=None):
+    """`stage_fn(chunk_params, chunk_probes, x_mb) -> y_mb` applied to every microbatch of `x`
+    through all chunks.
 
     `params`: pytree of stacked layer parameters (leading axis: layers); `params_axes`: the same
     tree of logical-axis tuples; `x`: `[batch, ...]` with logical axes `x_axes`. Returns `[batch,
     ...]`, the same as applying all layers in order to `x`. The scan steps through the rows of
-    `schedule(...)`, the same table the tests check and the notebook draws.
+    `schedule(...)`, the same table the tests check and the notebook draws. `probes` (stacked
+    like `params`, or None): zero inputs whose gradients are statistics, such as fp8 amaxes;
+    every tick gets its own, and their gradients combine by maximum over the ticks that did
+    real work (autodiff would sum them over microbatches and add the bubble's).
     """
     m, s, r = plan.microbatches, plan.stages, plan.repeats
     layers = jax.tree.leaves(params)[0].shape[0]
@@ -139,10 +165,13 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
     x_m = split_microbatches(x, m, x_axes, "pipeline microbatches")
     state_axes = ("stages", *x_axes)
     ticks = table_arrays(schedule(s, m, r), s)
+    rows = {k: jnp.asarray(v) for k, v in ticks.items()}
+    if probes is not None:
+        rows["probes"] = _per_tick(_chunked(probes, probes_axes, s, r), ticks, r)
 
-    def run_stage(chunk_params_r, repeat, x_mb):
-        chunk = jax.tree.map(lambda p: jax.lax.dynamic_index_in_dim(p, repeat, 0, keepdims=False), chunk_params_r)
-        return stage_fn(chunk, x_mb)
+    def run_stage(chunk_params_r, probes_r, repeat, x_mb):
+        pick = lambda p: jax.lax.dynamic_index_in_dim(p, repeat, 0, keepdims=False)  # noqa: E731
+        return stage_fn(jax.tree.map(pick, chunk_params_r), jax.tree.map(pick, probes_r), x_mb)
 
     run_stage = remat(run_stage, plan.remat)
 
@@ -153,7 +182,7 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
         first_in = jnp.where(repeat[0] == 0, x_m[micro[0]], outputs[micro[0]])
         held = held.at[0].set(first_in)
         held = constrain(held, state_axes, "pipeline stage inputs")
-        out = jax.vmap(run_stage, in_axes=(1, 0, 0))(chunks, repeat, held)
+        out = jax.vmap(run_stage, in_axes=(1, 1, 0, 0))(chunks, row.get("probes"), repeat, held)
         out = constrain(out, state_axes, "pipeline stage outputs")
         last = jnp.where(active[-1], out[-1], outputs[micro[-1]])
         outputs = outputs.at[micro[-1]].set(last)
@@ -162,5 +191,5 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
 
     held = constrain(jnp.zeros((s, *x_m.shape[1:]), x.dtype), state_axes, "pipeline stage inputs")
     outputs = jnp.zeros_like(x_m)
-    (_, outputs), _ = jax.lax.scan(tick, (held, outputs), {k: jnp.asarray(v) for k, v in ticks.items()})
+    (_, outputs), _ = jax.lax.scan(tick, (held, outputs), rows)
     return merge_microbatches(outputs)
