@@ -53,31 +53,38 @@ def source_paths(data_config) -> list[tuple[str | None, float]]:
     return pairs
 
 
+def store_tokenizer(data_config) -> str | None:
+    """The `data.tokenizer` setting that names a prepared store's own tokenizer (its
+    tokenizer.json, or byte) when a source is such a store; None when none is."""
+    store_path = next((p for p, _ in source_paths(data_config) if token_store.is_store(p)), None)
+    if store_path is None:
+        return None
+    store = TokenStore(store_path)
+    if store.tokenizer_path is not None:
+        return str(store.tokenizer_path.absolute())
+    if store.manifest["tokenizer"] != "byte":
+        raise UserError(f"token store {store_path} has no tokenizer.json; prepare it again")
+    return "byte"
+
+
 def with_store_tokenizer(config):
     """`config` with `data.tokenizer` naming a store's own tokenizer when a source is a prepared
     store (what the run's config.json then records, for resuming and `lm.generate`)."""
-    store_path = next((p for p, _ in source_paths(config.data) if token_store.is_store(p)), None)
-    if store_path is None:
+    setting = store_tokenizer(config.data)
+    if setting is None:
         return config
     from lm.config import apply_overrides
 
-    kept = TokenStore(store_path).tokenizer_path
-    return apply_overrides(config, {"data.tokenizer": str(kept.absolute()) if kept else "byte"})
+    return apply_overrides(config, {"data.tokenizer": setting})
 
 
 def tokenizer_for_corpus(data_config, workdir, files: list[Path] | None = None):
-    """The tokenizer of a run: a store's own (when `data.path` is a store), else `data.tokenizer`
+    """The tokenizer of a run: a store's own (when a source is a store), else `data.tokenizer`
     (a BPE is trained on `files` into `workdir`)."""
-    store_path = next((p for p, _ in source_paths(data_config) if token_store.is_store(p)), None)
-    if store_path is not None:
-        store = TokenStore(store_path)
-        kept = store.tokenizer_path
-        if kept is None:
-            if store.manifest["tokenizer"] != "byte":
-                raise UserError(f"token store {store_path} has no tokenizer.json; prepare it again")
-            return tokenizer_for(_with(data_config, tokenizer="byte"), workdir)
-        return tokenizer_for(_with(data_config, tokenizer=str(kept)), workdir)
-    return tokenizer_for(data_config, workdir, files)
+    setting = store_tokenizer(data_config)
+    if setting is None:
+        return tokenizer_for(data_config, workdir, files)
+    return tokenizer_for(_with(data_config, tokenizer=setting), workdir)
 
 
 def _with(data_config, **changes):

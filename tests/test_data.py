@@ -129,7 +129,7 @@ def test_bpe_is_trained_saved_in_workdir_and_reused(tmp_path, small_corpus):
 
 
 def _store_bytes(directory):
-    """Every file of a store except the manifest's timestamps-free parts: name -> bytes."""
+    """Every (non-hidden) file of a store, by name: its bytes."""
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if not p.name.startswith(".")}
 
 
