@@ -1,4 +1,5 @@
-"""Pipeline parallelism over the 'stage' mesh axis, as one SPMD program (GPipe and circular).
+"""Pipeline parallelism over the 'stage' mesh axis, as one SPMD program (GPipe and circular;
+the 1F1B table, `schedule_1f1b`, is data only so far: no program runs it yet).
 
 The stacked layer parameters `[layers, ...]` are viewed as `[repeats, stages, layers_per_chunk,
 ...]` with `stages` placed on the `stage` mesh axis: chunk `c = r * stages + s` (layers
@@ -62,10 +63,45 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> list[list[Work
     return table
 
 
+class Step(NamedTuple):
+    """What a stage does at a tick of the 1F1B table: a forward and a backward (microbatches,
+    either None when that half idles)."""
+
+    forward: int | None
+    backward: int | None
+
+
+def schedule_1f1b(stages: int, microbatches: int) -> list[list[Step]]:
+    """1F1B in lockstep ticks, for one SPMD program: at tick t stage s runs the forward of
+    microbatch t - s and the backward of microbatch t - (2S - 1 - s), where they exist.
+
+    A tick hands activations one stage on and cotangents one stage back, so a microbatch leaves
+    stage s and comes back 2(S - s) - 1 ticks later (the last stage seeds its backward the tick
+    after its forward): that many stage inputs are in flight at stage s, whatever the number of
+    microbatches M (GPipe keeps all M). M + 2S - 1 ticks; each half-tick idle is bubble,
+    (2S - 1) / (M + 2S - 1) of them. Not interleaved (one chunk per stage)."""
+    check(stages, microbatches, 1)
+    ticks = microbatches + 2 * stages - 1
+    in_range = lambda i: i if 0 <= i < microbatches else None  # noqa: E731
+    return [[Step(in_range(t - s), in_range(t - (2 * stages - 1 - s))) for s in range(stages)] for t in range(ticks)]
+
+
+def in_flight(table: Sequence[Sequence[Step]]) -> list[int]:
+    """Per stage, the most microbatches whose forward has run there and whose backward has not,
+    after a tick: the stage inputs a 1F1B stage keeps (a tick's backward reads its input before
+    the tick's forward stores one, so they can share a slot)."""
+    held, most = [0] * len(table[0]), [0] * len(table[0])
+    for row in table:
+        for s, step in enumerate(row):
+            held[s] += (step.forward is not None) - (step.backward is not None)
+            most[s] = max(most[s], held[s])
+    return most
+
+
 def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
-    """Idle (tick, stage) cells over all cells."""
-    cells = [cell for row in table for cell in row]
-    return sum(cell is None for cell in cells) / len(cells)
+    """Idle (tick, stage) cells over all cells; in a 1F1B table a cell is its two halves."""
+    cells = [half for row in table for cell in row for half in (cell if isinstance(cell, Step) else (cell,))]
+    return sum(half is None for half in cells) / len(cells)
 
 
 def check(stages: int, microbatches: int, repeats: int, layers: int | None = None, batch: int | None = None) -> None:

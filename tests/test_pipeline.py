@@ -12,7 +12,7 @@ from lm.checkpoint import Checkpointer
 from lm.program import setup
 from lm.train import train
 from sharding import ShardingError
-from sharding.pipeline import bubble_fraction, schedule
+from sharding.pipeline import bubble_fraction, in_flight, schedule, schedule_1f1b
 
 DEEP = dict(model__num_layers=4)
 
@@ -140,3 +140,27 @@ def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(extra)
     # the pipelined and the one-device gradient sums), the training does not.
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0.15), states[-1], ref_states[-1])
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 3), (4, 4), (4, 8), (4, 32), (8, 8), (8, 20)])
+def test_1f1b_table_keeps_a_bounded_stash_and_runs_each_backward_after_its_forward(stages, microbatches):
+    table = schedule_1f1b(stages, microbatches)
+    assert len(table) == microbatches + 2 * stages - 1
+    at = {}  # (microbatch, stage, "F" / "B") -> tick
+    for t, row in enumerate(table):
+        for s, step in enumerate(row):
+            for kind, m in (("F", step.forward), ("B", step.backward)):
+                if m is not None:
+                    assert (m, s, kind) not in at  # once each
+                    at[(m, s, kind)] = t
+    assert len(at) == 2 * stages * microbatches  # every forward and backward of every microbatch
+    for m in range(microbatches):
+        forwards = [at[(m, s, "F")] for s in range(stages)]
+        backwards = [at[(m, s, "B")] for s in range(stages)]
+        assert all(b > f for f, b in zip(forwards, backwards))  # on every stage, forward first
+        assert forwards == sorted(forwards) and backwards == sorted(backwards, reverse=True)  # down, then back up
+        assert all(nxt - cur == 1 for cur, nxt in zip(forwards, forwards[1:]))  # one tick per hop
+        assert backwards[-1] == forwards[-1] + 1  # the last stage seeds the backward the next tick
+    # The stash is bounded by the stages, not the microbatches (GPipe keeps all M)
+    assert in_flight(table) == [min(microbatches, 2 * (stages - s) - 1) for s in range(stages)]
+    assert bubble_fraction(table) == pytest.approx((2 * stages - 1) / (microbatches + 2 * stages - 1))
