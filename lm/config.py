@@ -73,6 +73,7 @@ def default_config() -> ml_collections.ConfigDict:
         microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages
         repeats=1,  # layer chunks per stage: 1 is GPipe, more is circular (smaller bubble)
         remat="full",  # what each tick keeps for the backward pass (sharding.remat, as model.remat)
+        schedule="gpipe",  # gpipe (circular with repeats > 1) | 1f1b (stage inputs bounded by the stages)
     )
     c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)
     c.precision = dict(
@@ -102,6 +103,7 @@ _CHOICES = {
     "model.attention": ("auto", "cudnn", "xla", "einsum"),
     "train.on_nonfinite": ("skip", "stop"),
     "pipeline.remat": REMAT,
+    "pipeline.schedule": ("gpipe", "1f1b"),
     "precision.param_dtype": ("float32", "bfloat16"),
     "precision.compute_dtype": ("float32", "bfloat16", "float16"),
     "precision.mu_dtype": ("float32", "bfloat16"),
@@ -220,6 +222,11 @@ def _validate_precision(c: ml_collections.ConfigDict) -> None:
         raise UserError(
             "data.document_masking with pipeline stages (mesh.stage > 1) is not supported yet: the pipeline "
             "carries one set of positions for every microbatch; use mesh.stage=1"
+        )
+    if c.pipeline.schedule == "1f1b" and c.mesh.stage > 1 and (c.pipeline.repeats > 1 or p.loss_scale not in ("auto", "none") or p.compute_dtype == "float16"):
+        raise UserError(
+            "pipeline.schedule=1f1b runs one chunk per stage without loss scaling so far; use pipeline.repeats=1 and "
+            "bfloat16 or float32 compute (or pipeline.schedule=gpipe)"
         )
     if p.fp8 != "off" and skip and c.mesh.stage > 1:
         raise UserError(

@@ -19,7 +19,7 @@ from lm.fp8 import Probe, fp8_suspended
 from lm.layers import Block, Embedding, Norm, _param, gather_length, lookup
 from lm.precision import Policy
 from sharding import constrain
-from sharding.pipeline import PipelinePlan, pipeline
+from sharding.pipeline import PipelinePlan, pipeline, pipeline_1f1b
 from sharding.remat import remat
 
 
@@ -120,7 +120,6 @@ class Transformer(nnx.Module):
         given: the tokens' positions, in whatever order they come (context parallelism's
         load-balanced order, `sharding.context`); attention's mask is built from them.
         """
-        cfg = self.cfg
         if segments_bt is not None:
             segments_bt = constrain(segments_bt, ("batch", "length"), "segment ids")
         if positions_bt is not None:
@@ -130,21 +129,63 @@ class Transformer(nnx.Module):
         elif cache is not None:
             positions_bt = cache_index + jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         # positions_bt None from here: in order from 0, attention causal by index
-        x = self.policy.cast(lookup(self.embedding[...], tokens_bt))
-        if cfg.position == "learned":
-            table_td = constrain(self.pos_embedding[...], (None, None), "position table")
+        x = self._embed(tokens_bt, positions_bt)
+        x, cache = self._layers(x, positions_bt, cache, cache_index, segments_bt)
+        return self._logits(x, self.final_norm, self._head_weight()), cache
+
+    def _embed_tables(self) -> tuple:
+        return self.embedding[...], self.pos_embedding[...] if self.cfg.position == "learned" else None
+
+    def _embed(self, tokens_bt, positions_bt=None, tables=None) -> jax.Array:
+        """The embedded tokens (and positions); `tables` given: (token table, position table)."""
+        table_vd, positions_td = tables or self._embed_tables()
+        x = self.policy.cast(lookup(table_vd, tokens_bt))
+        if self.cfg.position == "learned":
+            table_td = constrain(positions_td, (None, None), "position table")
             in_order = jnp.arange(tokens_bt.shape[1])[None] if positions_bt is None else positions_bt
             x = x + self.policy.cast(jnp.take(table_td, in_order, axis=0))
-        x = constrain(x, ("batch", "norm_length", "act_embed"), "embeddings")
-        x, cache = self._layers(x, positions_bt, cache, cache_index, segments_bt)
-        x = gather_length(self.final_norm(x))
-        if cfg.tie_embeddings:
-            logits = self.policy.matmul("btd,vd->btv", x, self.embedding[...], out_dtype=jnp.float32)
-        else:
-            logits = self.policy.matmul("btd,dv->btv", x, self.head[...], out_dtype=jnp.float32)
+        return constrain(x, ("batch", "norm_length", "act_embed"), "embeddings")
+
+    def _head_weight(self) -> jax.Array:
+        return self.embedding[...] if self.cfg.tie_embeddings else self.head[...]
+
+    def _logits(self, x_btd, final_norm: Norm, head_weight) -> jax.Array:
+        """Float32 logits of the last layer's output (norm and weight given: the 1F1B pipeline
+        differentiates them explicitly)."""
+        cfg = self.cfg
+        x = gather_length(final_norm(x_btd))
+        spec = "btd,vd->btv" if cfg.tie_embeddings else "btd,dv->btv"
+        logits = self.policy.matmul(spec, x, head_weight, out_dtype=jnp.float32)
         if cfg.used_vocab < cfg.vocab_size:  # padding ids: out of the loss's softmax and of sampling
             logits = jnp.where(jnp.arange(cfg.vocab_size) < cfg.used_vocab, logits, jnp.finfo(jnp.float32).min)
-        return constrain(logits, ("batch", "length", "vocab"), "logits"), cache
+        return constrain(logits, ("batch", "length", "vocab"), "logits")
+
+    def pipelined_loss(self, loss_fn, tokens_bt, targets_bt, positions_bt=None) -> jax.Array:
+        """`loss_fn(logits, targets)` averaged over the microbatches of the 1F1B pipeline, which
+        embeds each microbatch on its first stage, applies the head and loss on its last and
+        computes its own gradients (`sharding.pipeline.pipeline_1f1b`)."""
+        graphdef, probes, stacked = nnx.split(self.blocks, Probe, ...)
+        norm_graph, norm_state = nnx.split(self.final_norm)
+
+        def stage(chunk, chunk_probes, x_btd):
+            positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
+            return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None)[0]
+
+        def head_loss(head_params, y_btd, targets_mb):
+            norm, weight = head_params
+            return loss_fn(self._logits(y_btd, nnx.merge(norm_graph, norm), weight), targets_mb)
+
+        def embed(tables, tokens_mb):
+            positions = None if positions_bt is None else positions_bt[: tokens_mb.shape[0]]
+            return self._embed(tokens_mb, positions, tables)
+
+        axes = nnx.get_partition_spec
+        probes, probes_axes = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
+        return pipeline_1f1b(
+            stage, stacked, axes(stacked), self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
+            loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,
+            x_axes=("batch", "norm_length", "act_embed"), batch_axes=("batch", "length"), probes=probes, probes_axes=probes_axes,
+        )
 
     def _layers(self, x, positions_bt, cache, cache_index, segments_bt=None):
         if self.pipeline.stages > 1 and cache is None:

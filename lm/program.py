@@ -187,7 +187,10 @@ class Program:
         """Mean cross entropy of a batch (see `model_inputs`); the mean does not depend on the
         tokens' order, so nothing is undone after a reorder."""
         inputs, targets_bt = self.model_inputs(batch)
-        logits, _ = self.layout.model(params, fp8, probes)(**inputs)
+        model = self.layout.model(params, fp8, probes)
+        if self.spec.pipeline.schedule == "1f1b" and self.spec.pipeline.stages > 1:  # the head and loss inside
+            return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"))
+        logits, _ = model(**inputs)
         return cross_entropy(logits, targets_bt)
 
     def _grads(self, params, batch, fp8=None, loss_scale=1.0):

@@ -38,7 +38,8 @@ class RunSpec:
             )
         policy = Policy.from_config(c.precision)
         stages = c.mesh.stage
-        plan = PipelinePlan(stages, c.pipeline.microbatches or stages, c.pipeline.repeats, c.pipeline.remat) if stages > 1 else PipelinePlan()
+        pipe = c.pipeline
+        plan = PipelinePlan(stages, pipe.microbatches or stages, pipe.repeats, pipe.remat, pipe.schedule) if stages > 1 else PipelinePlan()
         return cls(
             config=c,
             model=ModelConfig.from_config(c, vocab_size),

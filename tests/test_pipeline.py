@@ -72,8 +72,13 @@ def one_device_deep():
         ({"stage": 2}, {"pipeline__repeats": 2}),
         ({"stage": 2, "data": 2, "tensor": 2}, {"train__grad_accum": 2}),  # and gradient accumulation
         ({"stage": 2, "fsdp": 4}, {"pipeline__microbatches": 4}),
+        ({"stage": 2}, {"pipeline__schedule": "1f1b"}),
+        ({"stage": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 8}),
+        ({"stage": 2, "data": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "train__grad_accum": 2}),
+        ({"stage": 2, "fsdp": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4}),
     ],
-    ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2-accum2", "stage2-fsdp4"],
+    ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2-accum2", "stage2-fsdp4",
+         "1f1b-stage2", "1f1b-stage4", "1f1b-stage2-data2-tensor2-accum2", "1f1b-stage2-fsdp4"],
 )
 def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
     c = small_config({"data": -1, **mesh}, **DEEP, **extra)
@@ -129,7 +134,7 @@ def fp8_states(mesh: dict, devices=None, steps: int = 5, **kw):
     return states, np.asarray(jax.device_get(losses))
 
 
-@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}], ids=["gpipe", "circular"])
+@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}], ids=["gpipe", "circular", "1f1b"])
 def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(extra):
     ref_states, ref_losses = fp8_states({}, jax.devices()[:1])
     states, losses = fp8_states({"data": -1, "stage": 2}, **extra)
@@ -164,3 +169,17 @@ def test_1f1b_table_keeps_a_bounded_stash_and_runs_each_backward_after_its_forwa
     # The stash is bounded by the stages, not the microbatches (GPipe keeps all M)
     assert in_flight(table) == [min(microbatches, 2 * (stages - s) - 1) for s in range(stages)]
     assert bubble_fraction(table) == pytest.approx((2 * stages - 1) / (microbatches + 2 * stages - 1))
+
+
+def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
+    def temporaries(schedule: str, microbatches: int) -> int:  # microbatches of 2 sequences
+        c = small_config({"data": 1, "stage": 2}, **DEEP, train__batch_size=2 * microbatches, pipeline__microbatches=microbatches,
+                         pipeline__schedule=schedule)
+        program = setup(c, VOCAB, jax.devices()[:2])
+        batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
+        return program.train_step.lower(program.abstract_sharded_state(), batch).compile().memory_analysis().temp_size_in_bytes
+
+    gpipe = [temporaries("gpipe", m) for m in (4, 8, 16, 32)]
+    one_f_one_b = [temporaries("1f1b", m) for m in (4, 8, 16, 32)]
+    assert all(b > a for a, b in zip(gpipe, gpipe[1:])) and gpipe[-1] > 2 * gpipe[0]  # GPipe keeps every microbatch's inputs
+    assert max(one_f_one_b) <= 1.1 * min(one_f_one_b)  # 1F1B: 2S - 1 stage inputs per stage, whatever M
