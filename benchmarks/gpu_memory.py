@@ -1,6 +1,6 @@
 """Per-device memory of recipes on GPU targets, from the real XLA GPU compiler with no GPU present.
 
-    python benchmarks/gpu_memory.py [--target=h100|cpu] [--remat=none,dots,full] [--grid=recipes|context]
+    python benchmarks/gpu_memory.py [--target=h100|cpu] [--remat=none,dots,full] [--grid=recipes|context|pipeline]
 
 Runs `python -m lm.layout` (`--target=...`, or on fake CPU devices with `--target=cpu`) for each
 (recipe, device count, overrides) of a grid below and each remat policy, and prints a markdown
@@ -33,6 +33,13 @@ GRIDS = {  # recipe, devices, config overrides
         for length in (8192, 32768, 131072)
         for c in (1, 2, 4, 8)
     ],
+    # Pipeline schedules at a fixed microbatch of 2 sequences: M = 4 ... 32 microbatches.
+    "pipeline": [
+        ("llama_1b", 8, {"mesh.data": 1, "mesh.stage": 4, "mesh.fsdp": 2, "train.batch_size": 4 * m, "pipeline.microbatches": m,
+                         "pipeline.schedule": "1f1b" if name == "1f1b" else "gpipe", "pipeline.repeats": 2 if name == "circular" else 1})
+        for name in ("gpipe", "circular", "1f1b")
+        for m in (4, 8, 16, 32)
+    ],
 }
 
 
@@ -60,11 +67,11 @@ def main() -> None:
             summary = json.loads(out.stdout.strip().splitlines()[-1])
             summary.update(recipe=recipe, remat=remat, overrides=overrides, compile_wall_s=round(time.perf_counter() - start, 1))
             rows.append(summary)
-    print(f"| recipe | devices | seq_len x batch | mesh | remat | params + grads + Adam (GiB) | temporaries (GiB) | peak estimate (GiB) | fits one {args.target} |")
+    print(f"| recipe | devices | overrides | mesh | remat | params + grads + Adam (GiB) | temporaries (GiB) | peak estimate (GiB) | fits one {args.target} |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         compiled, mesh = r["compiled_train_step_per_device"], {k: v for k, v in r["mesh"].items() if v > 1} or {"data": 1}
-        shape = f"{r['overrides'].get('train.seq_len', 'recipe')} x {r['overrides'].get('train.batch_size', 'recipe')}"
+        shape = " ".join(f"{k.split('.')[-1]}={v}" for k, v in r["overrides"].items() if not k.startswith("mesh.")) or "-"
         print(f"| {r['recipe']} | {r['devices']} | {shape} | {mesh} | {r['remat']} | {gib(r['per_device']['total_state_bytes'])} | "
               f"{gib(compiled['temp_bytes'])} | {gib(compiled['peak_estimate_bytes'])} | { {True: 'yes', False: 'no'}.get(r.get('fits'), '-')} |")
     for r in rows:

@@ -36,7 +36,7 @@ from lm.metrics import (
     peak_memory_bytes,
 )
 from lm.program import setup
-from sharding.pipeline import bubble_fraction, schedule
+from sharding.pipeline import report as pipeline_report
 
 
 def _corpus_batches(config, workdir: Path):
@@ -109,8 +109,8 @@ def _bench(config, steps, warmup, devices, save_hlo, data_batches, vocab_size) -
     fpt = flops_per_token(mcfg, config.train.seq_len)
     peak, source = peak_flops(peak_dtype(config.precision))
     memory = compiled.memory_analysis()
-    plan = program.spec.pipeline  # idle (tick, stage) cells of its schedule: (S-1)/(R*M+S-1); 0 unpipelined
-    bubble = bubble_fraction(schedule(plan.stages, plan.microbatches, plan.repeats)) if plan.stages > 1 else 0.0
+    plan = program.spec.pipeline
+    pipelined = pipeline_report(plan)  # its schedule, bubble and stash depth
     return {
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
@@ -134,7 +134,9 @@ def _bench(config, steps, warmup, devices, save_hlo, data_batches, vocab_size) -
         "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
         "final_loss": float(metrics["loss"]),
         "pipeline": dataclasses.asdict(plan),
-        "pipeline_bubble": bubble,
+        "pipeline_schedule": pipelined["schedule"],
+        "pipeline_bubble": pipelined["bubble"],
+        "pipeline_stash_depth": pipelined["stash_depth"],
         **data,
     }
 

@@ -21,6 +21,7 @@ from lm import data as lm_data
 from lm.cli import Parser
 from lm.program import setup
 from sharding import report
+from sharding.pipeline import report as pipeline_report
 
 
 def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None = None, target: str | None = None) -> tuple[list[report.Row], dict]:
@@ -43,6 +44,7 @@ def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None
         },
     }
     summary["per_device"]["total_state_bytes"] = sum(summary["per_device"].values())
+    summary["pipeline"] = pipeline_report(program.spec.pipeline)
     if compile_step:
         batch = jax.ShapeDtypeStruct(
             (config.train.batch_size, config.train.seq_len + 1), np.int32, sharding=program.batch_sharding
@@ -77,6 +79,9 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
         "per device:",
         *(f"  {name.removesuffix('_bytes'):<18} {fmt(b)}" for name, b in per_device.items()),
     ]
+    pipe = summary["pipeline"]
+    if pipe["schedule"] != "none":
+        lines.append(f"pipeline: {pipe['schedule']}, bubble {pipe['bubble']:.3f}, {pipe['stash_depth']} microbatch stage inputs kept per stage")
     compiled = summary.get("compiled_train_step_per_device")
     if compiled:
         lines.append("compiled train step, per device (XLA memory analysis):")

@@ -105,6 +105,19 @@ def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
     return sum(half is None for half in cells) / len(cells)
 
 
+def report(plan: PipelinePlan) -> dict:
+    """What `lm.bench` and `lm.layout` say of a plan: the schedule's name, its bubble (the idle
+    share of the stages' work slots) and its stash depth (the microbatch stage inputs each stage
+    keeps for its backward: every tick's for GPipe / circular, 2S - 1 for 1F1B)."""
+    if plan.stages == 1:
+        return {"schedule": "none", "bubble": 0.0, "stash_depth": 0}
+    if plan.schedule == "1f1b":
+        table = schedule_1f1b(plan.stages, plan.microbatches)
+        return {"schedule": "1f1b", "bubble": bubble_fraction(table), "stash_depth": 2 * plan.stages - 1}
+    table = schedule(plan.stages, plan.microbatches, plan.repeats)
+    return {"schedule": "circular" if plan.repeats > 1 else "gpipe", "bubble": bubble_fraction(table), "stash_depth": len(table)}
+
+
 def check(stages: int, microbatches: int, repeats: int, layers: int | None = None, batch: int | None = None) -> None:
     """ShardingErrors for a pipeline that cannot be built; `batch` is the per-replica batch."""
     if min(stages, microbatches, repeats) < 1:

@@ -112,7 +112,8 @@ def test_document_masks_reach_attention_through_the_reorder(one_device):
 
 
 def test_context_parallelism_composes_with_the_pipeline_fp8_and_gradient_accumulation():
-    for mesh, kw in (({"stage": 2, "context": 2}, dict(pipeline__microbatches=2)), ({"context": 2}, dict(train__grad_accum=2))):
+    for mesh, kw in (({"stage": 2, "context": 2}, dict(pipeline__microbatches=2)), ({"stage": 2, "context": 2}, dict(pipeline__schedule="1f1b")),
+                     ({"context": 2}, dict(train__grad_accum=2))):
         np.testing.assert_allclose(_run(mesh, False, steps=3, **kw)[2], _run({"data": 1}, False, steps=3, **kw)[2], rtol=1e-5)
     fp8 = dict(precision__fp8="delayed", precision__fp8_history=4)
     states = []

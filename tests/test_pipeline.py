@@ -74,11 +74,12 @@ def one_device_deep():
         ({"stage": 2, "fsdp": 4}, {"pipeline__microbatches": 4}),
         ({"stage": 2}, {"pipeline__schedule": "1f1b"}),
         ({"stage": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 8}),
-        ({"stage": 2, "data": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "train__grad_accum": 2}),
+        ({"stage": 2, "data": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "train__grad_accum": 2, "sharding__sequence_parallel": True,
+                                                "model__remat": "dots"}),
         ({"stage": 2, "fsdp": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4}),
     ],
     ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2-accum2", "stage2-fsdp4",
-         "1f1b-stage2", "1f1b-stage4", "1f1b-stage2-data2-tensor2-accum2", "1f1b-stage2-fsdp4"],
+         "1f1b-stage2", "1f1b-stage4", "1f1b-stage2-data2-tensor2-sp-accum2-dots", "1f1b-stage2-fsdp4"],
 )
 def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
     c = small_config({"data": -1, **mesh}, **DEEP, **extra)
@@ -110,7 +111,7 @@ def test_no_stage_holds_full_vocabulary_logits_unless_the_rules_say_so():
 
 
 def test_checkpoint_from_a_pipelined_mesh_restores_on_one_device(tmp_path, small_corpus):
-    pipelined = dict(model__num_layers=4, mesh__stage=2, mesh__data=4)
+    pipelined = dict(model__num_layers=4, mesh__stage=2, mesh__data=4, pipeline__schedule="1f1b")
     train(fast_config(small_corpus, train__steps=2, **pipelined), tmp_path)
     ckpt = Checkpointer(tmp_path / "checkpoints")
     saved = setup(fast_config(small_corpus, **pipelined), 256)
