@@ -220,7 +220,9 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
         rows["probes"] = _per_tick(_chunked(probes, probes_axes, s, r), ticks, r)
 
     def run_stage(chunk_params_r, probes_r, repeat, x_mb):
-        pick = lambda p: jax.lax.dynamic_index_in_dim(p, repeat, 0, keepdims=False)  # noqa: E731
+        # The stage's chunk for this repeat, chosen by a select (a gather indexed per stage made
+        # the XLA GPU compiler fail, "Failed after batched_gather_scatter_normalizer").
+        pick = lambda p: p[0] if r == 1 else jax.lax.select_n(repeat, *(p[i] for i in range(r)))  # noqa: E731
         return stage_fn(jax.tree.map(pick, chunk_params_r), jax.tree.map(pick, probes_r), x_mb)
 
     run_stage = remat(run_stage, plan.remat)

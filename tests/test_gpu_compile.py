@@ -184,3 +184,11 @@ def test_document_masking_context_parallelism_and_sliding_windows_compile_for_h1
     # Keys and values gathered over context (4 ways): per device 16 / 2 rows, 128 positions, 2 kv heads of 32.
     assert (8, 128, 2, 32) in hlo.collective_shapes(context, "all-gather")
     assert windowed["__cudnn$fmhaSoftmax"] == 2 and windowed["__cudnn$fmhaSoftmaxBackward"] == 2
+
+
+def test_every_pipeline_schedule_compiles_for_h100s(h100s):
+    # Circular once crashed the XLA GPU compiler ("Failed after batched_gather_scatter_normalizer":
+    # a gather indexed per stage); 1F1B runs vjps inside its scan.
+    for extra in ({}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}):
+        text = compiled(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, pipeline__microbatches=4, **extra)
+        assert hlo.collectives(text)["collective-permute"] >= 2  # activations on, and (gradients) back
