@@ -1,5 +1,5 @@
-"""Pipeline parallelism over the 'stage' mesh axis, as one SPMD program (GPipe and circular;
-the 1F1B table, `schedule_1f1b`, is data only so far: no program runs it yet).
+"""Pipeline parallelism over the 'stage' mesh axis, as one SPMD program: GPipe and circular
+(`pipeline`, differentiated by autodiff), and 1F1B (`pipeline_1f1b`, which runs its own backward).
 
 The stacked layer parameters `[layers, ...]` are viewed as `[repeats, stages, layers_per_chunk,
 ...]` with `stages` placed on the `stage` mesh axis: chunk `c = r * stages + s` (layers
@@ -80,7 +80,8 @@ def schedule_1f1b(stages: int, microbatches: int) -> list[list[Step]]:
     stage s and comes back 2(S - s) - 1 ticks later (the last stage seeds its backward the tick
     after its forward): that many stage inputs are in flight at stage s, whatever the number of
     microbatches M (GPipe keeps all M). M + 2S - 1 ticks; each half-tick idle is bubble,
-    (2S - 1) / (M + 2S - 1) of them. Not interleaved (one chunk per stage)."""
+    (2S - 1) / (M + 2S - 1) of them. Not interleaved (one chunk per stage). `pipeline_1f1b` runs
+    this table."""
     check(stages, microbatches, 1)
     ticks = microbatches + 2 * stages - 1
     in_range = lambda i: i if 0 <= i < microbatches else None  # noqa: E731

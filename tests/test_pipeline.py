@@ -184,3 +184,11 @@ def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
     one_f_one_b = [temporaries("1f1b", m) for m in (4, 8, 16, 32)]
     assert all(b > a for a, b in zip(gpipe, gpipe[1:])) and gpipe[-1] > 2 * gpipe[0]  # GPipe keeps every microbatch's inputs
     assert max(one_f_one_b) <= 1.1 * min(one_f_one_b)  # 1F1B: 2S - 1 stage inputs per stage, whatever M
+
+
+@pytest.mark.parametrize("extra", [{"pipeline__repeats": 2}, {"precision__compute_dtype": "float16"}])
+def test_1f1b_refuses_what_it_does_not_run_yet_in_one_line(extra):
+    from lm.config import UserError
+
+    with pytest.raises(UserError, match="pipeline.schedule=1f1b runs one chunk per stage without loss scaling so far"):
+        small_config({"stage": 2}, **DEEP, pipeline__schedule="1f1b", **extra)
