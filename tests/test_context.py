@@ -13,6 +13,7 @@ from conftest import (
     fast_config,
     losses,
     run_cli,
+    run_steps,
     small_config,
 )
 from hypothesis import given
@@ -81,19 +82,28 @@ def one_device():
     return {segments: _run({"data": 1}, segments) for segments in (False, True)}
 
 
-MESHES = [  # mesh, overrides
-    ({"context": 2}, {}),
-    ({"context": 4}, {}),
-    ({"context": 2, "tensor": 2, "data": 2}, {}),
-    ({"context": 2, "fsdp": 2}, {"sharding__sequence_parallel": True}),
-    ({"context": 2, "fsdp": 2, "tensor": 2}, {"sharding__sequence_parallel": True}),
-    ({"context": 2, "tensor": 2, "data": 2}, {"model__attention": "xla"}),  # a fused kernel, run per shard
+# The four meshes with and without packed documents, then sequence parallelism over
+# context x tensor and a fused kernel run per shard (without documents: the same paths).
+CASES = [  # mesh, overrides, packed documents
+    *(
+        (mesh, kw, segments)
+        for mesh, kw in (
+            ({"context": 2}, {}),
+            ({"context": 4}, {}),
+            ({"context": 2, "tensor": 2, "data": 2}, {}),
+            ({"context": 2, "fsdp": 2}, {"sharding__sequence_parallel": True}),
+        )
+        for segments in (False, True)
+    ),
+    ({"context": 2, "fsdp": 2, "tensor": 2}, {"sharding__sequence_parallel": True}, False),
+    ({"context": 2, "tensor": 2, "data": 2}, {"model__attention": "xla"}, False),
 ]
 
 
-@pytest.mark.parametrize("segments", [False, True], ids=["", "docs"])
 @pytest.mark.parametrize(
-    "mesh, kw", MESHES, ids=["context2", "context4", "context2-tensor2-data2", "context2-fsdp2-sp", "context2-fsdp2-tensor2-sp", "context2-tensor2-data2-xla"]
+    "mesh, kw, segments", CASES,
+    ids=[f"{'-'.join(f'{k}{v}' for k, v in m.items())}{'-sp' if kw.get('sharding__sequence_parallel') else ''}"
+         f"{'-xla' if kw.get('model__attention') else ''}{'-docs' if docs else ''}" for m, kw, docs in CASES],
 )
 def test_context_parallel_logits_gradients_and_training_match_one_device(one_device, mesh, kw, segments):
     logits, grads, losses_, params = _run(mesh, segments, **kw)
@@ -112,9 +122,11 @@ def test_document_masks_reach_attention_through_the_reorder(one_device):
 
 
 def test_context_parallelism_composes_with_the_pipeline_fp8_and_gradient_accumulation():
+    reference = run_steps(small_config({"data": 1}), jax.devices()[:1], steps=3)[0]  # one device: no pipeline, no accumulation
     for mesh, kw in (({"stage": 2, "context": 2}, dict(pipeline__microbatches=2)), ({"stage": 2, "context": 2}, dict(pipeline__schedule="1f1b")),
                      ({"context": 2}, dict(train__grad_accum=2))):
-        np.testing.assert_allclose(_run(mesh, False, steps=3, **kw)[2], _run({"data": 1}, False, steps=3, **kw)[2], rtol=1e-5)
+        losses_, _ = run_steps(small_config(mesh, **kw), jax.devices()[: math.prod(mesh.values())], steps=3)
+        np.testing.assert_allclose(losses_, reference, rtol=1e-5)
     fp8 = dict(precision__fp8="delayed", precision__fp8_history=4)
     states = []
     for mesh in ({"data": 1}, {"context": 4}):

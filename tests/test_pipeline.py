@@ -135,9 +135,14 @@ def fp8_states(mesh: dict, devices=None, steps: int = 5, **kw):
     return states, np.asarray(jax.device_get(losses))
 
 
+@pytest.fixture(scope="module")
+def fp8_one_device():
+    return fp8_states({}, jax.devices()[:1])
+
+
 @pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}], ids=["gpipe", "circular", "1f1b"])
-def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(extra):
-    ref_states, ref_losses = fp8_states({}, jax.devices()[:1])
+def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(fp8_one_device, extra):
+    ref_states, ref_losses = fp8_one_device
     states, losses = fp8_states({"data": -1, "stage": 2}, **extra)
     # A step's amaxes are the maxima over the microbatches the stages ran: the first step's state
     # equals the one-device run's (summed over ticks, autodiff's way, it is 2x: 2 microbatches).
