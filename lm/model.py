@@ -19,7 +19,8 @@ from lm.fp8 import Probe, fp8_suspended
 from lm.layers import Block, Embedding, Norm, _param, gather_length, lookup
 from lm.precision import Policy
 from sharding import constrain
-from sharding.pipeline import PipelinePlan, pipeline, pipeline_1f1b
+from sharding.pipeline import PipelinePlan, pipeline
+from sharding.pipeline_1f1b import pipeline_1f1b
 from sharding.remat import remat
 
 
