@@ -164,13 +164,9 @@ class Transformer(nnx.Module):
     def pipelined_loss(self, loss_fn, tokens_bt, targets_bt, positions_bt=None) -> jax.Array:
         """`loss_fn(logits, targets)` averaged over the microbatches of the 1F1B pipeline, which
         embeds each microbatch on its first stage, applies the head and loss on its last and
-        computes its own gradients (`sharding.pipeline.pipeline_1f1b`)."""
-        graphdef, probes, stacked = nnx.split(self.blocks, Probe, ...)
+        computes its own gradients (`sharding.pipeline_1f1b`)."""
+        stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
         norm_graph, norm_state = nnx.split(self.final_norm)
-
-        def stage(chunk, chunk_probes, x_btd):
-            positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
-            return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None)[0]
 
         def head_loss(head_params, y_btd, targets_mb):
             norm, weight = head_params
@@ -180,26 +176,30 @@ class Transformer(nnx.Module):
             positions = None if positions_bt is None else positions_bt[: tokens_mb.shape[0]]
             return self._embed(tokens_mb, positions, tables)
 
-        axes = nnx.get_partition_spec
-        probes, probes_axes = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
         return pipeline_1f1b(
-            stage, stacked, axes(stacked), self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
+            stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
             loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,
             x_axes=("batch", "norm_length", "act_embed"), batch_axes=("batch", "length"), probes=probes, probes_axes=probes_axes,
         )
 
+    def _pipeline_stage(self, positions_bt):
+        """The stacked layers as a pipeline takes them: (stage fn, their states and logical axes,
+        the statistics probes and theirs, None without any). The probes are apart because the
+        pipeline gives each tick its own (`sharding.pipeline`)."""
+        graphdef, probes, stacked = nnx.split(self.blocks, Probe, ...)
+
+        def stage(chunk, chunk_probes, x_btd):  # a chunk of consecutive layers on one microbatch
+            positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
+            return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None)[0]
+
+        axes = nnx.get_partition_spec
+        probes_given = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
+        return stage, stacked, axes(stacked), *probes_given
+
     def _layers(self, x, positions_bt, cache, cache_index, segments_bt=None):
         if self.pipeline.stages > 1 and cache is None:
-            # The statistics probes apart: the pipeline gives each tick its own (`sharding.pipeline`).
-            graphdef, probes, stacked = nnx.split(self.blocks, Probe, ...)
-
-            def stage(chunk, chunk_probes, x_btd):  # a chunk of consecutive layers on one microbatch
-                positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
-                return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None)[0]
-
-            axes = nnx.get_partition_spec
-            probes_given = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
-            return pipeline(stage, stacked, axes(stacked), x, ("batch", "norm_length", "act_embed"), self.pipeline, *probes_given), None
+            stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
+            return pipeline(stage, stacked, stacked_axes, x, ("batch", "norm_length", "act_embed"), self.pipeline, probes, probes_axes), None
         graphdef, stacked = nnx.split(self.blocks)
         return self._run_stack(graphdef, (stacked,), x, positions_bt, cache, cache_index, segments_bt)
 

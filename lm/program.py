@@ -188,7 +188,7 @@ class Program:
         tokens' order, so nothing is undone after a reorder."""
         inputs, targets_bt = self.model_inputs(batch)
         model = self.layout.model(params, fp8, probes)
-        if self.spec.pipeline.schedule == "1f1b" and self.spec.pipeline.stages > 1:  # the head and loss inside
+        if self.spec.pipeline.schedule == "1f1b":  # the head and loss inside the pipeline
             return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"))
         logits, _ = model(**inputs)
         return cross_entropy(logits, targets_bt)
