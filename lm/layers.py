@@ -21,6 +21,7 @@ from flax import nnx
 import sharding
 from lm.precision import Policy
 from sharding import constrain
+from sharding.remat import name_qkv
 
 if TYPE_CHECKING:
     from lm.model import ModelConfig
@@ -232,6 +233,7 @@ class Attention(nnx.Module):
         v = self.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_site)
         if cfg.use_bias or cfg.qkv_bias:
             q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
+        q, k, v = name_qkv(q), name_qkv(k), name_qkv(v)
         # Each context shard projects its own part of the sequence; only then are keys and
         # values gathered (left free, XLA may gather the wider input instead and project it all).
         k = constrain(k, ("batch", "length", "kv_heads", "head_dim"), "local keys")

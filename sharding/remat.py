@@ -3,7 +3,8 @@
 One vocabulary for the layer stack and the pipeline: `none` keeps every intermediate (no
 `jax.checkpoint`), `full` keeps only the inputs and recomputes the rest, `dots` keeps matmul
 outputs, `dots_no_batch` keeps the outputs of matmuls without dot batch dimensions (the
-projections, not attention's scores). Matmuls are `dot_general`s, or outputs tagged with
+projections, not attention's scores), `qkv_proj` keeps only the query / key / value projections
+(tagged with `name_qkv`; MaxText's choice for its large GPU recipes). Matmuls are `dot_general`s, or outputs tagged with
 `name_matmul`.
 """
 
@@ -14,10 +15,11 @@ from collections.abc import Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-REMAT = ("none", "full", "dots", "dots_no_batch")
+REMAT = ("none", "full", "dots", "dots_no_batch", "qkv_proj")
 # Names for matmul outputs, so the `dots` policies find matmuls that JAX's own policies cannot see
 # (a matmul behind a custom VJP is no `dot_general` to `checkpoint_dots`).
 MATMUL, BATCHED_MATMUL = "matmul", "batched_matmul"  # without / with dot_general batch dims
+QKV = "qkv_proj"
 _SAVEABLE = {
     "full": None,  # jax.checkpoint's default policy: save nothing
     "dots": jax.checkpoint_policies.save_from_both_policies(
@@ -26,12 +28,18 @@ _SAVEABLE = {
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names(MATMUL)
     ),
+    "qkv_proj": jax.checkpoint_policies.save_only_these_names(QKV),
 }
 
 
 def name_matmul(y: jax.Array, batched: bool) -> jax.Array:
     """`y`, tagged as a matmul's output (batched: its dot has batch dimensions, as attention's)."""
     return checkpoint_name(y, BATCHED_MATMUL if batched else MATMUL)
+
+
+def name_qkv(y: jax.Array) -> jax.Array:
+    """`y`, tagged as a query, key or value projection (what remat `qkv_proj` keeps)."""
+    return checkpoint_name(y, QKV)
 
 
 def remat(fn: Callable, kind: str, *, prevent_cse: bool = True) -> Callable:

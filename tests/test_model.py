@@ -53,7 +53,7 @@ def test_kv_cache_decoding_equals_full_forward(style):
 def test_unrolled_and_rematerialised_layers_equal_scan():
     x = tokens()
     ref, _ = build(**LLAMA)(x)
-    for kw in (dict(scan_layers=False), dict(remat="full"), dict(remat="dots", scan_layers=False)):
+    for kw in (dict(scan_layers=False), dict(remat="full"), dict(remat="dots", scan_layers=False), dict(remat="qkv_proj")):
         out, _ = build(**LLAMA, **kw)(x)
         np.testing.assert_allclose(out, ref, atol=1e-5)
 
@@ -61,14 +61,14 @@ def test_unrolled_and_rematerialised_layers_equal_scan():
 def test_remat_policies_keep_what_they_say():
     # A training step's temporaries: none keeps every intermediate, dots the matmul outputs
     # (named, since every matmul is a custom VJP that JAX's dot policies cannot see), full only
-    # the layer inputs.
+    # the layer inputs, qkv_proj the layer inputs and the query / key / value projections.
     def temp_bytes(remat):
         graphdef, params = nnx.split(build(**LLAMA, remat=remat, num_layers=4))
         loss = lambda p, x: jnp.mean(nnx.merge(graphdef, p)(x)[0])  # noqa: E731
         return jax.jit(jax.grad(loss)).lower(params, tokens(b=8, t=32)).compile().memory_analysis().temp_size_in_bytes
 
-    none, dots, full = (temp_bytes(r) for r in ("none", "dots", "full"))
-    assert none > dots > full
+    none, dots, qkv, full = (temp_bytes(r) for r in ("none", "dots", "qkv_proj", "full"))
+    assert none > dots > qkv > full
 
 
 def test_parameters_carry_logical_axes():

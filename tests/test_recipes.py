@@ -19,7 +19,7 @@ def abstract_params(name: str) -> int:
 
 @pytest.mark.parametrize(
     "name, low, high",
-    [("tiny", 0.8e6, 1.0e6), ("shakespeare_char", 0.8e6, 0.9e6), ("gpt2_124m", 123e6, 125e6), ("llama_1b", 1.0e9, 1.3e9), ("llama_1b_long", 1.0e9, 1.3e9), ("llama_8b", 8.0e9, 8.1e9)],
+    [("tiny", 0.8e6, 1.0e6), ("shakespeare_char", 0.8e6, 0.9e6), ("gpt2_124m", 123e6, 125e6), ("llama_1b", 1.0e9, 1.3e9), ("llama_1b_long", 1.0e9, 1.3e9), ("llama_8b", 8.0e9, 8.1e9), ("llama_70b", 70.5e9, 70.6e9)],
 )
 def test_recipe_sizes(name, low, high):
     assert low <= abstract_params(name) <= high

@@ -1,0 +1,368 @@
+"""What one layout of a training run costs each GPU, from formulas: memory and step time.
+
+Memory per device: the state (parameters, optimizer state, fp8 state) exactly, from the sharding
+rules and the abstract state's shapes, as `lm.layout` reports it; the step's temporaries as a
+sum of modelled terms (gradients, the activations each remat policy keeps, one layer's working
+set, the weights' compute-dtype copies, the logits), each weighted by a coefficient fitted once
+to XLA's memory analysis of small compiles (`lm.plan --calibrate`).
+
+Step time: FLOPs (`lm.metrics.flops_per_token`, plus what remat recomputes) at one calibrated
+share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
+pipeline bubble, and the exposed time of each collective from ring formulas over the link its
+group spans (NVLink inside a host, the network across hosts). FSDP's gathers and
+reduce-scatters overlap the layer they feed (XLA's latency-hiding scheduler); tensor, context,
+pipeline and data-parallel collectives are counted as exposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from lm.metrics import PEAK_FLOPS, matmul_params
+from lm.model import ModelConfig
+from sharding.pipeline import PipelinePlan, report
+
+TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
+MESH_AXES = ("data", "stage", "context", "fsdp", "tensor")
+MEMORY_TERMS = ("grads", "saved", "layer", "weights", "logits")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way to run a config on a set of GPUs: the mesh, sequence parallelism, what the layers
+    keep for backward, and how each replica's batch is cut (gradient accumulation, or pipeline
+    microbatches under a schedule when `stage` > 1)."""
+
+    data: int = 1
+    stage: int = 1
+    context: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    sequence_parallel: bool = False
+    remat: str = "full"
+    grad_accum: int = 1
+    microbatches: int = 0  # pipeline microbatches, with stage > 1
+    schedule: str = "none"  # none | gpipe | 1f1b
+
+    @property
+    def gpus(self) -> int:
+        return self.data * self.stage * self.context * self.fsdp * self.tensor
+
+    @property
+    def mesh(self) -> dict:
+        return {a: getattr(self, a) for a in MESH_AXES}
+
+    def overrides(self) -> dict:
+        """The config keys (`--config.KEY=VALUE`) that select this layout."""
+        out = {f"mesh.{a}": n for a, n in self.mesh.items()}
+        out |= {"sharding.sequence_parallel": self.sequence_parallel, "model.remat": self.remat, "train.grad_accum": self.grad_accum}
+        if self.stage > 1:
+            out |= {"pipeline.microbatches": self.microbatches, "pipeline.schedule": self.schedule}
+        return out
+
+    def name(self) -> str:
+        mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "one device"
+        parts = [mesh, f"remat={self.remat}"]
+        if self.sequence_parallel:
+            parts.append("SP")
+        if self.grad_accum > 1:
+            parts.append(f"accum={self.grad_accum}")
+        if self.stage > 1:
+            parts.append(f"{self.schedule} M={self.microbatches}")
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """A target's figures the cost model reads (`configs/targets/systems.json`)."""
+
+    name: str
+    device_kind: str  # the key into lm.metrics.PEAK_FLOPS
+    gpus_per_host: int
+    nvlink_bytes_per_s: float
+    nvlink_latency_s: float
+    network_bytes_per_s: float
+    network_latency_s: float
+
+    @classmethod
+    def load(cls, name: str) -> System:
+        table = json.loads((TARGETS_DIR / "systems.json").read_text())
+        entry = {k: v for k, v in table[name].items() if not k.startswith("_")}
+        return cls(name=name, **entry)
+
+    def peak(self, dtype: str) -> float:
+        return PEAK_FLOPS[(self.device_kind, dtype)]
+
+
+@functools.cache
+def device_group(sizes: tuple[int, ...], axes: tuple[str, ...], gpus_per_host: int) -> tuple[int, bool]:
+    """(size, spans hosts) of the device group of a mesh of `sizes` that varies along `axes`
+    (devices numbered row-major over the mesh, consecutive ones on one host)."""
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    group = ids[tuple(slice(None) if a in axes else 0 for a in MESH_AXES)]
+    return group.size, len(np.unique(group // gpus_per_host)) > 1
+
+
+@functools.cache
+def pipeline_report(stages: int, microbatches: int, schedule: str) -> dict:
+    """`sharding.pipeline.report` of a plan (bubble, stash depth), remembered."""
+    return report(PipelinePlan(stages, microbatches, 1, "full", schedule))
+
+
+def calibration() -> dict:
+    """The fitted constants: the matmul efficiency and each platform's memory coefficients."""
+    return json.loads((TARGETS_DIR / "calibration.json").read_text())
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLeaf:
+    """One array of the train state: its name, shape, bytes per element and mesh axes per dimension."""
+
+    path: str
+    shape: tuple[int, ...]
+    itemsize: int
+    axes: tuple[tuple[str, ...], ...]
+    kind: str  # params | opt_state | other
+
+    def device_bytes(self, mesh: dict) -> int:
+        return self.itemsize * math.prod(n // math.prod(mesh[a] for a in axes) for n, axes in zip(self.shape, self.axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the cost model reads of a config: the model's shape, the batch, the dtypes, the
+    state's arrays (`StateLeaf`s, from the sharding rules) and whether fp8 is on."""
+
+    model: ModelConfig
+    batch: int
+    seq_len: int
+    compute_bytes: int
+    compute_dtype: str
+    param_bytes: int
+    fp8: bool
+    state: tuple[StateLeaf, ...]
+
+    @cached_property
+    def layer_params(self) -> int:
+        return (matmul_params(self.model) - self.model.embed_dim * self.model.vocab_size) // self.model.num_layers
+
+
+class Cost:
+    """One layout of one run on one system: memory per device (bytes) and step time (seconds).
+    `platform` picks the memory coefficients: `gpu` (flash attention) or `cpu` (einsum)."""
+
+    def __init__(self, run: Run, layout: Layout, system: System, platform: str = "gpu", constants: dict | None = None):
+        self.run, self.layout, self.system, self.platform = run, layout, system, platform
+        self.constants = constants or calibration()
+        m, lay = run.model, layout
+        self.replica_batch = run.batch // (lay.data * lay.fsdp)
+        self.passes = lay.microbatches if lay.stage > 1 else lay.grad_accum  # forward-backward passes per step
+        self.microbatch = self.replica_batch // self.passes
+        self.local_tokens = self.microbatch * run.seq_len // lay.context  # per pass, on each device
+        self.layers = m.num_layers // lay.stage
+
+    # ---- memory -------------------------------------------------------------------------------
+
+    @cached_property
+    def state_bytes(self) -> dict:
+        mesh = self.layout.mesh
+        out = {"params": 0, "opt_state": 0, "other": 0}
+        for leaf in self.run.state:
+            out[leaf.kind] += leaf.device_bytes(mesh)
+        return out
+
+    def _kept_bytes(self) -> dict:
+        """Bytes per local token of what one block keeps for its backward pass, by remat policy,
+        re-derived for this block (Korthikanti et al. 2022's accounting; checked against
+        `jax.ad_checkpoint` residuals): q / k / v and attention widths are per tensor shard, the
+        residual stream per sequence-parallel shard; cuDNN attention keeps only its output and
+        softmax statistics, einsum attention (CPU) its float32 scores."""
+        m, lay, e = self.run.model, self.layout, self.run.compute_bytes
+        t, sp, cpu = lay.tensor, lay.tensor if lay.sequence_parallel else 1, self.platform == "cpu"
+        d, q, kv, f = m.embed_dim, m.num_heads * m.head_dim / t, m.num_kv_heads * m.head_dim / t, m.mlp_dim / t
+        hidden = 4 if cpu else e  # the MLP's up projections leave the matmul in float32 on CPU
+        up = 2 if m.mlp == "swiglu" else 1
+        residual = d * e / sp
+        projections = (q + 2 * kv) * e
+        gathered_kv = 2 * kv * (lay.context - 1) * e  # the other context shards' keys and values
+        scores = m.num_heads / t * self.run.seq_len * 4 if cpu else 0.0  # einsum attention only
+        matmul_outputs = residual + projections + 2 * d * e + up * f * hidden  # + attention / MLP output projections
+        return {
+            "full": residual,
+            "qkv_proj": residual + projections,
+            "dots_no_batch": matmul_outputs,
+            "dots": matmul_outputs + (q * e + scores if cpu else 0.0),  # cuDNN attention is no dot
+            # Both norms' float32 input, normalised and scaled copies and their output; queries,
+            # keys, values and the attention output; the MLP's projections, activation internals
+            # and product.
+            "none": 2 * (12 + e) * d / sp + (2 * q + 2 * kv) * e + gathered_kv + (up + 3) * f * hidden + f * e + scores,
+        }
+
+    def memory_terms(self) -> dict:
+        """Bytes per device of each modelled term of the step's temporaries (before coefficients)."""
+        lay, kept = self.layout, self._kept_bytes()
+        saved = self.layers * kept[lay.remat] * self.local_tokens
+        if lay.stage > 1:  # every stage input the schedule keeps, plus one tick's layers on recompute
+            stash = pipeline_report(lay.stage, lay.microbatches, lay.schedule)["stash_depth"]
+            saved += stash * kept["full"] * self.local_tokens
+        # Several passes per step (accumulation, pipeline microbatches): a float32 accumulator too.
+        grads = self.state_bytes["params"] * (2 if self.passes > 1 else 1)
+        return {
+            "grads": grads,
+            "saved": saved,
+            "layer": kept["none"] * self.local_tokens,  # one block's intermediates, alive in its backward
+            "weights": self._weight_copies(),
+            "logits": self._logits_bytes(),
+        }
+
+    def _logits_bytes(self) -> float:
+        """The float32 logits alive at once, split over `stage` x `tensor` (the vocabulary rule):
+        the replica batch's under GPipe (the head runs after the pipeline), else a microbatch's."""
+        lay, vocab = self.layout, self.run.model.vocab_size
+        tokens = self.local_tokens * (lay.microbatches if lay.schedule == "gpipe" else 1)
+        return tokens * vocab / (lay.stage * lay.tensor) * 4
+
+    def _weight_copies(self) -> float:
+        """The blocks' weights in the compute dtype (every local shard cast), plus under FSDP a
+        gathered layer in use and the next one arriving (gathered in the parameters' dtype)."""
+        lay, layer = self.layout, self.run.layer_params / self.layout.tensor
+        fsdp = lay.fsdp * lay.context
+        gathered = 2 * layer * self.run.param_bytes if fsdp > 1 else 0.0
+        return self.layers * layer / fsdp * self.run.compute_bytes + gathered
+
+    @cached_property
+    def memory(self) -> dict:
+        """Per-device bytes: state (exact), temporaries (modelled), and their sum."""
+        state = self.state_bytes
+        coefficients = self.constants["memory"][self.platform]
+        terms = self.memory_terms()
+        temporaries = coefficients.get("constant", 0.0) + sum(coefficients[k] * terms[k] for k in MEMORY_TERMS)
+        out = {"params": state["params"], "opt_state": state["opt_state"] + state["other"], "temporaries": int(temporaries)}
+        out["total"] = sum(out.values())
+        return out
+
+    # ---- step time ----------------------------------------------------------------------------
+
+    def _group(self, axes: tuple[str, ...]) -> tuple[int, bool]:
+        return device_group(tuple(getattr(self.layout, a) for a in MESH_AXES), axes, self.system.gpus_per_host)
+
+    def _ring(self, axes: tuple[str, ...], gathered_bytes: float, kind: str = "gather") -> float:
+        """Seconds for an all-gather / reduce-scatter (`gather`) or all-reduce (`reduce`) whose
+        whole result is `gathered_bytes` per device."""
+        n, cross = self._group(axes)
+        if n == 1:
+            return 0.0
+        s = self.system
+        bandwidth, latency = (s.network_bytes_per_s, s.network_latency_s) if cross else (s.nvlink_bytes_per_s, s.nvlink_latency_s)
+        steps = (n - 1) * (2 if kind == "reduce" else 1)
+        return steps * (gathered_bytes / n / bandwidth + latency)
+
+    def flops(self) -> dict:
+        """FLOPs per device per step: block matmuls, the head, attention, each with recompute."""
+        run, lay, m = self.run, self.layout, self.run.model
+        tokens = run.batch * run.seq_len / lay.gpus
+        block = 2 * run.layer_params * m.num_layers  # forward FLOPs per token
+        qkv = 2 * m.num_layers * m.embed_dim * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        attention = 2 * m.num_layers * run.seq_len * m.num_heads * m.head_dim  # causal, forward
+        recompute = {"none": 0.0, "dots": 0.0, "dots_no_batch": 0.0, "qkv_proj": block - qkv, "full": block}[lay.remat]
+        recompute_attention = attention if lay.remat in ("full", "qkv_proj") else 0.0
+        if lay.stage > 1:  # each tick is recomputed whole in the backward (pipeline.remat full)
+            recompute, recompute_attention = recompute + block, recompute_attention + attention
+        return {
+            "block": tokens * (3 * block + recompute),
+            "head": tokens * 6 * m.embed_dim * m.vocab_size,
+            "attention": tokens * (3 * attention + recompute_attention),
+        }
+
+    def bubble_fraction(self) -> float:
+        """The idle share of the pipeline's work slots (0 without one)."""
+        lay = self.layout
+        return pipeline_report(lay.stage, lay.microbatches, lay.schedule)["bubble"] if lay.stage > 1 else 0.0
+
+    @cached_property
+    def step_time(self) -> dict:
+        """Seconds per step: compute, bubble and each collective's exposed time, and their sum."""
+        run, lay, m, s = self.run, self.layout, self.run.model, self.system
+        efficiency = self.constants["matmul_efficiency"]
+        flops = self.flops()
+        block_peak = s.peak("float8" if run.fp8 else run.compute_dtype)
+        other_peak = s.peak(run.compute_dtype)
+        compute = (flops["block"] / block_peak + (flops["head"] + flops["attention"]) / other_peak) / efficiency
+        fraction = self.bubble_fraction()
+        bubble = compute * fraction / (1 - fraction)
+        e = run.compute_bytes
+        layer_weights = run.layer_params / lay.tensor * e
+        per_layer_compute = (flops["block"] / block_peak + flops["attention"] / other_peak) / efficiency / (self.layers * self.passes)
+        fsdp_axes = ("context", "fsdp")
+        fsdp_layer = 2 * self._ring(fsdp_axes, layer_weights) + self._ring(fsdp_axes, layer_weights)  # 2 gathers, 1 scatter
+        table = m.embed_dim * m.vocab_size / (lay.stage * lay.tensor) * e * (1 if m.tie_embeddings else 2)
+        fsdp = self.passes * (self.layers * max(0.0, fsdp_layer - per_layer_compute) + 2 * self._ring(fsdp_axes, table))
+        activation = self.local_tokens * m.embed_dim * e
+        tp_per_layer = (6 if lay.remat in ("full", "qkv_proj") or lay.stage > 1 else 4) * self._ring(("tensor",), activation, "reduce")
+        kv = self.microbatch * run.seq_len * 2 * m.num_kv_heads * m.head_dim / lay.tensor * e
+        cp_per_layer = 3 * self._ring(("context",), kv)
+        grads = self.state_bytes["params"]
+        data = self._ring(("data",), grads, "reduce")
+        pipeline = 0.0
+        if lay.stage > 1:
+            n, cross = self._group(("stage",))
+            bandwidth = s.network_bytes_per_s if cross else s.nvlink_bytes_per_s
+            ticks = 2 * (lay.microbatches + lay.stage - 1)
+            pipeline = ticks * (activation / (lay.tensor if lay.sequence_parallel else 1) / bandwidth + s.nvlink_latency_s)
+        out = {
+            "compute": compute,
+            "bubble": bubble,
+            "fsdp": fsdp,
+            "tensor": self.passes * self.layers * tp_per_layer,
+            "context": self.passes * self.layers * cp_per_layer,
+            "data": data,
+            "pipeline": pipeline,
+        }
+        out["total"] = sum(out.values())
+        return out
+
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.run.batch * self.run.seq_len / self.step_time["total"] / self.layout.gpus
+
+
+def run_of(config) -> Run:
+    """The cost model's view of a config: its state's arrays placed by its sharding rules (read
+    from the abstract train state built on one CPU device; nothing is allocated)."""
+    import jax
+
+    from lm import config as lm_config
+    from lm import data as lm_data
+    from lm.program import setup
+    from sharding.rules import path_name
+
+    one = lm_config.apply_overrides(config, {f"mesh.{a}": 1 for a in MESH_AXES})
+    program = setup(one, lm_data.nominal_vocab_size(config.data), jax.devices("cpu")[:1])
+    state = program.abstract_state
+    leaves = []
+    for kind, tree, shardings in (
+        ("params", state.params, program.state_shardings.params),
+        ("opt_state", state.opt_state, program.state_shardings.opt_state),
+        ("other", (state.step, state.fp8, state.loss_scale), (program.state_shardings.step, program.state_shardings.fp8, program.state_shardings.loss_scale)),
+    ):
+        for (path, leaf), named in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(shardings)):
+            spec = tuple(named.spec) + (None,) * (len(leaf.shape) - len(named.spec))
+            axes = tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
+            leaves.append(StateLeaf(f"{kind}/{path_name(path)}", tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, axes, kind))
+    policy = program.policy
+    return Run(
+        model=program.model_cfg,
+        batch=config.train.batch_size,
+        seq_len=config.train.seq_len,
+        compute_bytes=np.dtype(policy.compute_dtype).itemsize,
+        compute_dtype=np.dtype(policy.compute_dtype).name,
+        param_bytes=np.dtype(policy.param_dtype).itemsize,
+        fp8=bool(policy.fp8),
+        state=tuple(leaves),
+    )

@@ -1,0 +1,217 @@
+"""`python -m lm.plan`: the best ways to train a config on N GPUs, ranked, from a laptop.
+
+    python -m lm.plan --config=configs/llama_70b.py --gpus=1024 --target=h100 --top=5 [--verify]
+
+Enumerates the layouts the config allows (mesh sizes for data / stage / context / fsdp /
+tensor, sequence parallelism, remat policy, gradient accumulation or pipeline microbatches and
+schedule, for the config's global batch), predicts each one's memory per GPU and step time with
+`lm.cost`, and prints the K fastest that fit (by predicted tokens/s per GPU), why the others
+were dropped, and a JSON line last. `--verify` compiles the top K's train steps for the target
+(deviceless, `lm.targets`) and prints XLA's memory per device beside the prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+from lm import cli, cost, targets
+from lm.cli import Parser
+from lm.config import UserError, apply_overrides
+from lm.cost import Cost, Layout, Run, System
+from sharding.remat import REMAT
+
+MAX_BUBBLE = 0.5  # pipelines idling more than this are dropped
+MAX_SEARCHED_GPUS = 1 << 20  # how far an impossible request looks for a GPU count that fits
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(gpus: int) -> Iterator[tuple[int, ...]]:
+    """Every (data, stage, context, fsdp, tensor) whose product is `gpus`."""
+
+    def split(n: int, axes: int):
+        if axes == 1:
+            yield (n,)
+            return
+        for d in divisors(n):
+            for rest in split(n // d, axes - 1):
+                yield (d, *rest)
+
+    yield from split(gpus, len(cost.MESH_AXES))
+
+
+def mesh_problem(run: Run, mesh: dict, gpus_per_host: int) -> str | None:
+    """Why a mesh cannot carry this run (None: it can)."""
+    m = run.model
+    if mesh["tensor"] > gpus_per_host:
+        return "tensor parallelism across hosts"
+    if any(n % mesh["tensor"] for n in (m.num_heads, m.num_kv_heads, m.mlp_dim)) or m.vocab_size % (mesh["stage"] * mesh["tensor"]):
+        return "indivisible"  # heads, MLP or vocabulary by tensor (x stage)
+    if m.embed_dim % (mesh["context"] * mesh["fsdp"]) or m.num_layers % mesh["stage"]:
+        return "indivisible"
+    if run.batch % (mesh["data"] * mesh["fsdp"]) or (mesh["context"] > 1 and run.seq_len % (2 * mesh["context"])):
+        return "indivisible"
+    return None
+
+
+def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[Layout | tuple[Layout, str]]:
+    """Every candidate layout, or (layout, why it cannot run) for the ones the run cannot take."""
+    for sizes in meshes(gpus):
+        mesh = dict(zip(cost.MESH_AXES, sizes))
+        base = Layout(**mesh)
+        problem = mesh_problem(run, mesh, gpus_per_host)
+        if problem:
+            yield base, problem
+            continue
+        replica = run.batch // (mesh["data"] * mesh["fsdp"])
+        for sp in (False, True) if mesh["tensor"] > 1 else (False,):
+            if sp and run.seq_len % (mesh["context"] * mesh["tensor"]):
+                yield dataclasses.replace(base, sequence_parallel=True), "indivisible"
+                continue
+            for remat in remats:
+                layout = dataclasses.replace(base, sequence_parallel=sp, remat=remat)
+                if mesh["stage"] == 1:
+                    yield from (dataclasses.replace(layout, grad_accum=a) for a in divisors(replica))
+                    continue
+                counts = [m for m in (mesh["stage"] * k for k in (1, 2, 4, 8)) if replica % m == 0]
+                if not counts:
+                    yield dataclasses.replace(layout, microbatches=mesh["stage"], schedule="gpipe"), "indivisible"
+                for microbatches in counts:
+                    for schedule in ("gpipe", "1f1b"):
+                        yield dataclasses.replace(layout, microbatches=microbatches, schedule=schedule)
+
+
+@dataclasses.dataclass
+class Plan:
+    ranked: list[Cost]  # layouts that fit, fastest first
+    dropped: Counter  # reason -> count
+    evaluated: int
+    device_memory: int
+
+
+def plan(run: Run, gpus: int, system: System, device_memory: int, gpus_per_host: int | None = None, remats=REMAT) -> Plan:
+    """Every layout of `run` on `gpus` GPUs of `system`, costed; those that fit ranked."""
+    gpus_per_host = gpus_per_host or system.gpus_per_host
+    system = dataclasses.replace(system, gpus_per_host=gpus_per_host)
+    constants = cost.calibration()
+    fitting, dropped, evaluated = [], Counter(), 0
+    for candidate in layouts(run, gpus, gpus_per_host, remats):
+        evaluated += 1
+        if isinstance(candidate, tuple):
+            dropped[candidate[1]] += 1
+            continue
+        c = Cost(run, candidate, system, constants=constants)
+        if c.memory["total"] > device_memory:
+            dropped["does not fit"] += 1
+        elif candidate.stage > 1 and c.bubble_fraction() > MAX_BUBBLE:
+            dropped["bubble too large"] += 1
+        else:
+            fitting.append(c)
+    fitting.sort(key=lambda c: (-c.tokens_per_s_per_gpu(), c.memory["total"]))
+    return Plan(fitting, dropped, evaluated, device_memory)
+
+
+def smallest_fit(run: Run, gpus: int, system: System, device_memory: int, remats=REMAT) -> tuple[int, int] | None:
+    """(GPUs, best per-device bytes) of the smallest power-of-two multiple of `gpus` on which
+    some layout's memory fits, counting memory only (None: none up to MAX_SEARCHED_GPUS)."""
+    constants = cost.calibration()
+    n = gpus * 2
+    while n <= MAX_SEARCHED_GPUS:
+        for candidate in layouts(run, n, system.gpus_per_host, remats):
+            if not isinstance(candidate, tuple):
+                total = Cost(run, candidate, system, constants=constants).memory["total"]
+                if total <= device_memory:
+                    return n, total
+        n *= 2
+    return None
+
+
+def entry(c: Cost) -> dict:
+    """One ranked layout as the JSON line gives it."""
+    return {
+        "layout": c.layout.name(),
+        "overrides": c.layout.overrides(),
+        "memory_bytes": c.memory,
+        "step_time_s": c.step_time,
+        "tokens_per_s_per_gpu": c.tokens_per_s_per_gpu(),
+    }
+
+
+def verify(config, costs: list[Cost], devices: list, platform: str) -> list[dict]:
+    """Each layout's train step compiled on `devices` (XLA's memory per device) beside the prediction."""
+    from lm.layout import layout as compile_layout
+
+    out = []
+    for c in costs:
+        _, summary = compile_layout(apply_overrides(config, c.layout.overrides()), devices)
+        compiled = summary["compiled_train_step_per_device"]
+        state = summary["per_device"]["params_bytes"] + summary["per_device"]["opt_state_bytes"]
+        out.append({
+            "layout": c.layout.name(),
+            "predicted_bytes": Cost(c.run, c.layout, c.system, platform).memory,
+            "compiled_state_bytes": state,
+            "compiled_temp_bytes": compiled["temp_bytes"],
+            "compiled_peak_bytes": compiled["peak_estimate_bytes"],
+        })
+    return out
+
+
+def describe(result: Plan, top: int) -> str:
+    gib = lambda b: f"{b / 2**30:7.2f}"  # noqa: E731
+    lines = [f"{'tokens/s/GPU':>12} {'step s':>7} {'GiB/GPU':>8} {'temps':>7}  layout"]
+    for c in result.ranked[:top]:
+        m = c.memory
+        lines.append(f"{c.tokens_per_s_per_gpu():12.0f} {c.step_time['total']:7.3f} {gib(m['total']):>8} {gib(m['temporaries'])}  {c.layout.name()}")
+    reasons = ", ".join(f"{n} {why}" for why, n in result.dropped.most_common()) or "none"
+    lines.append(f"{len(result.ranked)} of {result.evaluated} layouts fit {result.device_memory / 2**30:.1f} GiB; dropped: {reasons}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = Parser(prog="python -m lm.plan", description="Rank the layouts of a config on N GPUs by predicted tokens/s per GPU.")
+    parser.add_argument("--gpus", type=int, required=True, help="how many GPUs")
+    parser.add_argument("--target", choices=sorted(targets.TARGETS), default="h100", help="the GPU kind")
+    parser.add_argument("--hosts", type=int, default=0, help="hosts the GPUs are spread over (default: the target's GPUs per host)")
+    parser.add_argument("--top", type=int, default=5, help="how many layouts to print")
+    parser.add_argument("--memory_gib", type=float, default=0.0, help="plan for this much memory per GPU (default: the target's)")
+    parser.add_argument("--remat", default=",".join(REMAT), help="the remat policies to consider, comma-separated")
+    parser.add_argument("--verify", action="store_true", help="compile the top layouts for the target and compare memory")
+    args = parser.parse(argv)
+    started = time.perf_counter()
+    system = System.load(args.target)
+    hosts = args.hosts or max(1, -(-args.gpus // system.gpus_per_host))
+    if args.gpus < 1 or args.gpus % hosts:
+        raise UserError(f"--gpus={args.gpus} does not split evenly over --hosts={hosts}")
+    remats = tuple(r for r in args.remat.split(",") if r)
+    if unknown := [r for r in remats if r not in REMAT]:
+        raise UserError(f"--remat={unknown[0]!r} is not a remat policy; choose from {', '.join(REMAT)}")
+    devices = targets.command_devices("lm.plan", argv, args.target, args.gpus, hosts) if args.verify else None
+    run = cost.run_of(args.config)
+    memory = int(args.memory_gib * 2**30) or targets.memory_bytes(args.target)
+    result = plan(run, args.gpus, system, memory, args.gpus // hosts, remats)
+    if not result.ranked:
+        found = smallest_fit(run, args.gpus, system, memory, remats)
+        where = f"; the smallest GPU count that fits is {found[0]} ({found[1] / 2**30:.1f} GiB per GPU)" if found else ""
+        raise UserError(f"no layout of this config fits {args.gpus} {args.target} GPUs ({memory / 2**30:.1f} GiB each){where}")
+    print(describe(result, args.top))
+    summary = {
+        "gpus": args.gpus, "hosts": hosts, "target": args.target, "evaluated": result.evaluated,
+        "fitting": len(result.ranked), "dropped": dict(result.dropped), "top": [entry(c) for c in result.ranked[: args.top]],
+    }
+    if args.verify:
+        checked = verify(args.config, result.ranked[: args.top], devices, "gpu")
+        for v in checked:
+            print(f"verify {v['layout']}: predicted {v['predicted_bytes']['total'] / 2**30:.2f} GiB, XLA {v['compiled_peak_bytes'] / 2**30:.2f} GiB")
+        summary["verify"] = checked
+    summary["wall_s"] = time.perf_counter() - started
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    cli.run(main)
