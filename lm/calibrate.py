@@ -37,6 +37,8 @@ MODELS = (
      "data.vocab_size": 8192, "train.seq_len": 256, "train.batch_size": 32},
     {"model.num_layers": 2, "model.embed_dim": 512, "model.num_heads": 8, "model.num_kv_heads": 2, "model.mlp_dim": 1536,
      "data.vocab_size": 16384, "train.seq_len": 512, "train.batch_size": 16},
+    {"model.num_layers": 2, "model.embed_dim": 1024, "model.num_heads": 16, "model.num_kv_heads": 8, "model.mlp_dim": 2816,
+     "data.vocab_size": 8192, "train.seq_len": 512, "train.batch_size": 16},
 )
 LAYOUTS = (
     *(Layout(fsdp=8, remat=r) for r in ("none", "full", "dots", "dots_no_batch", "qkv_proj")),
@@ -54,6 +56,8 @@ LAYOUTS = (
     Layout(stage=2, tensor=2, data=2, remat="dots_no_batch", microbatches=4, schedule="gpipe"),
     Layout(data=2, context=2, tensor=2, remat="full"),
     Layout(fsdp=2, tensor=4, remat="dots_no_batch"),
+    Layout(tensor=8, sequence_parallel=True, remat="dots_no_batch"),
+    Layout(fsdp=2, tensor=4, sequence_parallel=True, remat="full"),
 )
 
 

