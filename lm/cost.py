@@ -50,6 +50,7 @@ class Layout:
     grad_accum: int = 1
     microbatches: int = 0  # pipeline microbatches, with stage > 1
     schedule: str = "none"  # none | gpipe | 1f1b
+    repeats: int = 1  # layer chunks per stage (gpipe with repeats > 1: circular)
 
     @property
     def gpus(self) -> int:
@@ -64,7 +65,7 @@ class Layout:
         out = {f"mesh.{a}": n for a, n in self.mesh.items()}
         out |= {"sharding.sequence_parallel": self.sequence_parallel, "model.remat": self.remat, "train.grad_accum": self.grad_accum}
         if self.stage > 1:
-            out |= {"pipeline.microbatches": self.microbatches, "pipeline.schedule": self.schedule}
+            out |= {"pipeline.microbatches": self.microbatches, "pipeline.schedule": self.schedule, "pipeline.repeats": self.repeats}
         return out
 
     def name(self) -> str:
@@ -75,7 +76,8 @@ class Layout:
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
         if self.stage > 1:
-            parts.append(f"{self.schedule} M={self.microbatches}")
+            kind = "circular" if self.repeats > 1 else self.schedule
+            parts.append(f"{kind} M={self.microbatches}" + (f" R={self.repeats}" if self.repeats > 1 else ""))
         return ", ".join(parts)
 
 
@@ -111,9 +113,9 @@ def device_group(sizes: tuple[int, ...], axes: tuple[str, ...], gpus_per_host: i
 
 
 @functools.cache
-def pipeline_report(stages: int, microbatches: int, schedule: str) -> dict:
+def pipeline_report(stages: int, microbatches: int, schedule: str, repeats: int = 1) -> dict:
     """`sharding.pipeline.report` of a plan (bubble, stash depth), remembered."""
-    return report(PipelinePlan(stages, microbatches, 1, "full", schedule))
+    return report(PipelinePlan(stages, microbatches, repeats, "full", schedule))
 
 
 def calibration() -> dict:
@@ -213,7 +215,7 @@ class Cost:
         lay, kept = self.layout, self._kept_bytes()
         saved = self.layers * kept[lay.remat] * self.local_tokens
         if lay.stage > 1:  # every stage input the schedule keeps, plus one tick's layers on recompute
-            stash = pipeline_report(lay.stage, lay.microbatches, lay.schedule)["stash_depth"]
+            stash = pipeline_report(lay.stage, lay.microbatches, lay.schedule, lay.repeats)["stash_depth"]
             saved += stash * kept["full"] * self.local_tokens
         # Several passes per step (accumulation, pipeline microbatches): a float32 accumulator too.
         grads = self.state_bytes["params"] * (2 if self.passes > 1 else 1)
@@ -289,7 +291,7 @@ class Cost:
     def bubble_fraction(self) -> float:
         """The idle share of the pipeline's work slots (0 without one)."""
         lay = self.layout
-        return pipeline_report(lay.stage, lay.microbatches, lay.schedule)["bubble"] if lay.stage > 1 else 0.0
+        return pipeline_report(lay.stage, lay.microbatches, lay.schedule, lay.repeats)["bubble"] if lay.stage > 1 else 0.0
 
     @cached_property
     def step_time(self) -> dict:
@@ -323,7 +325,7 @@ class Cost:
         if lay.stage > 1:
             _, cross = self._group(("stage",))
             bandwidth = s.network_bytes_per_s if cross else s.nvlink_bytes_per_s
-            ticks = 2 * (lay.microbatches + lay.stage - 1)
+            ticks = 2 * (lay.repeats * lay.microbatches + lay.stage - 1)
             pipeline = ticks * (activation / (lay.tensor if lay.sequence_parallel else 1) / bandwidth + s.nvlink_latency_s)
         out = {
             "compute": compute,

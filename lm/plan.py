@@ -28,7 +28,7 @@ MAX_BUBBLE = 0.5  # pipelines idling more than this are dropped
 # A layout may fill this share of a GPU's memory: the temporaries model is within ~10-25% of
 # XLA's (lm.calibrate), and the allocator needs slack.
 MEMORY_FRACTION = 0.9
-MAX_SEARCHED_GPUS = 1 << 20  # how far an impossible request looks for a GPU count that fits
+MAX_SEARCHED_GPUS = 1 << 16  # how far an impossible request looks for a GPU count that fits
 
 
 def divisors(n: int) -> list[int]:
@@ -85,9 +85,12 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[L
                 counts = [m for m in (mesh["stage"] * k for k in (1, 2, 4, 8)) if replica % m == 0]
                 if not counts:
                     yield dataclasses.replace(layout, microbatches=mesh["stage"], schedule="gpipe"), "indivisible"
+                circular = run.model.num_layers % (2 * mesh["stage"]) == 0  # two chunks per stage
                 for microbatches in counts:
-                    for schedule in ("gpipe", "1f1b"):
-                        yield dataclasses.replace(layout, microbatches=microbatches, schedule=schedule)
+                    yield dataclasses.replace(layout, microbatches=microbatches, schedule="gpipe")
+                    if circular:
+                        yield dataclasses.replace(layout, microbatches=microbatches, schedule="gpipe", repeats=2)
+                    yield dataclasses.replace(layout, microbatches=microbatches, schedule="1f1b")
 
 
 @dataclasses.dataclass
@@ -136,8 +139,8 @@ def distinct(costs: list[Cost]) -> list[Cost]:
 
 
 def smallest_fit(run: Run, gpus: int, system: System, device_memory: int, remats=REMAT) -> tuple[int, int] | None:
-    """(GPUs, best per-device bytes) of the smallest power-of-two multiple of `gpus` on which
-    some layout's memory fits, counting memory only (None: none up to MAX_SEARCHED_GPUS)."""
+    """(GPUs, a fitting layout's bytes per GPU) for the smallest power-of-two multiple of `gpus`
+    on which some layout's memory fits, counting memory only (None: none up to MAX_SEARCHED_GPUS)."""
     constants = cost.calibration()
     n = gpus * 2
     while n <= MAX_SEARCHED_GPUS:
