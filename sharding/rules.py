@@ -23,6 +23,9 @@ Rules = Sequence[tuple[str, MeshAxes]]
 
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")),
+    # The batch split over data-parallel replicas alone: where an activation moves its FSDP split
+    # from the batch to `embed` (the embedding gradient's rows, before they meet the table).
+    ("replica_batch", "data"),
     ("length", "context"),  # the sequence inside attention / MLP, where heads and mlp use `tensor`
     ("norm_length", "context"),  # the sequence in the residual stream and norms
     ("kv_length", None),  # keys and values inside attention: whole, gathered over `context`
