@@ -4,7 +4,8 @@ Memory per device: the state (parameters, optimizer state, fp8 state) exactly, f
 rules and the abstract state's shapes, as `lm.layout` reports it; the step's temporaries as a
 sum of modelled terms (gradients, the activations each remat policy keeps, one layer's working
 set, the weights' compute-dtype copies, the logits), each weighted by a coefficient fitted once
-to XLA's memory analysis of small compiles (`lm.plan --calibrate`).
+to XLA's memory analysis of small compiles (`lm.calibrate --memory`). Its inputs (Layout,
+System, Run) are `lm.cost_inputs`.
 
 Step time: FLOPs (`lm.metrics.flops_per_token`, plus what remat recomputes) at one calibrated
 share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
@@ -16,91 +17,26 @@ pipeline and data-parallel collectives are counted as exposed.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
 from functools import cached_property
-from pathlib import Path
 
 import numpy as np
 
-from lm.metrics import PEAK_FLOPS, matmul_params
-from lm.model import ModelConfig
+from lm.cost_inputs import (
+    MESH_AXES,
+    TARGETS_DIR,
+    Layout,
+    Run,
+    StateLeaf,
+    System,
+    run_of,
+)
 from sharding.pipeline import PipelinePlan, report
 
-TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
-MESH_AXES = ("data", "stage", "context", "fsdp", "tensor")
+__all__ = ["MESH_AXES", "MEMORY_TERMS", "TARGETS_DIR", "Cost", "Layout", "Run", "StateLeaf", "System", "calibration", "run_of"]
 MEMORY_TERMS = ("grads", "saved", "layer", "weights", "logits")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One way to run a config on a set of GPUs: the mesh, sequence parallelism, what the layers
-    keep for backward, and how each replica's batch is cut (gradient accumulation, or pipeline
-    microbatches under a schedule when `stage` > 1)."""
-
-    data: int = 1
-    stage: int = 1
-    context: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    sequence_parallel: bool = False
-    remat: str = "full"
-    grad_accum: int = 1
-    microbatches: int = 0  # pipeline microbatches, with stage > 1
-    schedule: str = "none"  # none | gpipe | 1f1b
-    repeats: int = 1  # layer chunks per stage (gpipe with repeats > 1: circular)
-
-    @property
-    def gpus(self) -> int:
-        return self.data * self.stage * self.context * self.fsdp * self.tensor
-
-    @property
-    def mesh(self) -> dict:
-        return {a: getattr(self, a) for a in MESH_AXES}
-
-    def overrides(self) -> dict:
-        """The config keys (`--config.KEY=VALUE`) that select this layout."""
-        out = {f"mesh.{a}": n for a, n in self.mesh.items()}
-        out |= {"sharding.sequence_parallel": self.sequence_parallel, "model.remat": self.remat, "train.grad_accum": self.grad_accum}
-        if self.stage > 1:
-            out |= {"pipeline.microbatches": self.microbatches, "pipeline.schedule": self.schedule, "pipeline.repeats": self.repeats}
-        return out
-
-    def name(self) -> str:
-        mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "one device"
-        parts = [mesh, f"remat={self.remat}"]
-        if self.sequence_parallel:
-            parts.append("SP")
-        if self.grad_accum > 1:
-            parts.append(f"accum={self.grad_accum}")
-        if self.stage > 1:
-            kind = "circular" if self.repeats > 1 else self.schedule
-            parts.append(f"{kind} M={self.microbatches}" + (f" R={self.repeats}" if self.repeats > 1 else ""))
-        return ", ".join(parts)
-
-
-@dataclasses.dataclass(frozen=True)
-class System:
-    """A target's figures the cost model reads (`configs/targets/systems.json`)."""
-
-    name: str
-    device_kind: str  # the key into lm.metrics.PEAK_FLOPS
-    gpus_per_host: int
-    nvlink_bytes_per_s: float
-    nvlink_latency_s: float
-    network_bytes_per_s: float
-    network_latency_s: float
-
-    @classmethod
-    def load(cls, name: str) -> System:
-        table = json.loads((TARGETS_DIR / "systems.json").read_text())
-        entry = {k: v for k, v in table[name].items() if not k.startswith("_")}
-        return cls(name=name, **entry)
-
-    def peak(self, dtype: str) -> float:
-        return PEAK_FLOPS[(self.device_kind, dtype)]
 
 
 @functools.cache
@@ -121,39 +57,6 @@ def pipeline_report(stages: int, microbatches: int, schedule: str, repeats: int 
 def calibration() -> dict:
     """The fitted constants: the matmul efficiency and each platform's memory coefficients."""
     return json.loads((TARGETS_DIR / "calibration.json").read_text())
-
-
-@dataclasses.dataclass(frozen=True)
-class StateLeaf:
-    """One array of the train state: its name, shape, bytes per element and mesh axes per dimension."""
-
-    path: str
-    shape: tuple[int, ...]
-    itemsize: int
-    axes: tuple[tuple[str, ...], ...]
-    kind: str  # params | opt_state | other
-
-    def device_bytes(self, mesh: dict) -> int:
-        return self.itemsize * math.prod(n // math.prod(mesh[a] for a in axes) for n, axes in zip(self.shape, self.axes))
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """What the cost model reads of a config: the model's shape, the batch, the dtypes, the
-    state's arrays (`StateLeaf`s, from the sharding rules) and whether fp8 is on."""
-
-    model: ModelConfig
-    batch: int
-    seq_len: int
-    compute_bytes: int
-    compute_dtype: str
-    param_bytes: int
-    fp8: bool
-    state: tuple[StateLeaf, ...]
-
-    @cached_property
-    def layer_params(self) -> int:
-        return (matmul_params(self.model) - self.model.embed_dim * self.model.vocab_size) // self.model.num_layers
 
 
 class Cost:
@@ -341,39 +244,3 @@ class Cost:
 
     def tokens_per_s_per_gpu(self) -> float:
         return self.run.batch * self.run.seq_len / self.step_time["total"] / self.layout.gpus
-
-
-def run_of(config) -> Run:
-    """The cost model's view of a config: its state's arrays placed by its sharding rules (read
-    from the abstract train state built on one CPU device; nothing is allocated)."""
-    import jax
-
-    from lm import config as lm_config
-    from lm import data as lm_data
-    from lm.program import setup
-    from sharding.rules import path_name
-
-    one = lm_config.apply_overrides(config, {f"mesh.{a}": 1 for a in MESH_AXES})
-    program = setup(one, lm_data.nominal_vocab_size(config.data), jax.devices("cpu")[:1])
-    state = program.abstract_state
-    leaves = []
-    for kind, tree, shardings in (
-        ("params", state.params, program.state_shardings.params),
-        ("opt_state", state.opt_state, program.state_shardings.opt_state),
-        ("other", (state.step, state.fp8, state.loss_scale), (program.state_shardings.step, program.state_shardings.fp8, program.state_shardings.loss_scale)),
-    ):
-        for (path, leaf), named in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(shardings)):
-            spec = tuple(named.spec) + (None,) * (len(leaf.shape) - len(named.spec))
-            axes = tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
-            leaves.append(StateLeaf(f"{kind}/{path_name(path)}", tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, axes, kind))
-    policy = program.policy
-    return Run(
-        model=program.model_cfg,
-        batch=config.train.batch_size,
-        seq_len=config.train.seq_len,
-        compute_bytes=np.dtype(policy.compute_dtype).itemsize,
-        compute_dtype=np.dtype(policy.compute_dtype).name,
-        param_bytes=np.dtype(policy.param_dtype).itemsize,
-        fp8=bool(policy.fp8),
-        state=tuple(leaves),
-    )
