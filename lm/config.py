@@ -223,10 +223,10 @@ def _validate_precision(c: ml_collections.ConfigDict) -> None:
             "data.document_masking with pipeline stages (mesh.stage > 1) is not supported yet: the pipeline "
             "carries one set of positions for every microbatch; use mesh.stage=1"
         )
-    if c.pipeline.schedule == "1f1b" and c.mesh.stage > 1 and (c.pipeline.repeats > 1 or p.loss_scale not in ("auto", "none") or p.compute_dtype == "float16"):
+    if c.pipeline.schedule == "1f1b" and c.mesh.stage > 1 and c.pipeline.repeats > 1:
         raise UserError(
-            "pipeline.schedule=1f1b runs one chunk per stage without loss scaling so far; use pipeline.repeats=1 and "
-            "bfloat16 or float32 compute (or pipeline.schedule=gpipe)"
+            "pipeline.schedule=1f1b runs one chunk per stage (interleaved 1F1B is not built); use pipeline.repeats=1, "
+            "or pipeline.schedule=gpipe for the circular schedule"
         )
     if p.fp8 != "off" and skip and c.mesh.stage > 1:
         raise UserError(

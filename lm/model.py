@@ -161,10 +161,11 @@ class Transformer(nnx.Module):
             logits = jnp.where(jnp.arange(cfg.vocab_size) < cfg.used_vocab, logits, jnp.finfo(jnp.float32).min)
         return constrain(logits, ("batch", "length", "vocab"), "logits")
 
-    def pipelined_loss(self, loss_fn, tokens_bt, targets_bt, positions_bt=None) -> jax.Array:
+    def pipelined_loss(self, loss_fn, tokens_bt, targets_bt, positions_bt=None, loss_scale=1.0) -> jax.Array:
         """`loss_fn(logits, targets)` averaged over the microbatches of the 1F1B pipeline, which
         embeds each microbatch on its first stage, applies the head and loss on its last and
-        computes its own gradients (`sharding.pipeline_1f1b`)."""
+        computes its own gradients (`sharding.pipeline_1f1b`), its backward run at `loss_scale`
+        (differentiate `loss * loss_scale`)."""
         stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
         norm_graph, norm_state = nnx.split(self.final_norm)
 
@@ -180,6 +181,7 @@ class Transformer(nnx.Module):
             stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
             loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,
             x_axes=("batch", "norm_length", "act_embed"), batch_axes=("batch", "length"), probes=probes, probes_axes=probes_axes,
+            seed=loss_scale,
         )
 
     def _pipeline_stage(self, positions_bt):

@@ -183,13 +183,14 @@ class Program:
             targets_bt = sharding.reorder(targets_bt, self.sequence_order)
         return inputs, constrain(targets_bt, ("batch", "length"), "targets")
 
-    def _loss(self, params, batch, fp8=None, probes=None) -> jax.Array:
+    def _loss(self, params, batch, fp8=None, probes=None, loss_scale=1.0) -> jax.Array:
         """Mean cross entropy of a batch (see `model_inputs`); the mean does not depend on the
-        tokens' order, so nothing is undone after a reorder."""
+        tokens' order, so nothing is undone after a reorder. `loss_scale`: what the loss will be
+        multiplied by before differentiation (the 1F1B pipeline runs its backward with it)."""
         inputs, targets_bt = self.model_inputs(batch)
         model = self.layout.model(params, fp8, probes)
         if self.spec.pipeline.schedule == "1f1b":  # the head and loss inside the pipeline
-            return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"))
+            return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale)
         logits, _ = model(**inputs)
         return cross_entropy(logits, targets_bt)
 
@@ -199,7 +200,7 @@ class Program:
         accum = self.config.train.grad_accum
 
         def scaled_loss(params, probes, tokens):
-            loss = self._loss(params, tokens, fp8, probes)
+            loss = self._loss(params, tokens, fp8, probes, loss_scale)
             return loss * loss_scale, loss
 
         grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)

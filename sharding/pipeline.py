@@ -80,9 +80,10 @@ def schedule_1f1b(stages: int, microbatches: int) -> list[list[Step]]:
     A tick hands activations one stage on and cotangents one stage back, so a microbatch leaves
     stage s and comes back 2(S - s) - 1 ticks later (the last stage seeds its backward the tick
     after its forward): that many stage inputs are in flight at stage s, whatever the number of
-    microbatches M (GPipe keeps all M). M + 2S - 1 ticks; each half-tick idle is bubble,
-    (2S - 1) / (M + 2S - 1) of them. Not interleaved (one chunk per stage). `pipeline_1f1b` runs
-    this table."""
+    microbatches M (GPipe keeps all M). M + 2S - 1 ticks in three phases (`phases`): S with
+    forwards only, M - 1 with both, S with backwards only; a program that runs only the halves
+    some stage works in takes (M + S - 1) x (forward + backward), GPipe's time, with bubble
+    (S - 1) / (M + S - 1). Not interleaved (one chunk per stage). `pipeline_1f1b` runs this table."""
     check(stages, microbatches, 1)
     ticks = microbatches + 2 * stages - 1
     in_range = lambda i: i if 0 <= i < microbatches else None  # noqa: E731
@@ -101,10 +102,21 @@ def in_flight(table: Sequence[Sequence[Step]]) -> list[int]:
     return most
 
 
+def phases(table: Sequence[Sequence[Step]]) -> list[tuple[int, int, bool, bool]]:
+    """A 1F1B table's runs of consecutive ticks as (start, stop, any forward, any backward): the
+    halves of a tick some stage works in, all a program need run."""
+    kinds = [(any(step.forward is not None for step in row), any(step.backward is not None for step in row)) for row in table]
+    starts = [t for t in range(len(kinds)) if t == 0 or kinds[t] != kinds[t - 1]]
+    return [(a, b, *kinds[a]) for a, b in zip(starts, [*starts[1:], len(kinds)])]
+
+
 def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
-    """Idle (tick, stage) cells over all cells; in a 1F1B table a cell is its two halves."""
-    cells = [half for row in table for cell in row for half in (cell if isinstance(cell, Step) else (cell,))]
-    return sum(half is None for half in cells) / len(cells)
+    """Idle (tick, stage) cells over all cells run. In a 1F1B table a cell is a tick's forward or
+    backward half, and a half no stage works in is not run (see `phases`)."""
+    if isinstance(table[0][0], Step):
+        table = [col for row in table for col in zip(*row) if any(m is not None for m in col)]
+    cells = [cell for row in table for cell in row]
+    return sum(cell is None for cell in cells) / len(cells)
 
 
 def report(plan: PipelinePlan) -> dict:

@@ -12,7 +12,13 @@ from lm.checkpoint import Checkpointer
 from lm.program import setup
 from lm.train import train
 from sharding import ShardingError
-from sharding.pipeline import bubble_fraction, in_flight, schedule, schedule_1f1b
+from sharding.pipeline import (
+    bubble_fraction,
+    in_flight,
+    phases,
+    schedule,
+    schedule_1f1b,
+)
 
 DEEP = dict(model__num_layers=4)
 
@@ -174,7 +180,10 @@ def test_1f1b_table_keeps_a_bounded_stash_and_runs_each_backward_after_its_forwa
         assert backwards[-1] == forwards[-1] + 1  # the last stage seeds the backward the next tick
     # The stash is bounded by the stages, not the microbatches (GPipe keeps all M)
     assert in_flight(table) == [min(microbatches, 2 * (stages - s) - 1) for s in range(stages)]
-    assert bubble_fraction(table) == pytest.approx((2 * stages - 1) / (microbatches + 2 * stages - 1))
+    # Forwards only, then both, then backwards only; run that way, GPipe's bubble.
+    assert phases(table) == [(0, stages, True, False), (stages, microbatches + stages - 1, True, True),
+                             (microbatches + stages - 1, microbatches + 2 * stages - 1, False, True)]
+    assert bubble_fraction(table) == pytest.approx((stages - 1) / (microbatches + stages - 1))
 
 
 def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
@@ -191,9 +200,31 @@ def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
     assert max(one_f_one_b) <= 1.1 * min(one_f_one_b)  # 1F1B: 2S - 1 stage inputs per stage, whatever M
 
 
-@pytest.mark.parametrize("extra", [{"pipeline__repeats": 2}, {"precision__compute_dtype": "float16"}])
-def test_1f1b_refuses_what_it_does_not_run_yet_in_one_line(extra):
+def test_1f1b_refuses_interleaving_in_one_line():
     from lm.config import UserError
 
-    with pytest.raises(UserError, match="pipeline.schedule=1f1b runs one chunk per stage without loss scaling so far"):
-        small_config({"stage": 2}, **DEEP, pipeline__schedule="1f1b", **extra)
+    with pytest.raises(UserError, match="pipeline.schedule=1f1b runs one chunk per stage"):
+        small_config({"stage": 2}, **DEEP, pipeline__schedule="1f1b", pipeline__repeats=2)
+
+
+def test_1f1b_runs_its_backward_at_the_float16_loss_scale():
+    """The loss scale seeds the pipeline's own backward: an overflowing scale (step 2's, injected)
+    makes float16 cotangents infinite there and the step is skipped, as on one device; scaling
+    float32 gradients after the fact would have hidden it."""
+    from lm.program import Faults
+
+    def run(mesh, devices=None, **kw):
+        c = small_config(mesh, **DEEP, precision__compute_dtype="float16", precision__loss_scale_initial=1024.0,
+                         precision__loss_scale_growth_interval=3, **kw)
+        program = setup(c, VOCAB, devices, Faults(overflow_steps=(2,)))
+        state, rng, out = program.init_state(0), np.random.default_rng(0), []
+        for _ in range(6):
+            tokens = rng.integers(0, VOCAB, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
+            state, metrics = program.train_step(state, program.global_batch(tokens))
+            out.append(jax.device_get(metrics))
+        return [(float(m["loss_scale"]), int(m["skipped_steps"])) for m in out], np.array([m["loss"] for m in out])
+
+    ref_scales, ref_losses = run({}, jax.devices()[:1])
+    scales, losses = run({"data": -1, "stage": 2}, pipeline__schedule="1f1b")
+    assert scales == ref_scales == [(1024, 0), (1024, 1), (512, 1), (512, 1), (512, 1), (1024, 1)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-3)
