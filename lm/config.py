@@ -228,11 +228,6 @@ def _validate_precision(c: ml_collections.ConfigDict) -> None:
             "pipeline.schedule=1f1b runs one chunk per stage (interleaved 1F1B is not built); use pipeline.repeats=1, "
             "or pipeline.schedule=gpipe for the circular schedule"
         )
-    if p.fp8 != "off" and skip and c.mesh.stage > 1:
-        raise UserError(
-            "precision.fp8_skip with pipeline stages (mesh.stage > 1) is not supported yet: a stage's "
-            "layers are chosen at run time, the fp8 choice at compile time; drop fp8_skip or use mesh.stage=1"
-        )
 
 
 def head_dim(c: ml_collections.ConfigDict) -> int:

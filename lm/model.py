@@ -190,9 +190,9 @@ class Transformer(nnx.Module):
         pipeline gives each tick its own (`sharding.pipeline`)."""
         graphdef, probes, stacked = nnx.split(self.blocks, Probe, ...)
 
-        def stage(chunk, chunk_probes, x_btd):  # a chunk of consecutive layers on one microbatch
+        def stage(chunk, chunk_probes, x_btd, chunk_index):  # a chunk of consecutive layers on one microbatch
             positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
-            return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None)[0]
+            return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None, chunk=chunk_index)[0]
 
         axes = nnx.get_partition_spec
         probes_given = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
@@ -205,9 +205,10 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.blocks)
         return self._run_stack(graphdef, (stacked,), x, positions_bt, cache, cache_index, segments_bt)
 
-    def _run_stack(self, graphdef, stacked: tuple, x, positions_bt, cache, cache_index, segments_bt=None):
-        """The stacked layers (all of them, or one pipeline chunk; `stacked`: their states) applied
-        in order; layers that `precision.fp8_skip` keeps out of fp8 run as separate segments."""
+    def _run_stack(self, graphdef, stacked: tuple, x, positions_bt, cache, cache_index, segments_bt=None, chunk=None):
+        """The stacked layers (all of them, or pipeline chunk `chunk`, a traced index: layers
+        chunk * n .. of the model's; `stacked`: their states) applied in order; layers that
+        `precision.fp8_skip` keeps out of fp8 run as separate segments."""
 
         def layer(x, params_and_cache):
             params, layer_cache = params_and_cache
@@ -215,22 +216,40 @@ class Transformer(nnx.Module):
 
         # Also inside a pipeline tick: one layer's internals at a time.
         layer = remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
+
+        def run(x, segment, in_fp8: bool):
+            with fp8_suspended(self.policy.fp8 is not None and not in_fp8):
+                if self.cfg.scan_layers:
+                    return jax.lax.scan(layer, x, segment)
+                caches = []
+                for i in range(jax.tree.leaves(segment)[0].shape[0]):
+                    x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], segment))
+                    caches.append(jax.tree.map(lambda a: a[None], layer_cache))
+                return x, jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
+
+        def either(x, segment, in_fp8):  # fp8 or not as the chunk's layer is: chosen at run time
+            # Under the vmap over stages both branches run; jax masks each one's gradients (and
+            # so the statistics probes') to the stages that took it.
+            return jax.lax.cond(in_fp8, lambda x: run(x, segment, True)[0], lambda x: run(x, segment, False)[0], x), None
+
         num_layers = jax.tree.leaves(stacked)[0].shape[0]
-        in_fp8 = self.policy.fp8_layer_mask(num_layers)
+        in_fp8 = self._fp8_positions(num_layers, chunk)
         runs, new_caches = _runs(in_fp8), []
         for start, stop in runs:
             segment = (stacked, cache) if len(runs) == 1 else jax.tree.map(lambda a: a[start:stop], (stacked, cache))
-            with fp8_suspended(self.policy.fp8 is not None and not in_fp8[start]):
-                if self.cfg.scan_layers:
-                    x, segment_cache = jax.lax.scan(layer, x, segment)
-                    new_caches.append(segment_cache)
-                    continue
-                for i in range(stop - start):
-                    x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], segment))
-                    new_caches.append(jax.tree.map(lambda a: a[None], layer_cache))
+            x, segment_cache = (run if isinstance(in_fp8[start], bool) else either)(x, segment, in_fp8[start])
+            new_caches.append(segment_cache)
         if cache is None:
             return x, None
         return x, jax.tree.map(lambda *a: jnp.concatenate(a), *new_caches)
+
+    def _fp8_positions(self, size: int, chunk) -> list:
+        """Per layer of a stack of `size`: in fp8 (True / False), or, in a pipeline chunk whose
+        layer at that position is skipped in some chunks only, a traced bool (`fp8_skip` indices
+        are the model's layer indices, whatever the schedule)."""
+        mask = self.policy.fp8_layer_mask(self.cfg.num_layers if chunk is not None else size)
+        columns = [[mask[c * size + j] for c in range(len(mask) // size)] for j in range(size)]
+        return [column[0] if len(set(column)) == 1 else jnp.asarray(column)[chunk] for column in columns]
 
 
 def segment_positions(segments_bt: jax.Array) -> jax.Array:
@@ -241,6 +260,8 @@ def segment_positions(segments_bt: jax.Array) -> jax.Array:
 
 
 def _runs(flags: list) -> list[tuple[int, int]]:
-    """[start, stop) ranges of equal consecutive flags: [T, T, F, T] -> [(0, 2), (2, 3), (3, 4)]."""
-    bounds = [0] + [i for i in range(1, len(flags)) if flags[i] != flags[i - 1]] + [len(flags)]
+    """[start, stop) ranges of equal consecutive flags, each traced flag alone: [T, T, F, T] ->
+    [(0, 2), (2, 3), (3, 4)]."""
+    alone = lambda f: not isinstance(f, bool)  # noqa: E731
+    bounds = [0] + [i for i in range(1, len(flags)) if alone(flags[i]) or alone(flags[i - 1]) or flags[i] != flags[i - 1]] + [len(flags)]
     return list(zip(bounds[:-1], bounds[1:]))

@@ -211,8 +211,8 @@ def _per_tick(chunks, ticks: dict[str, np.ndarray], repeats: int):
 
 
 def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | None], plan: PipelinePlan, probes=None, probes_axes=None):
-    """`stage_fn(chunk_params, chunk_probes, x_mb) -> y_mb` applied to every microbatch of `x`
-    through all chunks.
+    """`stage_fn(chunk_params, chunk_probes, x_mb, chunk) -> y_mb` applied to every microbatch of
+    `x` through all chunks; `chunk` (traced) is which one: layers `chunk * layers_per_chunk ...`.
 
     `params`: pytree of stacked layer parameters (leading axis: layers); `params_axes`: the same
     tree of logical-axis tuples; `x`: `[batch, ...]` with logical axes `x_axes`. Returns `[batch,
@@ -233,11 +233,11 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
     if probes is not None:
         rows["probes"] = _per_tick(stage_chunks(probes, probes_axes, s, r), ticks, r)
 
-    def run_stage(chunk_params_r, probes_r, repeat, x_mb):
+    def run_stage(chunk_params_r, probes_r, repeat, stage, x_mb):
         # The stage's chunk for this repeat, chosen by a select (a gather indexed per stage made
         # the XLA GPU compiler fail, "Failed after batched_gather_scatter_normalizer").
         pick = lambda p: p[0] if r == 1 else jax.lax.select_n(repeat, *(p[i] for i in range(r)))  # noqa: E731
-        return stage_fn(jax.tree.map(pick, chunk_params_r), jax.tree.map(pick, probes_r), x_mb)
+        return stage_fn(jax.tree.map(pick, chunk_params_r), jax.tree.map(pick, probes_r), x_mb, repeat * s + stage)
 
     run_stage = remat(run_stage, plan.remat)
 
@@ -248,7 +248,7 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
         first_in = jnp.where(repeat[0] == 0, x_m[micro[0]], outputs[micro[0]])
         held = held.at[0].set(first_in)
         held = constrain(held, state_axes, "pipeline stage inputs")
-        out = jax.vmap(run_stage, in_axes=(1, 1, 0, 0))(chunks, row.get("probes"), repeat, held)
+        out = jax.vmap(run_stage, in_axes=(1, 1, 0, 0, 0))(chunks, row.get("probes"), repeat, jnp.arange(s), held)
         out = constrain(out, state_axes, "pipeline stage outputs")
         last = jnp.where(active[-1], out[-1], outputs[micro[-1]])
         outputs = outputs.at[micro[-1]].set(last)

@@ -73,8 +73,8 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
         t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
 
-        def stage_vjp(chunk, chunk_probes, x_mb, dy_mb):
-            return jax.vjp(stage_fn, chunk, chunk_probes, x_mb)[1](dy_mb)
+        def stage_vjp(chunk, chunk_probes, x_mb, index, dy_mb):
+            return jax.vjp(lambda c, p, x: stage_fn(c, p, x, index), chunk, chunk_probes, x_mb)[1](dy_mb)
 
         def head(loss_params, y_mb, targets_mb):
             loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, targets_mb), loss_params, y_mb)
@@ -86,7 +86,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             bwd, bwd_on = jnp.maximum(row["backward"], 0), row["backward"] >= 0
             # It reads its stashed input before this tick's forward may reuse the slot.
             saved = jax.vmap(lambda ring, b: ring[b % slots])(c["stash"], bwd)
-            dchunk, dprobes, dx = jax.vmap(stage_vjp)(chunks, probe_chunks, saved, c["bwd_in"])
+            dchunk, dprobes, dx = jax.vmap(stage_vjp)(chunks, probe_chunks, saved, jnp.arange(s), c["bwd_in"])
             c["grads"] = jax.tree.map(lambda g, d: g + jnp.where(per_stage(bwd_on, d), d.astype(jnp.float32), 0.0), c["grads"], dchunk)
             if probes is not None:
                 c["stats"] = jax.tree.map(lambda a, d: jnp.maximum(a, jnp.where(per_stage(bwd_on, d), d, -jnp.inf)), c["stats"], dprobes)
@@ -102,7 +102,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             from next tick; activations one stage on."""
             fwd, fwd_on = jnp.maximum(row["forward"], 0), row["forward"] >= 0
             fwd_in = c["fwd_in"].at[0].set(embed_fn(embed_params, in_m[fwd[0]]).astype(c["fwd_in"].dtype))
-            y = constrain(jax.vmap(stage_fn)(chunks, probe_chunks, fwd_in), state_axes, "pipeline stage outputs")
+            y = constrain(jax.vmap(stage_fn)(chunks, probe_chunks, fwd_in, jnp.arange(s)), state_axes, "pipeline stage outputs")
             keep = lambda ring, f, x_mb, on: ring.at[f % slots].set(jnp.where(on, x_mb, ring[f % slots]))  # noqa: E731
             c["stash"] = constrain(jax.vmap(keep)(c["stash"], fwd, fwd_in, fwd_on), stash_axes, "pipeline stash")
             mb_loss, dloss_params, dy = head(loss_params, y[-1], t_m[fwd[-1]])

@@ -169,7 +169,6 @@ def test_numerics_report_writes_json_and_heat_map(tmp_path, small_corpus):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(precision__fp8="delayed", precision__fp8_skip="0", mesh__stage=2, mesh__data=1), "fp8_skip with pipeline stages"),
     (dict(precision__fp8_skip="0,7"), "'7' is not a layer index"),
     (dict(precision__loss_scale="big"), "loss_scale='big' is not one of"),
     (dict(precision__compute_dtype="float8"), "is not one of float32, bfloat16, float16"),

@@ -159,6 +159,18 @@ def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(fp8_on
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0.15), states[-1], ref_states[-1])
 
 
+@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}], ids=["gpipe", "circular", "1f1b"])
+def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(extra):
+    """Layers 0 and 3 of 4 stay out of fp8: in a pipeline their chunks' positions choose at run
+    time, and the skipped layers' histories stay empty exactly as on one device."""
+    ref_states, ref_losses = fp8_states({}, jax.devices()[:1], steps=2, precision__fp8_skip="0,-1")
+    states, losses = fp8_states({"data": -1, "stage": 2}, steps=2, precision__fp8_skip="0,-1", **extra)
+    history = ref_states[0]["blocks"]["attn"]["wq_site"]["amax_history"]
+    assert (history[[0, 3]] == 0).all() and (history[1:3, :, 0] > 0).all()
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), states[0], ref_states[0])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
 @pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 3), (4, 4), (4, 8), (4, 32), (8, 8), (8, 20)])
 def test_1f1b_table_keeps_a_bounded_stash_and_runs_each_backward_after_its_forward(stages, microbatches):
     table = schedule_1f1b(stages, microbatches)
