@@ -196,12 +196,15 @@ class Program:
 
     def _grads(self, params, batch, fp8=None, loss_scale=1.0):
         """(mean loss, mean grads of `loss * loss_scale`, matmul statistics) over the batch,
-        accumulated over `train.grad_accum` microbatches (statistics: amaxes, the maximum)."""
+        accumulated over `train.grad_accum` microbatches (statistics: amaxes, the maximum). Each
+        microbatch's loss is differentiated divided by their number, so every gradient inside
+        (and its fp8 scaling and statistics) is the one the whole batch would give."""
         accum = self.config.train.grad_accum
+        seed = loss_scale / accum
 
         def scaled_loss(params, probes, tokens):
-            loss = self._loss(params, tokens, fp8, probes, loss_scale)
-            return loss * loss_scale, loss
+            loss = self._loss(params, tokens, fp8, probes, seed)
+            return loss * seed, loss / accum
 
         grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
 
@@ -220,7 +223,7 @@ class Program:
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), self.layout.zero_probes())
         (loss, grads, stats), _ = jax.lax.scan(add, zeros, micro)
-        return loss / accum, jax.tree.map(lambda g: g / accum, grads), stats
+        return loss, grads, stats
 
     def _train_step(self, state: TrainState, batch):
         step = state.step + 1

@@ -159,6 +159,13 @@ def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(fp8_on
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0.15), states[-1], ref_states[-1])
 
 
+def test_gradient_accumulation_keeps_the_whole_batchs_fp8_gradient_statistics(fp8_one_device):
+    """Each microbatch's loss is differentiated over the number of microbatches, so the gradients
+    the fp8 sites see (and quantise to e5m2) are the whole batch's, not `grad_accum` times them."""
+    states, _ = fp8_states({}, jax.devices()[:1], steps=1, train__grad_accum=2)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2), states[0], fp8_one_device[0][0])
+
+
 @pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}], ids=["gpipe", "circular", "1f1b"])
 def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(extra):
     """Layers 0 and 3 of 4 stay out of fp8: in a pipeline their chunks' positions choose at run
