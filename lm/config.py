@@ -71,9 +71,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = dict(data=-1, stage=1, context=1, fsdp=1, tensor=1)
     c.pipeline = dict(
         microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages
-        repeats=1,  # layer chunks per stage: 1 is GPipe, more is circular (smaller bubble)
+        repeats=1,  # layer chunks per stage: more is circular / interleaved 1F1B (smaller bubble)
         remat="full",  # what each tick keeps for the backward pass (sharding.remat, as model.remat)
-        schedule="gpipe",  # gpipe (circular with repeats > 1) | 1f1b (stage inputs bounded by the stages)
+        schedule="gpipe",  # gpipe (circular with repeats > 1) | 1f1b (interleaved with repeats > 1; stash bounded)
     )
     c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)
     c.precision = dict(
@@ -222,11 +222,6 @@ def _validate_precision(c: ml_collections.ConfigDict) -> None:
         raise UserError(
             "data.document_masking with pipeline stages (mesh.stage > 1) is not supported yet: the pipeline "
             "carries one set of positions for every microbatch; use mesh.stage=1"
-        )
-    if c.pipeline.schedule == "1f1b" and c.mesh.stage > 1 and c.pipeline.repeats > 1:
-        raise UserError(
-            "pipeline.schedule=1f1b runs one chunk per stage (interleaved 1F1B is not built); use pipeline.repeats=1, "
-            "or pipeline.schedule=gpipe for the circular schedule"
         )
 
 

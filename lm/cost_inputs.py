@@ -34,7 +34,7 @@ class Layout:
     grad_accum: int = 1
     microbatches: int = 0  # pipeline microbatches, with stage > 1
     schedule: str = "none"  # none | gpipe | 1f1b
-    repeats: int = 1  # layer chunks per stage (gpipe with repeats > 1: circular)
+    repeats: int = 1  # layer chunks per stage (gpipe with repeats > 1: circular; 1f1b: interleaved)
 
     @property
     def gpus(self) -> int:
@@ -60,7 +60,7 @@ class Layout:
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
         if self.stage > 1:
-            kind = "circular" if self.repeats > 1 else self.schedule
+            kind = self.schedule if self.repeats == 1 else {"gpipe": "circular", "1f1b": "interleaved 1f1b"}[self.schedule]
             parts.append(f"{kind} M={self.microbatches}" + (f" R={self.repeats}" if self.repeats > 1 else ""))
         return ", ".join(parts)
 

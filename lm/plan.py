@@ -88,9 +88,10 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[L
                 circular = run.model.num_layers % (2 * mesh["stage"]) == 0  # two chunks per stage
                 for microbatches in counts:
                     yield dataclasses.replace(layout, microbatches=microbatches, schedule="gpipe")
-                    if circular:
-                        yield dataclasses.replace(layout, microbatches=microbatches, schedule="gpipe", repeats=2)
-                    yield dataclasses.replace(layout, microbatches=microbatches, schedule="1f1b")
+                    for schedule in ("gpipe", "1f1b"):
+                        yield dataclasses.replace(layout, microbatches=microbatches, schedule=schedule)
+                        if circular:  # circular GPipe, interleaved 1F1B
+                            yield dataclasses.replace(layout, microbatches=microbatches, schedule=schedule, repeats=2)
 
 
 @dataclasses.dataclass

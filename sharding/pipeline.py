@@ -66,28 +66,41 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> list[list[Work
 
 
 class Step(NamedTuple):
-    """What a stage does at a tick of the 1F1B table: a forward and a backward (microbatches,
-    either None when that half idles)."""
+    """What a stage does at a tick of the 1F1B table: one forward and one backward (each a
+    `Work`, or None when that half idles)."""
 
-    forward: int | None
-    backward: int | None
+    forward: Work | None
+    backward: Work | None
 
 
-def schedule_1f1b(stages: int, microbatches: int) -> list[list[Step]]:
-    """1F1B in lockstep ticks, for one SPMD program: at tick t stage s runs the forward of
-    microbatch t - s and the backward of microbatch t - (2S - 1 - s), where they exist.
+def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list[Step]]:
+    """1F1B in lockstep ticks, for one SPMD program; with `repeats` R > 1 chunks per stage,
+    interleaved (Megatron's order: microbatches in groups of S, each group through chunk 0 of
+    every stage, then chunk 1, ...; M must be a multiple of S).
 
-    A tick hands activations one stage on and cotangents one stage back, so a microbatch leaves
-    stage s and comes back 2(S - s) - 1 ticks later (the last stage seeds its backward the tick
-    after its forward): that many stage inputs are in flight at stage s, whatever the number of
-    microbatches M (GPipe keeps all M). M + 2S - 1 ticks in three phases (`phases`): S with
-    forwards only, M - 1 with both, S with backwards only; a program that runs only the halves
-    some stage works in takes (M + S - 1) x (forward + backward), GPipe's time, with bubble
-    (S - 1) / (M + S - 1). Not interleaved (one chunk per stage). `pipeline_1f1b` runs this table."""
-    check(stages, microbatches, 1)
-    ticks = microbatches + 2 * stages - 1
-    in_range = lambda i: i if 0 <= i < microbatches else None  # noqa: E731
-    return [[Step(in_range(t - s), in_range(t - (2 * stages - 1 - s))) for s in range(stages)] for t in range(ticks)]
+    Stage s runs its k-th forward at tick k + s and its k-th backward at tick k + RS + S - 1 - s;
+    the k-th is microbatch (k // RS) * S + k % S, in repeat (k // S) % R going forward and the
+    reverse going back. A tick hands activations one stage on and cotangents one stage back (the
+    last stage's output to stage 0 for the next repeat, and stage 0's cotangent to the last
+    stage), so every input arrives the tick it is used and a chunk input stays at its stage
+    (2R - 2r)S - 1 - 2s ticks: at most (R + 1)S - 1 - 2s in flight at stage s (`in_flight`),
+    whatever M (GPipe keeps all RM).
+    RM + RS + S - 1 ticks in three phases (`phases`): RS with forwards only, RM + S - 1 - RS
+    with both, RS with backwards only; a program that runs only the halves some stage works in
+    takes (RM + S - 1) chunk forward + backward times, the circular schedule's, with its bubble
+    (S - 1) / (RM + S - 1). `pipeline_1f1b` runs this table."""
+    check(stages, microbatches, repeats, schedule="1f1b")
+
+    def work(k: int, s: int, backward: bool) -> Work | None:  # stage s's k-th forward / backward
+        if not 0 <= k < repeats * microbatches:
+            return None
+        repeat = (k // stages) % repeats
+        repeat = repeats - 1 - repeat if backward else repeat
+        return Work((k // (stages * repeats)) * stages + k % stages, repeat * stages + s)
+
+    ticks = repeats * (microbatches + stages) + stages - 1
+    back = repeats * stages + stages - 1  # stage s's k-th backward is at tick k + back - s
+    return [[Step(work(t - s, s, False), work(t - back + s, s, True)) for s in range(stages)] for t in range(ticks)]
 
 
 def in_flight(table: Sequence[Sequence[Step]]) -> list[int]:
@@ -122,17 +135,20 @@ def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
 def report(plan: PipelinePlan) -> dict:
     """What `lm.bench` and `lm.layout` say of a plan: the schedule's name, its bubble (the idle
     share of the stages' work slots) and its stash depth (the microbatch stage inputs each stage
-    keeps for its backward: every tick's for GPipe / circular, 2S - 1 for 1F1B)."""
+    keeps for its backward: every tick's for GPipe / circular, the most in flight for 1F1B,
+    (R + 1)S - 1 when M is large enough)."""
     if plan.stages == 1:
         return {"schedule": "none", "bubble": 0.0, "stash_depth": 0}
     if plan.schedule == "1f1b":
-        table = schedule_1f1b(plan.stages, plan.microbatches)
-        return {"schedule": "1f1b", "bubble": bubble_fraction(table), "stash_depth": 2 * plan.stages - 1}
+        table = schedule_1f1b(plan.stages, plan.microbatches, plan.repeats)
+        name = "interleaved 1f1b" if plan.repeats > 1 else "1f1b"
+        return {"schedule": name, "bubble": bubble_fraction(table), "stash_depth": max(in_flight(table))}
     table = schedule(plan.stages, plan.microbatches, plan.repeats)
     return {"schedule": "circular" if plan.repeats > 1 else "gpipe", "bubble": bubble_fraction(table), "stash_depth": len(table)}
 
 
-def check(stages: int, microbatches: int, repeats: int, layers: int | None = None, batch: int | None = None) -> None:
+def check(stages: int, microbatches: int, repeats: int, layers: int | None = None, batch: int | None = None,
+          schedule: str = "gpipe") -> None:
     """ShardingErrors for a pipeline that cannot be built; `batch` is the per-replica batch."""
     if min(stages, microbatches, repeats) < 1:
         raise ShardingError(f"pipeline stages, microbatches and repeats must be positive, got {stages}, {microbatches}, {repeats}")
@@ -140,6 +156,11 @@ def check(stages: int, microbatches: int, repeats: int, layers: int | None = Non
         raise ShardingError(
             f"pipeline.microbatches={microbatches} is fewer than the {stages} stages; use at least {stages} "
             "(more shrinks the bubble)"
+        )
+    if schedule == "1f1b" and repeats > 1 and microbatches % stages:
+        raise ShardingError(
+            f"interleaved 1F1B (pipeline.repeats={repeats}) takes microbatches in groups of the {stages} stages; "
+            f"make pipeline.microbatches={microbatches} a multiple of {stages}"
         )
     if layers is not None and layers % (stages * repeats):
         raise ShardingError(

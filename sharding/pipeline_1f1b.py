@@ -1,10 +1,11 @@
 """1F1B pipeline parallelism as one SPMD program that runs its own backward pass.
 
-The table is `sharding.pipeline.schedule_1f1b`; `pipeline_1f1b` steps through it, one scan per
-phase (`sharding.pipeline.phases`) so that ticks where no stage runs a forward (or a backward)
-do not compute one: GPipe's step time. Where GPipe (`sharding.pipeline.pipeline`,
-differentiated by autodiff) keeps every microbatch's stage inputs, this keeps 2S - 1 per stage,
-whatever the number of microbatches.
+The table is `sharding.pipeline.schedule_1f1b` (interleaved with `repeats` > 1); `pipeline_1f1b`
+steps through it, one scan per phase (`sharding.pipeline.phases`) so that ticks where no stage
+runs a forward (or a backward) do not compute one: the step time of GPipe (circular with
+repeats). Where GPipe (`sharding.pipeline.pipeline`, differentiated by autodiff) keeps every
+microbatch's stage inputs, this keeps the table's in-flight count per stage, whatever the
+number of microbatches.
 """
 
 from __future__ import annotations
@@ -28,53 +29,92 @@ from sharding.pipeline import (
 from sharding.rules import constrain
 
 
-def _table_arrays(table: Sequence[Sequence[Step]]) -> dict[str, np.ndarray]:
-    """A 1F1B table as [ticks, stages] arrays: `forward` / `backward` microbatch (-1: none)."""
-    as_int = lambda m: -1 if m is None else m  # noqa: E731
-    return {
-        "forward": np.array([[as_int(step.forward) for step in row] for row in table], np.int32),
-        "backward": np.array([[as_int(step.backward) for step in row] for row in table], np.int32),
-    }
+def stash_slots(table: Sequence[Sequence[Step]]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Where each stage keeps each forward's input until its backward: [ticks, stages] slot
+    indices for the forward that stores and the backward that reads (0 where none), and how many
+    slots a stage needs, the most in flight. A backward frees its slot before the tick's forward
+    takes the lowest free one."""
+    ticks, stages = len(table), len(table[0])
+    store, read = np.zeros((ticks, stages), np.int32), np.zeros((ticks, stages), np.int32)
+    held, free, depth = [{} for _ in range(stages)], [[] for _ in range(stages)], 0
+    for t, row in enumerate(table):
+        for s, step in enumerate(row):
+            if step.backward is not None:
+                read[t, s] = held[s].pop(step.backward)
+                free[s].append(int(read[t, s]))
+            if step.forward is not None:
+                slot = min(free[s]) if free[s] else len(held[s])
+                free[s] = [f for f in free[s] if f != slot]
+                held[s][step.forward] = store[t, s] = slot
+                depth = max(depth, slot + 1)
+    return store, read, depth
+
+
+def _table_arrays(table: Sequence[Sequence[Step]]) -> tuple[dict[str, np.ndarray], int]:
+    """A 1F1B table as [ticks, stages] arrays the scans step through: per half (`forward`,
+    `backward`), the microbatch (-1: none), the repeat (which of the stage's chunks) and the stash
+    slot; and the stash's depth."""
+    arrays = {}
+    for half in ("forward", "backward"):
+        work = [[getattr(step, half) for step in row] for row in table]
+        arrays[half] = np.array([[-1 if w is None else w.microbatch for w in row] for row in work], np.int32)
+        arrays[f"{half}_repeat"] = np.array([[0 if w is None else w.chunk // len(row) for w in row] for row in work], np.int32)
+    arrays["forward_slot"], arrays["backward_slot"], depth = stash_slots(table)
+    return arrays, depth
 
 
 def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, embed_fn: Callable, embed_params, inputs,
                   loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None], batch_axes: Sequence[str | None],
                   probes=None, probes_axes=None, seed=1.0):
     """The mean over microbatches of `loss_fn(loss_params, y_mb, targets_mb)`, where `y_mb` is
-    the layers (stacked `params`, as in `pipeline`) applied to `embed_fn(embed_params,
-    inputs_mb)`: the 1F1B table's memory bound, whatever the number of microbatches.
+    the layers (stacked `params`, `stage_fn` as in `pipeline`) applied to
+    `embed_fn(embed_params, inputs_mb)`: the 1F1B table's memory bound, whatever the number of
+    microbatches.
 
     The pipeline owns its backward pass: `lax.scan`s over `schedule_1f1b`'s ticks run, on every
-    stage, one forward (its input stashed in a ring of 2S - 1 slots) and one backward
-    (the chunk recomputed from the stashed input by `jax.vjp`, the incoming cotangent applied,
-    weight gradients summed in float32, the input's cotangent handed one stage back). Stage 0
-    embeds each microbatch as it enters and takes the embedding's gradient as it leaves; the last
-    stage applies `loss_fn` and seeds the cotangent. Nothing the size of the batch's activations
-    is kept. It is a custom VJP whose forward does all of this and whose backward scales what it
-    found by the loss's cotangent over `seed`, the cotangent the pipeline's own backward starts
-    from: a float16 loss scale goes there, so the activations' cotangents are scaled where they
-    would overflow or underflow, as under autodiff. `probes` (as in `pipeline`): their gradients are the maximum
+    stage, one forward (its input stashed, `stash_slots`) and one backward (the chunk recomputed
+    from the stashed input by `jax.vjp`, the incoming cotangent applied, weight gradients summed
+    in float32, the input's cotangent handed one stage back), each on the stage's chunk for that
+    repeat. Stage 0 embeds each microbatch as it enters its first chunk and takes the
+    embedding's gradient as it leaves; the last stage applies `loss_fn` after the last chunk and
+    seeds the cotangent. Nothing the size of the batch's activations is kept. It is a custom VJP
+    whose forward does all of this and whose backward scales what it found by the loss's
+    cotangent over `seed`, the cotangent the pipeline's own backward starts from: a float16 loss
+    scale goes there, so the activations' cotangents are scaled where they would overflow or
+    underflow, as under autodiff. `probes` (as in `pipeline`): their gradients are the maximum
     over the ticks whose backward did real work. `inputs` and `targets` have leading axes
     `batch_axes` (e.g. tokens `[batch, length]`).
     """
-    m, s = plan.microbatches, plan.stages
-    check(s, m, 1, jax.tree.leaves(params)[0].shape[0])
-    table = schedule_1f1b(s, m)
-    arrays = _table_arrays(table)
-    slots = 2 * s - 1
+    m, s, r = plan.microbatches, plan.stages, plan.repeats
+    check(s, m, r, jax.tree.leaves(params)[0].shape[0], schedule="1f1b")
+    table = schedule_1f1b(s, m, r)
+    arrays, slots = _table_arrays(table)
     state_axes, stash_axes = ("stages", *x_axes), ("stages", None, *x_axes)
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
-    per_stage = lambda on, a: on.reshape(-1, *([1] * (a.ndim - 1)))  # noqa: E731
     add = lambda total, d, on: jax.tree.map(lambda g, x: g + jnp.where(on, x.astype(jnp.float32), 0.0), total, d)  # noqa: E731
+    # A stage's chunk for a repeat, chosen by a select (a gather indexed per stage made the XLA
+    # GPU compiler fail, see `pipeline`); and a per-stage value added into that repeat's entry.
+    pick = lambda tree, repeat: jax.tree.map(lambda p: p[0] if r == 1 else jax.lax.select_n(repeat, *p), tree)  # noqa: E731
+
+    swap = lambda tree: jax.tree.map(lambda a: a.swapaxes(0, 1), tree)  # noqa: E731  [repeats, stages, ...] <-> [stages, repeats, ...]
+
+    def into(total, d, repeat, on, combine=jnp.add, fill=0.0):
+        hit = (jnp.arange(r) == repeat) & on
+        return jax.tree.map(lambda g, x: combine(g, jnp.where(hit.reshape(-1, *([1] * x.ndim)), x[None].astype(g.dtype), fill)), total, d)
 
     def run(params, probes, embed_params, loss_params, seed, inputs, targets):
-        chunks = jax.tree.map(lambda c: c[0], stage_chunks(params, params_axes, s, 1))  # [stages, layers / stages, ...]
-        probe_chunks = None if probes is None else jax.tree.map(lambda c: c[0], stage_chunks(probes, probes_axes, s, 1))
+        chunks = swap(stage_chunks(params, params_axes, s, r))  # [stages, repeats, layers per chunk, ...]
+        probe_chunks = None if probes is None else swap(stage_chunks(probes, probes_axes, s, r))
         in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
         t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
+        stages = jnp.arange(s)
 
-        def stage_vjp(chunk, chunk_probes, x_mb, index, dy_mb):
-            return jax.vjp(lambda c, p, x: stage_fn(c, p, x, index), chunk, chunk_probes, x_mb)[1](dy_mb)
+        def stage_vjp(chunk_r, probes_r, repeat, stage, x_mb, dy_mb):
+            run_chunk = lambda c, p, x: stage_fn(c, p, x, repeat * s + stage)  # noqa: E731
+            return jax.vjp(run_chunk, pick(chunk_r, repeat), pick(probes_r, repeat), x_mb)[1](dy_mb)
+
+        def stage_forward(chunk_r, probes_r, repeat, stage, x_mb):
+            return stage_fn(pick(chunk_r, repeat), pick(probes_r, repeat), x_mb, repeat * s + stage)
 
         def head(loss_params, y_mb, targets_mb):
             loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, targets_mb), loss_params, y_mb)
@@ -82,33 +122,36 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
 
         def backward_half(c, row):
             """Every stage's backward of its microbatch (masked where it has none); the input
-            cotangents one stage back."""
-            bwd, bwd_on = jnp.maximum(row["backward"], 0), row["backward"] >= 0
+            cotangents one stage back (stage 0's to the last stage, for its previous repeat)."""
+            bwd, on, repeat = jnp.maximum(row["backward"], 0), row["backward"] >= 0, row["backward_repeat"]
             # It reads its stashed input before this tick's forward may reuse the slot.
-            saved = jax.vmap(lambda ring, b: ring[b % slots])(c["stash"], bwd)
-            dchunk, dprobes, dx = jax.vmap(stage_vjp)(chunks, probe_chunks, saved, jnp.arange(s), c["bwd_in"])
-            c["grads"] = jax.tree.map(lambda g, d: g + jnp.where(per_stage(bwd_on, d), d.astype(jnp.float32), 0.0), c["grads"], dchunk)
+            saved = jax.vmap(lambda ring, slot: ring[slot])(c["stash"], row["backward_slot"])
+            dchunk, dprobes, dx = jax.vmap(stage_vjp)(chunks, probe_chunks, repeat, stages, saved, c["bwd_in"])
+            c["grads"] = jax.vmap(into)(c["grads"], dchunk, repeat, on)
             if probes is not None:
-                c["stats"] = jax.tree.map(lambda a, d: jnp.maximum(a, jnp.where(per_stage(bwd_on, d), d, -jnp.inf)), c["stats"], dprobes)
-            # Stage 0's input cotangent: the embedding's gradient for that microbatch.
+                c["stats"] = jax.vmap(functools.partial(into, combine=jnp.maximum, fill=-jnp.inf))(c["stats"], dprobes, repeat, on)
+            # Stage 0's input cotangent after its first chunk: the embedding's gradient.
             (d_embed,) = jax.vjp(lambda ep: embed_fn(ep, in_m[bwd[0]]), embed_params)[1](dx[0])
-            c["embed_grads"] = add(c["embed_grads"], d_embed, bwd_on[0])
+            c["embed_grads"] = add(c["embed_grads"], d_embed, on[0] & (repeat[0] == 0))
             c["bwd_in"] = constrain(jnp.roll(dx, -1, axis=0), state_axes, "pipeline stage cotangents")  # a collective-permute
             return c
 
         def forward_half(c, row):
-            """Stage 0 embeds a fresh microbatch, every stage runs its forward and stashes its
-            input, the last applies the head and loss and seeds the cotangent its backward starts
-            from next tick; activations one stage on."""
-            fwd, fwd_on = jnp.maximum(row["forward"], 0), row["forward"] >= 0
-            fwd_in = c["fwd_in"].at[0].set(embed_fn(embed_params, in_m[fwd[0]]).astype(c["fwd_in"].dtype))
-            y = constrain(jax.vmap(stage_fn)(chunks, probe_chunks, fwd_in, jnp.arange(s)), state_axes, "pipeline stage outputs")
-            keep = lambda ring, f, x_mb, on: ring.at[f % slots].set(jnp.where(on, x_mb, ring[f % slots]))  # noqa: E731
-            c["stash"] = constrain(jax.vmap(keep)(c["stash"], fwd, fwd_in, fwd_on), stash_axes, "pipeline stash")
+            """Stage 0 embeds a microbatch entering its first chunk, every stage runs its forward
+            and stashes its input, the last applies the head and loss after the last chunk and
+            seeds the cotangent its backward starts from next tick; activations one stage on."""
+            fwd, on, repeat = jnp.maximum(row["forward"], 0), row["forward"] >= 0, row["forward_repeat"]
+            entering = embed_fn(embed_params, in_m[fwd[0]]).astype(c["fwd_in"].dtype)
+            fwd_in = c["fwd_in"].at[0].set(jnp.where(repeat[0] == 0, entering, c["fwd_in"][0]))
+            y = constrain(jax.vmap(stage_forward)(chunks, probe_chunks, repeat, stages, fwd_in), state_axes, "pipeline stage outputs")
+            keep = lambda ring, slot, x_mb, on: ring.at[slot].set(jnp.where(on, x_mb, ring[slot]))  # noqa: E731
+            c["stash"] = constrain(jax.vmap(keep)(c["stash"], row["forward_slot"], fwd_in, on), stash_axes, "pipeline stash")
+            leaving = on[-1] & (repeat[-1] == r - 1)
             mb_loss, dloss_params, dy = head(loss_params, y[-1], t_m[fwd[-1]])
-            c["loss"] = c["loss"] + jnp.where(fwd_on[-1], mb_loss, 0.0) / m
-            c["loss_grads"] = add(c["loss_grads"], dloss_params, fwd_on[-1])
-            c["bwd_in"] = constrain(c["bwd_in"].at[-1].set(dy.astype(c["bwd_in"].dtype)), state_axes, "pipeline stage cotangents")
+            c["loss"] = c["loss"] + jnp.where(leaving, mb_loss, 0.0) / m
+            c["loss_grads"] = add(c["loss_grads"], dloss_params, leaving)
+            seeded = jnp.where(leaving, dy.astype(c["bwd_in"].dtype), c["bwd_in"][-1])
+            c["bwd_in"] = constrain(c["bwd_in"].at[-1].set(seeded), state_axes, "pipeline stage cotangents")
             c["fwd_in"] = constrain(jnp.roll(y, 1, axis=0), state_axes, "pipeline stage inputs")  # a collective-permute
             return c
 
@@ -130,8 +173,9 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             rows = {k: jnp.asarray(v[start:stop]) for k, v in arrays.items()}
             c, _ = jax.lax.scan(functools.partial(tick, forwards=forwards, backwards=backwards), c, rows)
         like = lambda tree, ref: jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), tree, ref)  # noqa: E731
-        stats = None if probes is None else like(c["stats"], probes)
-        return c["loss"], (like(c["grads"], params), stats, like(c["embed_grads"], embed_params), like(c["loss_grads"], loss_params))
+        stats = None if probes is None else like(swap(c["stats"]), probes)
+        found = like(swap(c["grads"]), params), stats, like(c["embed_grads"], embed_params), like(c["loss_grads"], loss_params)
+        return c["loss"], found
 
     @jax.custom_vjp
     def pipelined(params, probes, embed_params, loss_params, seed, inputs, targets):

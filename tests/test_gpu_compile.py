@@ -190,6 +190,6 @@ def test_document_masking_context_parallelism_and_sliding_windows_compile_for_h1
 def test_every_pipeline_schedule_compiles_for_h100s(h100s):
     # Circular once crashed the XLA GPU compiler ("Failed after batched_gather_scatter_normalizer":
     # a gather indexed per stage); 1F1B runs vjps inside its scan.
-    for extra in ({}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}):
+    for extra in ({}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2}):
         text = compiled(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, pipeline__microbatches=4, **extra)
         assert hlo.collectives(text)["collective-permute"] >= 2  # activations on, and (gradients) back

@@ -19,6 +19,7 @@ from sharding.pipeline import (
     schedule,
     schedule_1f1b,
 )
+from sharding.pipeline_1f1b import stash_slots
 
 DEEP = dict(model__num_layers=4)
 
@@ -42,6 +43,9 @@ def test_pipeline_configuration_errors():
         setup(small_config({"data": 2, "stage": 4}, pipeline__microbatches=2, **DEEP), VOCAB)
     with pytest.raises(ShardingError, match="per-replica batch of 4 sequences is not divisible by pipeline.microbatches=3"):
         setup(small_config({"data": 4, "stage": 2}, pipeline__microbatches=3, **DEEP), VOCAB)
+    with pytest.raises(ShardingError, match="make pipeline.microbatches=6 a multiple of 4"):
+        setup(small_config({"data": 2, "stage": 4}, pipeline__microbatches=6, pipeline__schedule="1f1b", pipeline__repeats=2,
+                           train__batch_size=12, model__num_layers=8), VOCAB)
 
 
 def pipelined_run(c, devices=None, steps: int = 5):
@@ -83,9 +87,12 @@ def one_device_deep():
         ({"stage": 2, "data": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "train__grad_accum": 2, "sharding__sequence_parallel": True,
                                                 "model__remat": "dots"}),
         ({"stage": 2, "fsdp": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4}),
+        ({"stage": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2, "pipeline__microbatches": 4}),
+        ({"stage": 2, "data": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2, "sharding__sequence_parallel": True}),
     ],
     ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2-accum2", "stage2-fsdp4",
-         "1f1b-stage2", "1f1b-stage4", "1f1b-stage2-data2-tensor2-sp-accum2-dots", "1f1b-stage2-fsdp4"],
+         "1f1b-stage2", "1f1b-stage4", "1f1b-stage2-data2-tensor2-sp-accum2-dots", "1f1b-stage2-fsdp4",
+         "interleaved-1f1b-stage2", "interleaved-1f1b-stage2-data2-tensor2-sp"],
 )
 def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
     c = small_config({"data": -1, **mesh}, **DEEP, **extra)
@@ -146,7 +153,8 @@ def fp8_one_device():
     return fp8_states({}, jax.devices()[:1])
 
 
-@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}], ids=["gpipe", "circular", "1f1b"])
+@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2}],
+                         ids=["gpipe", "circular", "1f1b", "interleaved-1f1b"])
 def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(fp8_one_device, extra):
     ref_states, ref_losses = fp8_one_device
     states, losses = fp8_states({"data": -1, "stage": 2}, **extra)
@@ -166,7 +174,8 @@ def test_gradient_accumulation_keeps_the_whole_batchs_fp8_gradient_statistics(fp
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2), states[0], fp8_one_device[0][0])
 
 
-@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}], ids=["gpipe", "circular", "1f1b"])
+@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2}],
+                         ids=["gpipe", "circular", "1f1b", "interleaved-1f1b"])
 def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(extra):
     """Layers 0 and 3 of 4 stay out of fp8: in a pipeline their chunks' positions choose at run
     time, and the skipped layers' histories stay empty exactly as on one device."""
@@ -178,37 +187,46 @@ def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(extra):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
-@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 3), (4, 4), (4, 8), (4, 32), (8, 8), (8, 20)])
-def test_1f1b_table_keeps_a_bounded_stash_and_runs_each_backward_after_its_forward(stages, microbatches):
-    table = schedule_1f1b(stages, microbatches)
-    assert len(table) == microbatches + 2 * stages - 1
-    at = {}  # (microbatch, stage, "F" / "B") -> tick
+@pytest.mark.parametrize("stages, microbatches, repeats", [(2, 2, 1), (2, 5, 1), (3, 3, 1), (4, 4, 1), (4, 8, 1), (4, 32, 1), (8, 8, 1),
+                                                       (8, 20, 1), (2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (3, 6, 3), (4, 32, 2)])
+def test_1f1b_table_keeps_a_bounded_stash_and_runs_each_backward_after_its_forward(stages, microbatches, repeats):
+    table = schedule_1f1b(stages, microbatches, repeats)
+    chunks, ticks = repeats * stages, repeats * (microbatches + stages) + stages - 1
+    assert len(table) == ticks
+    at = {}  # (microbatch, chunk, "F" / "B") -> tick
     for t, row in enumerate(table):
         for s, step in enumerate(row):
-            for kind, m in (("F", step.forward), ("B", step.backward)):
-                if m is not None:
-                    assert (m, s, kind) not in at  # once each
-                    at[(m, s, kind)] = t
-    assert len(at) == 2 * stages * microbatches  # every forward and backward of every microbatch
+            for kind, work in (("F", step.forward), ("B", step.backward)):
+                if work is not None:
+                    assert (work.microbatch, work.chunk, kind) not in at and work.chunk % stages == s  # once, on its stage
+                    at[(work.microbatch, work.chunk, kind)] = t
+    assert len(at) == 2 * chunks * microbatches  # every forward and backward of every microbatch and chunk
     for m in range(microbatches):
-        forwards = [at[(m, s, "F")] for s in range(stages)]
-        backwards = [at[(m, s, "B")] for s in range(stages)]
-        assert all(b > f for f, b in zip(forwards, backwards))  # on every stage, forward first
-        assert forwards == sorted(forwards) and backwards == sorted(backwards, reverse=True)  # down, then back up
-        assert all(nxt - cur == 1 for cur, nxt in zip(forwards, forwards[1:]))  # one tick per hop
-        assert backwards[-1] == forwards[-1] + 1  # the last stage seeds the backward the next tick
-    # The stash is bounded by the stages, not the microbatches (GPipe keeps all M)
-    assert in_flight(table) == [min(microbatches, 2 * (stages - s) - 1) for s in range(stages)]
-    # Forwards only, then both, then backwards only; run that way, GPipe's bubble.
-    assert phases(table) == [(0, stages, True, False), (stages, microbatches + stages - 1, True, True),
-                             (microbatches + stages - 1, microbatches + 2 * stages - 1, False, True)]
-    assert bubble_fraction(table) == pytest.approx((stages - 1) / (microbatches + stages - 1))
+        forwards = [at[(m, c, "F")] for c in range(chunks)]
+        backwards = [at[(m, c, "B")] for c in range(chunks)]
+        assert all(b > f for f, b in zip(forwards, backwards))  # on every chunk, forward first
+        assert all(nxt - cur == 1 for cur, nxt in zip(forwards, forwards[1:]))  # down the chunks, one tick per hop
+        assert all(cur - nxt == 1 for cur, nxt in zip(backwards, backwards[1:]))  # and back up, in reverse
+        assert backwards[-1] == forwards[-1] + 1  # the last chunk seeds the backward the next tick
+    # The stash is bounded by the stages and repeats, not the microbatches (GPipe keeps all R x M)
+    assert in_flight(table) == [min(repeats * microbatches, (repeats + 1) * stages - 1 - 2 * s) for s in range(stages)]
+    store, read, depth = stash_slots(table)  # each backward reads the slot its forward filled, never reused meanwhile
+    assert depth == max(in_flight(table))
+    for (m, c, kind), t in at.items():
+        if kind == "F":
+            back, s = at[(m, c, "B")], c % stages
+            assert read[back, s] == store[t, s]
+            assert all(store[u, s] != store[t, s] or row[s].forward is None for u, row in enumerate(table[t + 1:back], t + 1))
+    # Forwards only, then both, then backwards only; run that way, the circular schedule's bubble.
+    fill, drain = repeats * stages, repeats * microbatches + stages - 1
+    assert phases(table) == [(0, fill, True, False), (fill, drain, True, True), (drain, ticks, False, True)]
+    assert bubble_fraction(table) == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
 
 
 def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
-    def temporaries(schedule: str, microbatches: int) -> int:  # microbatches of 2 sequences
+    def temporaries(schedule: str, microbatches: int, repeats: int = 1) -> int:  # microbatches of 2 sequences
         c = small_config({"data": 1, "stage": 2}, **DEEP, train__batch_size=2 * microbatches, pipeline__microbatches=microbatches,
-                         pipeline__schedule=schedule)
+                         pipeline__schedule=schedule, pipeline__repeats=repeats)
         program = setup(c, VOCAB, jax.devices()[:2])
         batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
         return program.train_step.lower(program.abstract_sharded_state(), batch).compile().memory_analysis().temp_size_in_bytes
@@ -217,13 +235,8 @@ def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
     one_f_one_b = [temporaries("1f1b", m) for m in (4, 8, 16, 32)]
     assert all(b > a for a, b in zip(gpipe, gpipe[1:])) and gpipe[-1] > 2 * gpipe[0]  # GPipe keeps every microbatch's inputs
     assert max(one_f_one_b) <= 1.1 * min(one_f_one_b)  # 1F1B: 2S - 1 stage inputs per stage, whatever M
-
-
-def test_1f1b_refuses_interleaving_in_one_line():
-    from lm.config import UserError
-
-    with pytest.raises(UserError, match="pipeline.schedule=1f1b runs one chunk per stage"):
-        small_config({"stage": 2}, **DEEP, pipeline__schedule="1f1b", pipeline__repeats=2)
+    interleaved = [temporaries("1f1b", m, repeats=2) for m in (4, 32)]
+    assert max(interleaved) <= 1.1 * min(interleaved)  # (R + 1)S - 1 chunk inputs
 
 
 def test_1f1b_runs_its_backward_at_the_float16_loss_scale():
