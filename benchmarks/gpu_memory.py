@@ -36,8 +36,8 @@ GRIDS = {  # recipe, devices, config overrides
     # Pipeline schedules at a fixed microbatch of 2 sequences: M = 4 ... 32 microbatches.
     "pipeline": [
         ("llama_1b", 8, {"mesh.data": 1, "mesh.stage": 4, "mesh.fsdp": 2, "train.batch_size": 4 * m, "pipeline.microbatches": m,
-                         "pipeline.schedule": "1f1b" if name == "1f1b" else "gpipe", "pipeline.repeats": 2 if name == "circular" else 1})
-        for name in ("gpipe", "circular", "1f1b")
+                         "pipeline.schedule": "1f1b" if "1f1b" in name else "gpipe", "pipeline.repeats": 2 if name in ("circular", "interleaved 1f1b") else 1})
+        for name in ("gpipe", "circular", "1f1b", "interleaved 1f1b")
         for m in (4, 8, 16, 32)
     ],
 }
