@@ -29,11 +29,15 @@ def h100s():
     return targets.devices("h100", 8)
 
 
-def compiled(h100s, mesh: dict, **overrides) -> str:
+def compiled_step(h100s, mesh: dict, **overrides):
     c = recipe("tiny", **{**SMALL, **overrides}, **{f"mesh__{k}": v for k, v in {"data": 1, **mesh}.items()})
     program = setup(c, 256, h100s)
     batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-    return program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
+    return program.train_step.lower(program.abstract_sharded_state(), batch).compile()
+
+
+def compiled(h100s, mesh: dict, **overrides) -> str:
+    return compiled_step(h100s, mesh, **overrides).as_text()
 
 
 def model_gemms(text: str) -> list[hlo.Gemm]:
@@ -193,3 +197,15 @@ def test_every_pipeline_schedule_compiles_for_h100s(h100s):
     for extra in ({}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2}):
         text = compiled(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, pipeline__microbatches=4, **extra)
         assert hlo.collectives(text)["collective-permute"] >= 2  # activations on, and (gradients) back
+
+
+def test_1f1b_temporaries_stay_flat_in_the_microbatches_on_h100s(h100s):
+    def temporaries(microbatches: int, **schedule) -> int:  # microbatches of 2 sequences per FSDP shard
+        step = compiled_step(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, train__batch_size=8 * microbatches,
+                             pipeline__microbatches=microbatches, **schedule)
+        return step.memory_analysis().temp_size_in_bytes
+
+    gpipe = [temporaries(m) for m in (4, 32)]
+    one_f_one_b = [temporaries(m, pipeline__schedule="1f1b") for m in (4, 32)]
+    assert gpipe[1] > 2 * gpipe[0]  # every microbatch's stage inputs
+    assert max(one_f_one_b) <= 1.1 * min(one_f_one_b)  # the stages' in-flight inputs only
