@@ -92,13 +92,13 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
     state_axes, stash_axes = ("stages", *x_axes), ("stages", None, *x_axes)
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
     add = lambda total, d, on: jax.tree.map(lambda g, x: g + jnp.where(on, x.astype(jnp.float32), 0.0), total, d)  # noqa: E731
+    swap = lambda tree: jax.tree.map(lambda a: a.swapaxes(0, 1), tree)  # noqa: E731  [repeats, stages, ...] <-> [stages, repeats, ...]
     # A stage's chunk for a repeat, chosen by a select (a gather indexed per stage made the XLA
-    # GPU compiler fail, see `pipeline`); and a per-stage value added into that repeat's entry.
+    # GPU compiler fail, see `pipeline`).
     pick = lambda tree, repeat: jax.tree.map(lambda p: p[0] if r == 1 else jax.lax.select_n(repeat, *p), tree)  # noqa: E731
 
-    swap = lambda tree: jax.tree.map(lambda a: a.swapaxes(0, 1), tree)  # noqa: E731  [repeats, stages, ...] <-> [stages, repeats, ...]
-
     def into(total, d, repeat, on, combine=jnp.add, fill=0.0):
+        """A stage's `total` ([repeats, ...] leaves) with `d` combined into that repeat's entry."""
         hit = (jnp.arange(r) == repeat) & on
         return jax.tree.map(lambda g, x: combine(g, jnp.where(hit.reshape(-1, *([1] * x.ndim)), x[None].astype(g.dtype), fill)), total, d)
 

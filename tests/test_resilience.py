@@ -137,12 +137,17 @@ def test_too_many_nonfinite_steps_in_a_row_end_the_run(tmp_path, small_corpus):
         train(c, tmp_path, jax.devices()[:1], faults=Faults(nonfinite_steps=(2, 3)))
 
 
-def test_launcher_prefixes_output_and_stops_everyone_when_one_process_fails():
+def test_launcher_prefixes_output_and_stops_everyone_when_one_process_fails(tmp_path):
+    said = tmp_path / "process 0 said hello"
     worker = (
-        "import sys, time; i = int(sys.argv[-1].split('=')[1]); print('hello from', i, flush=True); "
+        "import pathlib, sys, time; i = int(sys.argv[-1].split('=')[1]); print('hello from', i, flush=True); "
+        f"seen = pathlib.Path({str(said)!r}); "
+        "seen.touch() if i == 0 else [time.sleep(0.05) for _ in range(200) if not seen.exists()]; "
         "sys.exit(3) if i == 1 else time.sleep(120)"
     )
-    # The survivor sleeps 120 s: the launcher must stop it well before (else the timeout fails the test).
+    # Process 1 fails once process 0 has printed (on a loaded machine it could otherwise be stopped
+    # before it started); the survivor sleeps 120 s: the launcher must stop it well before (else
+    # the timeout fails the test).
     out = run_module("lm.launch", "--processes=2", "--devices_per_process=1", "--", sys.executable, "-c", worker, timeout=30)
     assert out.returncode == 3
     assert "[0] hello from 0" in out.stdout and "[1] hello from 1" in out.stdout
