@@ -4,8 +4,10 @@ overrides, and user mistakes printed as one line (exit 2) instead of a traceback
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import ml_collections
 
@@ -69,11 +71,25 @@ class Parser(argparse.ArgumentParser):
         return args
 
 
+def use_compilation_cache() -> None:
+    """JAX's persistent compilation cache in `$XDG_CACHE_HOME/meshlm/xla`, unless
+    JAX_COMPILATION_CACHE_DIR names another (JAX_ENABLE_COMPILATION_CACHE=false: none): a run
+    resumed after preemption, a re-run or a benchmark loads the programs it compiled before.
+    Programs that compile in under a second are not kept (JAX's default); nothing is evicted."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir is None:
+        home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        jax.config.update("jax_compilation_cache_dir", str(home / "meshlm" / "xla"))
+
+
 def run(main: Callable[[list[str]], None], argv: list[str] | None = None) -> None:
-    """Calls `main(argv)`; a UserError or ShardingError ends the process with one line, exit 2."""
+    """Calls `main(argv)` with compiled programs cached across runs (`use_compilation_cache`); a
+    UserError or ShardingError ends the process with one line, exit 2."""
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+    use_compilation_cache()
     try:
         main(sys.argv[1:] if argv is None else argv)
     except (UserError, sharding.ShardingError) as e:

@@ -41,12 +41,14 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path, small_corpus):
 def test_resume_after_kill_logs_the_same_losses(tmp_path, small_corpus):
     args = ["lm.train", "--config=configs/tiny.py", f"--config.data.path={small_corpus}", "--config.train.steps=20",
             "--config.checkpoint.every_steps=10"] + [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]
-    straight = run_module(*args, f"--workdir={tmp_path / 'straight'}")
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # compiled programs are kept there, and reused
+    straight = run_module(*args, f"--workdir={tmp_path / 'straight'}", env_extra=cache)
     assert straight.returncode == 0, straight.stderr
-    killed = run_module(*args, f"--workdir={tmp_path / 'resumed'}", "--debug_kill_at_step=13")
+    assert any(p.name.startswith("jit__train_step") for p in (tmp_path / "cache" / "meshlm" / "xla").iterdir())
+    killed = run_module(*args, f"--workdir={tmp_path / 'resumed'}", "--debug_kill_at_step=13", env_extra=cache)
     assert killed.returncode == -9, killed.stderr  # SIGKILL
     assert sorted(losses(tmp_path / "resumed")) == list(range(1, 14))
-    resumed = run_module(*args, f"--workdir={tmp_path / 'resumed'}")
+    resumed = run_module(*args, f"--workdir={tmp_path / 'resumed'}", env_extra=cache)
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from step 10" in resumed.stdout
     a, b = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
