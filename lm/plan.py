@@ -87,7 +87,6 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[L
                     yield dataclasses.replace(layout, microbatches=mesh["stage"], schedule="gpipe"), "indivisible"
                 circular = run.model.num_layers % (2 * mesh["stage"]) == 0  # two chunks per stage
                 for microbatches in counts:
-                    yield dataclasses.replace(layout, microbatches=microbatches, schedule="gpipe")
                     for schedule in ("gpipe", "1f1b"):
                         yield dataclasses.replace(layout, microbatches=microbatches, schedule=schedule)
                         if circular:  # circular GPipe, interleaved 1F1B
