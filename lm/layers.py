@@ -55,8 +55,10 @@ def _lookup_bwd(residuals, dy_btd):
     table_vd, ids_bt = residuals
     # The rows' gradients split along `embed` as the table is (an all-to-all from the batch
     # split), the batch over data-parallel replicas only: left to itself, with the batch split
-    # over data x fsdp, XLA reaches the table's layout only by replicating them.
-    dy_btd = constrain(dy_btd, ("replica_batch", None, "embed"), "embedding gradient rows")
+    # over data x fsdp (or the sequence over context x tensor), XLA reaches the table's layout
+    # only by replicating them.
+    dy_btd = sharding.move(dy_btd, ("batch", "norm_length", "act_embed"), ("replica_batch", None, "embed"), "embedding gradient rows")
+    ids_bt = constrain(ids_bt, ("replica_batch", None), "embedding gradient ids")  # placed as the rows
     grad = jnp.zeros(table_vd.shape, jnp.float32).at[ids_bt].add(dy_btd.astype(jnp.float32))
     return constrain(grad, ("vocab", "embed"), "embedding gradient").astype(table_vd.dtype), None
 

@@ -245,6 +245,37 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str = "act
     return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules, shape=x.shape, name=name))
 
 
+def resharding_steps(source: PartitionSpec, target: PartitionSpec) -> list[PartitionSpec]:
+    """The specs an array passes through from `source` to `target`, one mesh axis changing at a
+    time: the axes the target does not use gathered first, then each axis that changes dimension
+    moved on its own (an all-to-all over that axis), then the target (its new splits sliced)."""
+    target_axes = [_as_tuple(a) for a in target]
+    wanted = {a: dim for dim, axes in enumerate(target_axes) for a in axes}
+    steps = [[[a for a in _as_tuple(axes) if a in wanted] for axes in source]]
+    for axis, dim in wanted.items():
+        where = next((d for d, axes in enumerate(steps[-1]) if axis in axes), dim)
+        if where != dim:
+            step = [[a for a in axes if a != axis] for axes in steps[-1]]
+            step[dim] = [a for a in target_axes[dim] if a in step[dim] or a == axis]
+            steps.append(step)
+    specs = [*(PartitionSpec(*(tuple(axes) if axes else None for axes in step)) for step in steps), target]
+    return [spec for i, spec in enumerate(specs) if i == 0 or spec != specs[i - 1]]
+
+
+def move(x: jax.Array, from_axes: Sequence[str | None], to_axes: Sequence[str | None], name: str = "activation") -> jax.Array:
+    """Reshard `x` from logical axes `from_axes` to `to_axes` through `resharding_steps`: XLA's
+    partitioner finds each single-axis move, while asked for several at once (a sequence split
+    over context x tensor to `embed` over context, say) it may only replicate the array whole.
+    A no-op outside `activate`."""
+    if not _ACTIVE.stack:
+        return x
+    mesh, rules = _ACTIVE.stack[-1]
+    source, target = (logical_to_spec(axes, rules, mesh=mesh, shape=x.shape, name=name) for axes in (from_axes, to_axes))
+    for spec in resharding_steps(source, target):
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return x
+
+
 def split_ways(logical: str) -> int:
     """How many ways the mesh and rules in force split the logical axis `logical` (1 outside
     `activate`)."""

@@ -159,9 +159,11 @@ def test_no_involuntary_full_rematerialization(h100s, capfd):
     # XLA's SPMD partitioner logs (from C++, to the process's stderr) each tensor it can only
     # reshard by replicating it whole; the training steps must cause none.
     capfd.readouterr()
-    meshes = ({"fsdp": 8}, {"data": 2, "fsdp": 4}, {"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2}, {"context": 2, "fsdp": 2, "tensor": 2})
+    meshes = ({"fsdp": 8}, {"data": 2, "fsdp": 4}, {"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2},
+              {"context": 2, "fsdp": 2, "tensor": 2}, {"data": 2, "context": 2, "tensor": 2}, {"context": 2, "fsdp": 4})
     for mesh in meshes:
-        compiled(h100s, mesh, sharding__sequence_parallel=True)
+        compiled(h100s, mesh, sharding__sequence_parallel=mesh.get("tensor", 1) > 1)
+    compiled(h100s, {"context": 2, "fsdp": 2, "tensor": 2})  # tensor parallelism without sequence parallelism
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
     # The detector: a transpose whose result is asked for in an interleaved layout is one.
     mesh = jax.sharding.Mesh(np.asarray(h100s).reshape(2, 4), ("a", "b"))

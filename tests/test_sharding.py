@@ -85,6 +85,32 @@ def test_activation_constraint_is_noop_outside_and_applied_inside():
     )
 
 
+def test_move_reshards_one_mesh_axis_at_a_time(capfd):
+    """The embedding gradient's rows, from the sequence split over context x tensor (sequence
+    parallelism) and the batch over data, to `embed` over context: the tensor split gathered, then
+    context moved on its own; the values unchanged, and XLA replicates nothing whole."""
+    source, target = P("data", ("context", "tensor"), None), P("data", None, "context")
+    steps = sharding.rules.resharding_steps(source, target)
+    assert steps == [P("data", "context", None), P("data", None, "context")]
+    assert sharding.rules.resharding_steps(P(("data", "fsdp"), "context"), P("data", ("context", "fsdp"))) == [
+        P(("data", "fsdp"), "context"), P("data", ("context", "fsdp"))]  # fsdp moves after context, as the target orders them
+    assert sharding.rules.resharding_steps(P("data", None), P("data", None)) == [P("data", None)]
+    mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
+    rules = sharding.merge_rules(sharding.DEFAULT_RULES, sharding.SEQUENCE_PARALLEL_RULES)
+    x = jax.numpy.arange(8 * 16 * 8, dtype=np.float32).reshape(8, 16, 8)
+    with sharding.activate(mesh, rules):
+        step = jax.jit(lambda a: sharding.move(a, ("batch", "norm_length", None), ("replica_batch", None, "embed")) * 2,
+                       in_shardings=sharding.named_sharding(mesh, ("batch", "norm_length", None), rules))
+        capfd.readouterr()
+        y = step(x)
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
+    np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(x))
+    assert y.sharding.is_equivalent_to(sharding.named_sharding(mesh, ("replica_batch", None, "embed"), rules), 3)
+    with sharding.activate(mesh, rules):  # the detector: asked in one constraint, XLA replicates it
+        jax.jit(lambda a: sharding.constrain(a, ("replica_batch", None, "embed")) * 2, in_shardings=sharding.named_sharding(mesh, ("batch", "norm_length", None), rules))(x)
+    assert "Involuntary full rematerialization" in capfd.readouterr().err
+
+
 def test_a_bound_jit_keeps_its_rules_wherever_it_is_traced():
     x = jax.numpy.ones((8, 4))
     mesh = make_mesh(MeshConfig(data=8))
