@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fast_config, metrics_rows, recipe
+from conftest import fast_config, recipe, train_run
 
 from lm.checkpoint import Checkpointer
 from lm.config import UserError, validate
@@ -28,10 +28,9 @@ FORMATS = {
 @pytest.mark.slow
 def test_bf16_fp16_and_fp8_end_within_3_percent_of_float32_on_shakespeare(tmp_path, shakespeare):
     def final_loss(name, **overrides):
-        c = recipe("shakespeare_char", data__path=str(shakespeare), train__steps=300, train__eval_every=300,
-                   train__eval_batches=2, checkpoint__every_steps=300, **overrides)
-        train(c, tmp_path / name, jax.devices()[:1])
-        rows = [r for r in metrics_rows(tmp_path / name) if "loss" in r]
+        rows = train_run(tmp_path / name, "shakespeare_char", data__path=shakespeare, train__steps=300, train__eval_every=300,
+                         train__eval_batches=2, checkpoint__every_steps=300, **overrides)
+        rows = [r for r in rows if "loss" in r]
         return rows[-1]["loss"], rows  # the mean over the last 50 steps
 
     reference, _ = final_loss("float32", precision__compute_dtype="float32")
