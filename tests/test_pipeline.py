@@ -162,9 +162,11 @@ def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(fp8_on
     # equals the one-device run's (summed over ticks, autodiff's way, it is 2x: 2 microbatches).
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), states[0], ref_states[0])
     # Later steps drift apart (fp8 rounding magnifies float32's last-bit differences between
-    # the pipelined and the one-device gradient sums), the training does not.
+    # the pipelined and the one-device gradient sums), the training does not. An amax downstream
+    # of e5m2 gradients moves by up to one e5m2 step (2 mantissa bits: 25%) when one of them
+    # rounds the other way (seen: 15.5% on one entry under jax 0.11.2).
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0.15), states[-1], ref_states[-1])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0.25), states[-1], ref_states[-1])
 
 
 def test_gradient_accumulation_keeps_the_whole_batchs_fp8_gradient_statistics(fp8_one_device):
