@@ -117,9 +117,11 @@ def test_tensor_parallel_loss_never_gathers_the_logits(h100s):
 
 def test_gpu_compiles_get_meshlm_compiler_options(h100s):
     # The latency-hiding scheduler and collective combining (targets.GPU_COMPILER_OPTIONS) change
-    # the schedule: asynchronous collective pairs appear.
+    # the schedule: asynchronous collective pairs appear. (Which ones varies: jax 0.11's XLA makes
+    # a pair with nothing scheduled between its start and done synchronous again, as it did this
+    # model's one combined all-gather.)
     text = compiled(h100s, {"fsdp": 8})
-    assert re.search(r"all-gather-start\(", text) and targets.compiler_options("gpu")
+    assert re.search(r"(all-gather|reduce-scatter|all-reduce)-start\(", text) and targets.compiler_options("gpu")
     assert targets.compiler_options("cpu") == {}
 
 
