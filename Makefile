@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: train test bench gpu-bench gpu-compiler clean-venv
+.PHONY: train test bench gpu-bench gpu-compiler gpu-wheels clean-venv
 
 $(VENV)/.base: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,16 @@ bench: $(VENV)/.base
 # On a machine with an NVIDIA GPU (after `pip install -e '.[gpu]'`): the GPU run kit, as JSON.
 gpu-bench: $(VENV)/.base
 	$(PY) benchmarks/gpu.py
+
+# For a GPU host that cannot reach a package index but has JAX with CUDA, flax, optax and orbax
+# (a lent GPU machine: Python 3.12): the wheels `benchmarks/gpu.py` and `lm.bench` need beyond
+# those, for that Python, in .whl/ (about 6 MB). There: pip install --no-index --find-links .whl
+# ml-collections grain tqdm, then python benchmarks/gpu.py.
+GPU_PYTHON ?= 3.12
+gpu-wheels: $(VENV)/.base
+	$(PY) -m pip download -q -d .whl --only-binary=:all: --python-version $(GPU_PYTHON) \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 ml-collections grain tqdm
+	rm -f .whl/numpy-*.whl  # the host's own numpy stays
 
 clean-venv:
 	rm -rf $(VENV)
