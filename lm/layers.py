@@ -9,7 +9,6 @@ dim, f mlp hidden, v vocab.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -19,12 +18,16 @@ import numpy as np
 from flax import nnx
 
 import sharding
+from lm.attention import attention, causal_mask
 from lm.precision import Policy
 from sharding import constrain
 from sharding.remat import name_qkv
 
 if TYPE_CHECKING:
     from lm.model import ModelConfig
+
+# The residual stream's logical axes (the embedded tokens', each block's input and output).
+RESIDUAL_AXES = ("batch", "norm_length", "act_embed")
 
 
 class Embedding(nnx.Param):
@@ -57,7 +60,7 @@ def _lookup_bwd(residuals, dy_btd):
     # split), the batch over data-parallel replicas only: left to itself, with the batch split
     # over data x fsdp (or the sequence over context x tensor), XLA reaches the table's layout
     # only by replicating them.
-    dy_btd = sharding.move(dy_btd, ("batch", "norm_length", "act_embed"), ("replica_batch", None, "embed"), "embedding gradient rows")
+    dy_btd = sharding.move(dy_btd, RESIDUAL_AXES, ("replica_batch", None, "embed"), "embedding gradient rows")
     ids_bt = constrain(ids_bt, ("replica_batch", None), "embedding gradient ids")  # placed as the rows
     grad = jnp.zeros(table_vd.shape, jnp.float32).at[ids_bt].add(dy_btd.astype(jnp.float32))
     return constrain(grad, ("vocab", "embed"), "embedding gradient").astype(table_vd.dtype), None
@@ -134,81 +137,6 @@ def rope(x_bthk: jax.Array, positions_bt: jax.Array, freq_k: np.ndarray) -> jax.
     sin, cos = jnp.sin(angle), jnp.cos(angle)
     x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
-
-
-def causal_mask(q_positions_bt: jax.Array, k_positions_bs: jax.Array, window: int = 0) -> jax.Array:
-    """[b, t, s] True where a query may attend to a key: not later than itself and, with a sliding
-    `window`, among its latest `window` positions (itself included). From positions, not array
-    indices: it holds for a sequence in any order (context parallelism reorders it)."""
-    q, k = q_positions_bt[:, :, None], k_positions_bs[:, None, :]
-    mask = k <= q
-    return mask & (k > q - window) if window else mask
-
-
-@functools.cache
-def cudnn_available() -> bool:
-    """Whether cuDNN's library can be loaded here (to run, or to compile for a GPU target)."""
-    from jax._src.cudnn import fused_attention_stablehlo
-
-    try:
-        fused_attention_stablehlo.check_cudnn_version()
-    except (RuntimeError, ImportError, AttributeError):
-        return False
-    return True
-
-
-def attention_kernel(requested: str, q_bthk: jax.Array, decoding: bool = False) -> str:
-    """Which attention runs: `einsum` (written out, the CPU default), `xla` (XLA's own fused
-    attention) or `cudnn` (cuDNN flash attention). `auto` takes cuDNN when compiling for a GPU
-    and it can take the call: cuDNN loadable here, bf16 / float16 inputs, a head dim that is a
-    multiple of 8 up to 128, not decoding (the cache's mask goes to XLA); a training mask
-    (packed documents, a reordered sequence) reaches cuDNN as a bias. Otherwise XLA on
-    accelerators and einsum on CPU."""
-    if requested != "auto":
-        return requested
-    backend = sharding.platform()  # the compile target's, not necessarily this machine's
-    if backend == "cpu":
-        return "einsum"
-    head_dim = q_bthk.shape[-1]
-    cudnn_ok = not decoding and q_bthk.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if backend == "gpu" and cudnn_ok and cudnn_available() else "xla"
-
-
-def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0, decoding: bool = False) -> jax.Array:
-    """Softmax attention with grouped-query heads; `mask_bts` None means causal (within a sliding
-    `window` of keys when it is > 0); `decoding`: the queries continue a KV cache.
-
-    On GPU this is `jax.nn.dot_product_attention` (cuDNN flash attention where it applies, see
-    `attention_kernel`). On CPU the same maths is written out: XLA:CPU fuses the library
-    version's softmax backward into a slow reduction, and the einsums here run on the policy's
-    matmul (bf16 units).
-    """
-    kernel = attention_kernel(kernel, q_bthk, decoding)
-    if kernel != "einsum":
-        local = (window - 1, 0) if window and mask_bts is None else None
-
-        def fused(q_bthk, k_bsgk, v_bsgk, *mask_bts):
-            mask = mask_bts[0][:, None] if mask_bts else None
-            return jax.nn.dot_product_attention(
-                q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=mask is None, local_window_size=local, implementation=kernel
-            )
-
-        if mask_bts is None or sharding.split_ways("length") == 1:
-            return fused(q_bthk, k_bsgk, v_bsgk, *([] if mask_bts is None else [mask_bts]))
-        # Context parallelism: queries split along the sequence, keys and values whole. cuDNN's
-        # partitioner takes the three split alike only, so each device runs its own part.
-        queries, keys = ("batch", "length", "heads", "head_dim"), ("batch", "kv_length", "kv_heads", "head_dim")
-        return sharding.per_shard(fused, (queries, keys, keys, ("batch", "length", "kv_length")), queries)(q_bthk, k_bsgk, v_bsgk, mask_bts)
-    b, t, h, k = q_bthk.shape
-    g = k_bsgk.shape[2]
-    q = (q_bthk * jnp.asarray(k**-0.5, q_bthk.dtype)).reshape(b, t, g, h // g, k)
-    logits = policy.matmul("btgrk,bsgk->bgrts", q, k_bsgk, out_dtype=jnp.float32)
-    if mask_bts is None:
-        mask_bts = causal_mask(jnp.arange(t)[None], jnp.arange(k_bsgk.shape[1])[None], window)
-    logits = jnp.where(mask_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    out = policy.matmul("bgrts,bsgk->btgrk", probs, v_bsgk)
-    return out.reshape(b, t, h, k)
 
 
 class Attention(nnx.Module):
@@ -325,9 +253,9 @@ class Block(nnx.Module):
 
     def __call__(self, x_btd, positions_bt=None, cache=None, cache_index=None, segments_bt=None):
         y, cache = self.attn(gather_length(self.attn_norm(x_btd)), positions_bt, cache, cache_index, segments_bt)
-        x_btd = constrain(x_btd + gathered_gradient(y), ("batch", "norm_length", "act_embed"), "residual")
+        x_btd = constrain(x_btd + gathered_gradient(y), RESIDUAL_AXES, "residual")
         x_btd = x_btd + gathered_gradient(self.mlp(gather_length(self.mlp_norm(x_btd))))
-        return constrain(x_btd, ("batch", "norm_length", "act_embed"), "residual"), cache
+        return constrain(x_btd, RESIDUAL_AXES, "residual"), cache
 
 
 @jax.custom_vjp

@@ -16,7 +16,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lm.fp8 import Probe, fp8_suspended
-from lm.layers import Block, Embedding, Norm, _param, gather_length, lookup
+from lm.layers import (
+    RESIDUAL_AXES,
+    Block,
+    Embedding,
+    Norm,
+    _param,
+    gather_length,
+    lookup,
+)
 from lm.precision import Policy
 from sharding import constrain
 from sharding.pipeline import PipelinePlan, pipeline
@@ -145,7 +153,7 @@ class Transformer(nnx.Module):
             table_td = constrain(positions_td, (None, None), "position table")
             in_order = jnp.arange(tokens_bt.shape[1])[None] if positions_bt is None else positions_bt
             x = x + self.policy.cast(jnp.take(table_td, in_order, axis=0))
-        return constrain(x, ("batch", "norm_length", "act_embed"), "embeddings")
+        return constrain(x, RESIDUAL_AXES, "embeddings")
 
     def _head_weight(self) -> jax.Array:
         return self.embedding[...] if self.cfg.tie_embeddings else self.head[...]
@@ -180,7 +188,7 @@ class Transformer(nnx.Module):
         return pipeline_1f1b(
             stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
             loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,
-            x_axes=("batch", "norm_length", "act_embed"), batch_axes=("batch", "length"), probes=probes, probes_axes=probes_axes,
+            x_axes=RESIDUAL_AXES, batch_axes=("batch", "length"), probes=probes, probes_axes=probes_axes,
             seed=loss_scale,
         )
 
@@ -201,7 +209,7 @@ class Transformer(nnx.Module):
     def _layers(self, x, positions_bt, cache, cache_index, segments_bt=None):
         if self.pipeline.stages > 1 and cache is None:
             stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
-            return pipeline(stage, stacked, stacked_axes, x, ("batch", "norm_length", "act_embed"), self.pipeline, probes, probes_axes), None
+            return pipeline(stage, stacked, stacked_axes, x, RESIDUAL_AXES, self.pipeline, probes, probes_axes), None
         graphdef, stacked = nnx.split(self.blocks)
         return self._run_stack(graphdef, (stacked,), x, positions_bt, cache, cache_index, segments_bt)
 

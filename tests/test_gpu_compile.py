@@ -12,7 +12,7 @@ from conftest import ROOT, recipe, run_cli
 
 from lm import hlo, targets
 from lm import layout as lm_layout
-from lm.layers import attention_kernel, cudnn_available
+from lm.attention import attention_kernel, cudnn_available
 from lm.program import setup
 
 pytestmark = pytest.mark.skipif(

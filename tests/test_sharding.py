@@ -98,16 +98,16 @@ def test_move_reshards_one_mesh_axis_at_a_time(capfd):
     mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
     rules = sharding.merge_rules(sharding.DEFAULT_RULES, sharding.SEQUENCE_PARALLEL_RULES)
     x = jax.numpy.arange(8 * 16 * 8, dtype=np.float32).reshape(8, 16, 8)
+    rows = sharding.named_sharding(mesh, ("batch", "norm_length", None), rules)
     with sharding.activate(mesh, rules):
-        step = jax.jit(lambda a: sharding.move(a, ("batch", "norm_length", None), ("replica_batch", None, "embed")) * 2,
-                       in_shardings=sharding.named_sharding(mesh, ("batch", "norm_length", None), rules))
+        step = jax.jit(lambda a: sharding.move(a, ("batch", "norm_length", None), ("replica_batch", None, "embed")) * 2, in_shardings=rows)
         capfd.readouterr()
         y = step(x)
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
     np.testing.assert_array_equal(np.asarray(y), 2 * np.asarray(x))
     assert y.sharding.is_equivalent_to(sharding.named_sharding(mesh, ("replica_batch", None, "embed"), rules), 3)
     with sharding.activate(mesh, rules):  # the detector: asked in one constraint, XLA replicates it
-        jax.jit(lambda a: sharding.constrain(a, ("replica_batch", None, "embed")) * 2, in_shardings=sharding.named_sharding(mesh, ("batch", "norm_length", None), rules))(x)
+        jax.jit(lambda a: sharding.constrain(a, ("replica_batch", None, "embed")) * 2, in_shardings=rows)(x)
     assert "Involuntary full rematerialization" in capfd.readouterr().err
 
 
