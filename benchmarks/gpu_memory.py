@@ -1,6 +1,6 @@
 """Per-device memory of recipes on GPU targets, from the real XLA GPU compiler with no GPU present.
 
-    python benchmarks/gpu_memory.py [--target=h100|cpu] [--remat=none,dots,full] [--grid=recipes|context|pipeline]
+    python benchmarks/gpu_memory.py [--target=h100|cpu] [--remat=none,dots,full] [--grid=recipes|context|pipeline|pipeline_residuals]
 
 Runs `python -m lm.layout` (`--target=...`, or on fake CPU devices with `--target=cpu`) for each
 (recipe, device count, overrides) of a grid below and each remat policy, and prints a markdown
@@ -39,6 +39,13 @@ GRIDS = {  # recipe, devices, config overrides
                          "pipeline.schedule": "1f1b" if "1f1b" in name else "gpipe", "pipeline.repeats": 2 if name in ("circular", "interleaved 1f1b") else 1})
         for name in ("gpipe", "circular", "1f1b", "interleaved 1f1b")
         for m in (4, 8, 16, 32)
+    ],
+    # 1F1B recomputing each tick (pipeline.remat full) or keeping its residuals (none).
+    "pipeline_residuals": [
+        ("llama_1b", 8, {"mesh.data": 1, "mesh.stage": 4, "mesh.fsdp": 2, "train.batch_size": 4 * m, "pipeline.microbatches": m,
+                         "pipeline.schedule": "1f1b", "pipeline.remat": kept})
+        for kept in ("full", "none")
+        for m in (8, 32)
     ],
 }
 

@@ -54,6 +54,9 @@ LAYOUTS = (
     Layout(stage=4, data=2, remat="dots_no_batch", microbatches=4, schedule="gpipe"),
     Layout(stage=2, tensor=2, fsdp=2, sequence_parallel=True, remat="full", microbatches=8, schedule="1f1b"),
     Layout(stage=2, tensor=2, data=2, remat="dots_no_batch", microbatches=4, schedule="gpipe"),
+    Layout(stage=2, fsdp=4, remat="dots_no_batch", microbatches=4, schedule="1f1b", pipeline_remat="none"),
+    Layout(stage=4, fsdp=2, remat="full", microbatches=8, schedule="1f1b", pipeline_remat="none"),
+    Layout(stage=2, tensor=2, data=2, remat="dots", microbatches=4, schedule="1f1b", repeats=2, pipeline_remat="none"),
     Layout(data=2, context=2, tensor=2, remat="full"),
     Layout(fsdp=2, tensor=4, remat="dots_no_batch"),
     Layout(tensor=8, sequence_parallel=True, remat="dots_no_batch"),
@@ -79,7 +82,7 @@ def fit_memory(devices, platform: str, system: System) -> dict:
 
     rows, measured, names = [], [], []
     for model in MODELS:
-        for layout in (lay for lay in LAYOUTS if model["model.num_layers"] % lay.stage == 0 and model["model.num_kv_heads"] % lay.tensor == 0):
+        for layout in (lay for lay in LAYOUTS if model["model.num_layers"] % (lay.stage * lay.repeats) == 0 and model["model.num_kv_heads"] % lay.tensor == 0):
             config = small_config(model, layout)
             terms = Cost(cost.run_of(config), layout, system, platform).memory_terms()
             rows.append([terms[k] for k in cost.MEMORY_TERMS] + [1.0])

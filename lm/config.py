@@ -72,7 +72,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.pipeline = dict(
         microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages
         repeats=1,  # layer chunks per stage: more is circular / interleaved 1F1B (smaller bubble)
-        remat="full",  # what each tick keeps for the backward pass (sharding.remat, as model.remat)
+        # What each tick keeps for the backward pass (sharding.remat, as model.remat). 1f1b: full
+        # stashes each stage input and recomputes the tick; none stashes what the layers keep
+        # (model.remat) for every microbatch in flight: no recompute, more memory (Megatron's way).
+        remat="full",
         schedule="gpipe",  # gpipe (circular with repeats > 1) | 1f1b (interleaved with repeats > 1; stash bounded)
     )
     c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)

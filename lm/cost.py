@@ -113,15 +113,24 @@ class Cost:
             "none": 2 * (12 + e) * d / sp + (2 * q + 2 * kv) * e + gathered_kv + (up + 3) * f * hidden + f * e + scores,
         }
 
+    @property
+    def _recomputes_ticks(self) -> bool:
+        """Whether a pipeline recomputes each tick's forward in its backward (pipeline.remat full)."""
+        return self.layout.stage > 1 and self.layout.pipeline_remat == "full"
+
     def memory_terms(self) -> dict:
         """Bytes per device of each modelled term of the step's temporaries (before coefficients)."""
         lay, kept = self.layout, self._kept_bytes()
         saved = self.layers * kept[lay.remat] * self.local_tokens
-        if lay.stage > 1:  # every stage input the schedule keeps, plus one tick's layers on recompute
+        if lay.stage > 1:
             stash = pipeline_report(lay.stage, lay.microbatches, lay.schedule, lay.repeats)["stash_depth"]
-            saved += stash * kept["full"] * self.local_tokens
+            if self._recomputes_ticks:  # every stage input the schedule keeps, plus one tick's layers on recompute
+                saved += stash * kept["full"] * self.local_tokens
+            else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash)
+                saved *= stash / lay.repeats
         # Several passes per step (accumulation, pipeline microbatches): a float32 accumulator too.
-        grads = self.state_bytes["params"] * (2 if self.passes > 1 else 1)
+        accumulates = self.passes > 1 and self.layout.schedule != "gpipe"  # GPipe: autodiff sums in place
+        grads = self.state_bytes["params"] * (2 if accumulates else 1)
         return {
             "grads": grads,
             "saved": saved,
@@ -183,7 +192,7 @@ class Cost:
         attention = 2 * m.num_layers * run.seq_len * m.num_heads * m.head_dim  # causal, forward
         recompute = {"none": 0.0, "dots": 0.0, "dots_no_batch": 0.0, "qkv_proj": block - qkv, "full": block}[lay.remat]
         recompute_attention = attention if lay.remat in ("full", "qkv_proj") else 0.0
-        if lay.stage > 1:  # each tick is recomputed whole in the backward (pipeline.remat full)
+        if self._recomputes_ticks:  # each tick is recomputed whole in the backward
             recompute, recompute_attention = recompute + block, recompute_attention + attention
         return {
             "block": tokens * (3 * block + recompute),
@@ -218,7 +227,7 @@ class Cost:
         # All-reduce equivalents per layer (an all-gather plus a reduce-scatter under sequence
         # parallelism): one per sublayer forward, one per sublayer backward (plus the gathered
         # output gradient under sequence parallelism), and the forward again when recomputed.
-        reductions = 4 + (1 if lay.sequence_parallel else 0) + (2 if lay.remat in ("full", "qkv_proj") or lay.stage > 1 else 0)
+        reductions = 4 + (1 if lay.sequence_parallel else 0) + (2 if lay.remat in ("full", "qkv_proj") or self._recomputes_ticks else 0)
         tp_per_layer = reductions * self._ring(("tensor",), activation, "reduce")
         kv = self.microbatch * run.seq_len * 2 * m.num_kv_heads * m.head_dim / lay.tensor * e
         cp_per_layer = 3 * self._ring(("context",), kv)

@@ -35,6 +35,7 @@ class Layout:
     microbatches: int = 0  # pipeline microbatches, with stage > 1
     schedule: str = "none"  # none | gpipe | 1f1b
     repeats: int = 1  # layer chunks per stage (gpipe with repeats > 1: circular; 1f1b: interleaved)
+    pipeline_remat: str = "full"  # what a tick keeps: full recomputes it; 1f1b with none keeps what `remat` keeps
 
     @property
     def gpus(self) -> int:
@@ -49,7 +50,8 @@ class Layout:
         out = {f"mesh.{a}": n for a, n in self.mesh.items()}
         out |= {"sharding.sequence_parallel": self.sequence_parallel, "model.remat": self.remat, "train.grad_accum": self.grad_accum}
         if self.stage > 1:
-            out |= {"pipeline.microbatches": self.microbatches, "pipeline.schedule": self.schedule, "pipeline.repeats": self.repeats}
+            out |= {"pipeline.microbatches": self.microbatches, "pipeline.schedule": self.schedule, "pipeline.repeats": self.repeats,
+                    "pipeline.remat": self.pipeline_remat}
         return out
 
     def name(self) -> str:
@@ -62,6 +64,8 @@ class Layout:
         if self.stage > 1:
             kind = self.schedule if self.repeats == 1 else {"gpipe": "circular", "1f1b": "interleaved 1f1b"}[self.schedule]
             parts.append(f"{kind} M={self.microbatches}" + (f" R={self.repeats}" if self.repeats > 1 else ""))
+            if self.pipeline_remat != "full":
+                parts.append(f"pipeline remat={self.pipeline_remat}")
         return ", ".join(parts)
 
 

@@ -87,10 +87,12 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[L
                     yield dataclasses.replace(layout, microbatches=mesh["stage"], schedule="gpipe"), "indivisible"
                 circular = run.model.num_layers % (2 * mesh["stage"]) == 0  # two chunks per stage
                 for microbatches in counts:
-                    for schedule in ("gpipe", "1f1b"):
-                        yield dataclasses.replace(layout, microbatches=microbatches, schedule=schedule)
+                    # GPipe recomputes its ticks; 1F1B recomputes them or keeps their residuals.
+                    for schedule, pipeline_remat in (("gpipe", "full"), ("1f1b", "full"), ("1f1b", "none")):
+                        piped = dataclasses.replace(layout, microbatches=microbatches, schedule=schedule, pipeline_remat=pipeline_remat)
+                        yield piped
                         if circular:  # circular GPipe, interleaved 1F1B
-                            yield dataclasses.replace(layout, microbatches=microbatches, schedule=schedule, repeats=2)
+                            yield dataclasses.replace(piped, repeats=2)
 
 
 @dataclasses.dataclass

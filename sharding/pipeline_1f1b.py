@@ -5,7 +5,8 @@ steps through it, one scan per phase (`sharding.pipeline.phases`) so that ticks 
 runs a forward (or a backward) do not compute one: the step time of GPipe (circular with
 repeats). Where GPipe (`sharding.pipeline.pipeline`, differentiated by autodiff) keeps every
 microbatch's stage inputs, this keeps the table's in-flight count per stage, whatever the
-number of microbatches.
+number of microbatches: their inputs (recomputing each tick, `remat` full) or their backward
+residuals (no recompute, as Megatron-LM).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from sharding.pipeline import (
     split_microbatches,
     stage_chunks,
 )
-from sharding.rules import constrain
+from sharding.remat import remat
+from sharding.rules import constrain, constrain_leading
 
 
 def stash_slots(table: Sequence[Sequence[Step]]) -> tuple[np.ndarray, np.ndarray, int]:
@@ -63,6 +65,26 @@ def _table_arrays(table: Sequence[Sequence[Step]]) -> tuple[dict[str, np.ndarray
     return arrays, depth
 
 
+class Pullbacks:
+    """A stage forward's pullback (`jax.vjp`'s) as arrays a scan can carry: its residuals apart
+    from the stage's own parameters (which the backward passes in again rather than stash a
+    copy per microbatch), and back. Every trace of the same forward has the same structure, so
+    the one recorded by the latest `split` rebuilds any of them."""
+
+    def __init__(self):
+        self.treedef, self.where = None, None
+
+    def split(self, pull, params) -> list:
+        leaves, self.treedef = jax.tree.flatten(pull)
+        own = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
+        self.where = tuple(own.get(id(leaf)) for leaf in leaves)  # index of the parameter, or None
+        return [leaf for leaf, w in zip(leaves, self.where) if w is None]
+
+    def join(self, saved, params) -> Callable:
+        own, saved = jax.tree.leaves(params), iter(saved)
+        return jax.tree.unflatten(self.treedef, [next(saved) if w is None else own[w] for w in self.where])
+
+
 def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, embed_fn: Callable, embed_params, inputs,
                   loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None], batch_axes: Sequence[str | None],
                   probes=None, probes_axes=None, seed=1.0):
@@ -75,7 +97,9 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
     stage, one forward (its input stashed, `stash_slots`) and one backward (the chunk recomputed
     from the stashed input by `jax.vjp`, the incoming cotangent applied, weight gradients summed
     in float32, the input's cotangent handed one stage back), each on the stage's chunk for that
-    repeat. Stage 0 embeds each microbatch as it enters its first chunk and takes the
+    repeat. With `plan.remat` other than `full` the stash keeps, instead of the input, the
+    forward's pullback residuals under that policy (`Pullbacks`; `none`: what `stage_fn`'s own
+    remat keeps), and the backward applies them without recomputing. Stage 0 embeds each microbatch as it enters its first chunk and takes the
     embedding's gradient as it leaves; the last stage applies `loss_fn` after the last chunk and
     seeds the cotangent. Nothing the size of the batch's activations is kept. It is a custom VJP
     whose forward does all of this and whose backward scales what it found by the loss's
@@ -90,6 +114,10 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
     table = schedule_1f1b(s, m, r)
     arrays, slots = _table_arrays(table)
     state_axes, stash_axes = ("stages", *x_axes), ("stages", None, *x_axes)
+    # remat `full`: stash each stage input and recompute the chunk in the backward; otherwise
+    # stash what the forward's pullback keeps under that policy (no recompute, more memory).
+    keep_residuals, tick_fn, pullbacks = plan.remat != "full", remat(stage_fn, plan.remat), Pullbacks()
+    stash_constraint = lambda ring: constrain_leading(ring, "stages", "pipeline stash")  # noqa: E731
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
     add = lambda total, d, on: jax.tree.map(lambda g, x: g + jnp.where(on, x.astype(jnp.float32), 0.0), total, d)  # noqa: E731
     swap = lambda tree: jax.tree.map(lambda a: a.swapaxes(0, 1), tree)  # noqa: E731  [repeats, stages, ...] <-> [stages, repeats, ...]
@@ -109,12 +137,24 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
         stages = jnp.arange(s)
 
+        def own(chunk_r, probes_r, repeat):
+            return pick(chunk_r, repeat), pick(probes_r, repeat)
+
         def stage_vjp(chunk_r, probes_r, repeat, stage, x_mb, dy_mb):
             run_chunk = lambda c, p, x: stage_fn(c, p, x, repeat * s + stage)  # noqa: E731
-            return jax.vjp(run_chunk, pick(chunk_r, repeat), pick(probes_r, repeat), x_mb)[1](dy_mb)
+            return jax.vjp(run_chunk, *own(chunk_r, probes_r, repeat), x_mb)[1](dy_mb)
 
         def stage_forward(chunk_r, probes_r, repeat, stage, x_mb):
-            return stage_fn(pick(chunk_r, repeat), pick(probes_r, repeat), x_mb, repeat * s + stage)
+            return stage_fn(*own(chunk_r, probes_r, repeat), x_mb, repeat * s + stage)
+
+        def stage_forward_saving(chunk_r, probes_r, repeat, stage, x_mb):
+            """The forward, and the residuals its backward needs (as `plan.remat` keeps them)."""
+            params = own(chunk_r, probes_r, repeat)
+            y, pull = jax.vjp(lambda c, p, x: tick_fn(c, p, x, repeat * s + stage), *params, x_mb)
+            return y, pullbacks.split(pull, params)
+
+        def stage_backward_saved(chunk_r, probes_r, repeat, saved, dy_mb):
+            return pullbacks.join(saved, own(chunk_r, probes_r, repeat))(dy_mb)
 
         def head(loss_params, y_mb, targets_mb):
             loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, targets_mb), loss_params, y_mb)
@@ -125,8 +165,11 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             cotangents one stage back (stage 0's to the last stage, for its previous repeat)."""
             bwd, on, repeat = jnp.maximum(row["backward"], 0), row["backward"] >= 0, row["backward_repeat"]
             # It reads its stashed input before this tick's forward may reuse the slot.
-            saved = jax.vmap(lambda ring, slot: ring[slot])(c["stash"], row["backward_slot"])
-            dchunk, dprobes, dx = jax.vmap(stage_vjp)(chunks, probe_chunks, repeat, stages, saved, c["bwd_in"])
+            saved = jax.vmap(lambda ring, slot: jax.tree.map(lambda a: a[slot], ring))(c["stash"], row["backward_slot"])
+            if keep_residuals:
+                dchunk, dprobes, dx = jax.vmap(stage_backward_saved)(chunks, probe_chunks, repeat, saved, c["bwd_in"])
+            else:
+                dchunk, dprobes, dx = jax.vmap(stage_vjp)(chunks, probe_chunks, repeat, stages, saved, c["bwd_in"])
             c["grads"] = jax.vmap(into)(c["grads"], dchunk, repeat, on)
             if probes is not None:
                 c["stats"] = jax.vmap(functools.partial(into, combine=jnp.maximum, fill=-jnp.inf))(c["stats"], dprobes, repeat, on)
@@ -143,9 +186,14 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             fwd, on, repeat = jnp.maximum(row["forward"], 0), row["forward"] >= 0, row["forward_repeat"]
             entering = embed_fn(embed_params, in_m[fwd[0]]).astype(c["fwd_in"].dtype)
             fwd_in = c["fwd_in"].at[0].set(jnp.where(repeat[0] == 0, entering, c["fwd_in"][0]))
-            y = constrain(jax.vmap(stage_forward)(chunks, probe_chunks, repeat, stages, fwd_in), state_axes, "pipeline stage outputs")
             keep = lambda ring, slot, x_mb, on: ring.at[slot].set(jnp.where(on, x_mb, ring[slot]))  # noqa: E731
-            c["stash"] = constrain(jax.vmap(keep)(c["stash"], row["forward_slot"], fwd_in, on), stash_axes, "pipeline stash")
+            if keep_residuals:
+                y, residuals = jax.vmap(stage_forward_saving)(chunks, probe_chunks, repeat, stages, fwd_in)
+                c["stash"] = [stash_constraint(jax.vmap(keep)(ring, row["forward_slot"], res, on)) for ring, res in zip(c["stash"], residuals)]
+            else:
+                y = jax.vmap(stage_forward)(chunks, probe_chunks, repeat, stages, fwd_in)
+                c["stash"] = constrain(jax.vmap(keep)(c["stash"], row["forward_slot"], fwd_in, on), stash_axes, "pipeline stash")
+            y = constrain(y, state_axes, "pipeline stage outputs")
             leaving = on[-1] & (repeat[-1] == r - 1)
             mb_loss, dloss_params, dy = head(loss_params, y[-1], t_m[fwd[-1]])
             c["loss"] = c["loss"] + jnp.where(leaving, mb_loss, 0.0) / m
@@ -161,9 +209,13 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
 
         x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
         held = constrain(jnp.zeros((s, *x_like.shape), x_like.dtype), state_axes, "pipeline stage inputs")
+        if keep_residuals:  # a ring per residual array: [stages, slots, ...]
+            _, residuals = jax.eval_shape(jax.vmap(stage_forward_saving), chunks, probe_chunks, jnp.zeros(s, jnp.int32), stages, held)
+            stash = [stash_constraint(jnp.zeros((s, slots, *a.shape[1:]), a.dtype)) for a in residuals]
+        else:
+            stash = constrain(jnp.zeros((s, slots, *x_like.shape), x_like.dtype), stash_axes, "pipeline stash")
         c = {
-            "fwd_in": held, "bwd_in": held,
-            "stash": constrain(jnp.zeros((s, slots, *x_like.shape), x_like.dtype), stash_axes, "pipeline stash"),
+            "fwd_in": held, "bwd_in": held, "stash": stash,
             "grads": f32(chunks), "embed_grads": f32(embed_params), "loss_grads": f32(loss_params), "loss": jnp.zeros((), jnp.float32),
             "stats": None if probes is None else jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, jnp.float32), probe_chunks),
         }

@@ -245,6 +245,18 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str = "act
     return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules, shape=x.shape, name=name))
 
 
+def constrain_leading(x: jax.Array, logical_axis: str, name: str = "activation") -> jax.Array:
+    """Constrain only `x`'s first dimension (to one logical axis), leaving XLA to place the rest:
+    for buffers stacked from arrays whose own placement the program already decides (the
+    pipeline's stash of backward residuals). A no-op outside `activate`."""
+    if not _ACTIVE.stack:
+        return x
+    mesh, rules = _ACTIVE.stack[-1]
+    leading = logical_to_spec((logical_axis,), rules, mesh=mesh, shape=x.shape[:1], name=name)
+    spec = PartitionSpec(leading[0] if len(leading) else None, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
 def resharding_steps(source: PartitionSpec, target: PartitionSpec) -> list[PartitionSpec]:
     """The specs an array passes through from `source` to `target`, one mesh axis changing at a
     time: the axes the target does not use gathered first, then each axis that changes dimension

@@ -3,6 +3,7 @@
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import VOCAB, fast_config, small_config
@@ -19,7 +20,7 @@ from sharding.pipeline import (
     schedule,
     schedule_1f1b,
 )
-from sharding.pipeline_1f1b import stash_slots
+from sharding.pipeline_1f1b import Pullbacks, stash_slots
 
 DEEP = dict(model__num_layers=4)
 
@@ -89,10 +90,15 @@ def one_device_deep():
         ({"stage": 2, "fsdp": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4}),
         ({"stage": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2, "pipeline__microbatches": 4}),
         ({"stage": 2, "data": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2, "sharding__sequence_parallel": True}),
+        # The stash keeps the pullbacks' residuals instead of recomputing (pipeline.remat).
+        ({"stage": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 8, "pipeline__remat": "none"}),
+        ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2, "pipeline__remat": "dots",
+                                                "model__remat": "full", "sharding__sequence_parallel": True, "train__grad_accum": 2}),
     ],
     ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2-accum2", "stage2-fsdp4",
          "1f1b-stage2", "1f1b-stage4", "1f1b-stage2-data2-tensor2-sp-accum2-dots", "1f1b-stage2-fsdp4",
-         "interleaved-1f1b-stage2", "interleaved-1f1b-stage2-data2-tensor2-sp"],
+         "interleaved-1f1b-stage2", "interleaved-1f1b-stage2-data2-tensor2-sp",
+         "1f1b-stage4-residuals", "interleaved-1f1b-stage2-fsdp2-tensor2-sp-accum2-residuals-dots"],
 )
 def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
     c = small_config({"data": -1, **mesh}, **DEEP, **extra)
@@ -227,13 +233,18 @@ def test_1f1b_table_keeps_a_bounded_stash_and_runs_each_backward_after_its_forwa
     assert bubble_fraction(table) == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
 
 
+def compiled_1f1b_step(microbatches: int, **extra):
+    """The train step of 2 stages with `microbatches` microbatches of 2 sequences, compiled."""
+    c = small_config({"data": 1, "stage": 2}, **DEEP, train__batch_size=2 * microbatches, pipeline__microbatches=microbatches, **extra)
+    program = setup(c, VOCAB, jax.devices()[:2])
+    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
+    return program.train_step.lower(program.abstract_sharded_state(), batch).compile()
+
+
 def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
-    def temporaries(schedule: str, microbatches: int, repeats: int = 1) -> int:  # microbatches of 2 sequences
-        c = small_config({"data": 1, "stage": 2}, **DEEP, train__batch_size=2 * microbatches, pipeline__microbatches=microbatches,
-                         pipeline__schedule=schedule, pipeline__repeats=repeats)
-        program = setup(c, VOCAB, jax.devices()[:2])
-        batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-        return program.train_step.lower(program.abstract_sharded_state(), batch).compile().memory_analysis().temp_size_in_bytes
+    def temporaries(schedule: str, microbatches: int, repeats: int = 1) -> int:
+        compiled = compiled_1f1b_step(microbatches, pipeline__schedule=schedule, pipeline__repeats=repeats)
+        return compiled.memory_analysis().temp_size_in_bytes
 
     gpipe = [temporaries("gpipe", m) for m in (4, 8, 16, 32)]
     one_f_one_b = [temporaries("1f1b", m) for m in (4, 8, 16, 32)]
@@ -241,6 +252,22 @@ def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
     assert max(one_f_one_b) <= 1.1 * min(one_f_one_b)  # 1F1B: 2S - 1 stage inputs per stage, whatever M
     interleaved = [temporaries("1f1b", m, repeats=2) for m in (4, 32)]
     assert max(interleaved) <= 1.1 * min(interleaved)  # (R + 1)S - 1 chunk inputs
+
+
+def test_1f1b_keeping_residuals_skips_the_recompute_and_stays_flat_in_the_microbatches():
+    """pipeline.remat=none: the stash holds each microbatch's pullback residuals (what the
+    layers keep, here everything), not the parameters; the backward half runs no forward again
+    (XLA counts a loop body once: the per-tick FLOPs), and memory still does not grow with M."""
+    def measure(microbatches: int, pipeline_remat: str):
+        compiled = compiled_1f1b_step(microbatches, pipeline__schedule="1f1b", pipeline__remat=pipeline_remat, model__remat="none")
+        analysis = compiled.cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, list) else analysis
+        return compiled.memory_analysis().temp_size_in_bytes, analysis["flops"]
+
+    (recompute_bytes, recompute_flops), (kept_bytes, kept_flops) = measure(4, "full"), measure(4, "none")
+    assert kept_flops < 0.9 * recompute_flops  # forward + backward per tick, not forward twice + backward
+    assert kept_bytes > recompute_bytes  # the price: residuals instead of inputs
+    assert measure(16, "none")[0] <= 1.1 * kept_bytes
 
 
 def test_1f1b_runs_its_backward_at_the_float16_loss_scale():
@@ -264,3 +291,26 @@ def test_1f1b_runs_its_backward_at_the_float16_loss_scale():
     scales, losses = run({"data": -1, "stage": 2}, pipeline__schedule="1f1b")
     assert scales == ref_scales == [(1024, 0), (1024, 1), (512, 1), (512, 1), (512, 1), (1024, 1)]
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-3)
+
+
+def test_pullbacks_stash_residuals_without_the_parameters():
+    """`Pullbacks.split` leaves out the residuals that are the parameters themselves (the
+    backward hands them in again); `join` rebuilds a pullback that gives `jax.vjp`'s cotangents,
+    also in another trace."""
+    def layers(w_lij, x_bi):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x_bi, w_lij)[0]
+
+    w_lij = jax.random.normal(jax.random.key(0), (3, 8, 8)) / 3
+    x_bi, dy_bi = jax.random.normal(jax.random.key(1), (4, 8)), jax.random.normal(jax.random.key(2), (4, 8))
+    pullbacks = Pullbacks()
+
+    @jax.jit
+    def forward(w_lij, x_bi):
+        y_bi, pull = jax.vjp(layers, w_lij, x_bi)
+        return y_bi, pullbacks.split(pull, (w_lij,))
+
+    _, saved = forward(w_lij, x_bi)
+    assert pullbacks.where.count(0) == 1 and not any(a.shape == w_lij.shape for a in saved)  # the weights: not stashed
+    got = jax.jit(lambda w, saved, dy: pullbacks.join(saved, (w,))(dy))(w_lij, saved, dy_bi)
+    want = jax.vjp(layers, w_lij, x_bi)[1](dy_bi)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
