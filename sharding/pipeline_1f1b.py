@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jax_core
 
 from sharding.pipeline import (
     PipelinePlan,
@@ -72,7 +73,7 @@ class Pullbacks:
     the one recorded by the latest `split` rebuilds any of them."""
 
     def __init__(self):
-        self.treedef, self.where = None, None
+        self.treedef, self.where, self.constant = None, None, None
 
     def split(self, pull, params) -> list:
         leaves, self.treedef = jax.tree.flatten(pull)
@@ -83,6 +84,25 @@ class Pullbacks:
     def join(self, saved, params) -> Callable:
         own, saved = jax.tree.leaves(params), iter(saved)
         return jax.tree.unflatten(self.treedef, [next(saved) if w is None else own[w] for w in self.where])
+
+    def mark_constants(self, forward: Callable, *example) -> None:
+        """Which residuals of `forward` (returning `(y, self.split(...))`) depend on none of its
+        inputs (an attention mask from static positions, say): those are computed once rather
+        than stashed per microbatch, and reach the backward unbatched, as they left the forward."""
+        closed = jax.make_jaxpr(forward)(*example)
+        depends = set(closed.jaxpr.invars)
+        for eqn in closed.jaxpr.eqns:
+            if any(isinstance(v, jax_core.Var) and v in depends for v in eqn.invars):
+                depends.update(eqn.outvars)
+        outputs = closed.jaxpr.outvars[1:]  # after y
+        self.constant = tuple(not (isinstance(v, jax_core.Var) and v in depends) for v in outputs)
+
+    def stashed(self, residuals: Sequence) -> list:
+        return [r for r, constant in zip(residuals, self.constant) if not constant]
+
+    def merge(self, stashed: Sequence, constants: Sequence) -> list:
+        stashed, constants = iter(stashed), iter(constants)
+        return [next(constants) if constant else next(stashed) for constant in self.constant]
 
 
 def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, embed_fn: Callable, embed_params, inputs,
@@ -154,7 +174,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             return y, pullbacks.split(pull, params)
 
         def stage_backward_saved(chunk_r, probes_r, repeat, saved, dy_mb):
-            return pullbacks.join(saved, own(chunk_r, probes_r, repeat))(dy_mb)
+            return pullbacks.join(pullbacks.merge(saved, constants), own(chunk_r, probes_r, repeat))(dy_mb)
 
         def head(loss_params, y_mb, targets_mb):
             loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, targets_mb), loss_params, y_mb)
@@ -189,6 +209,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             keep = lambda ring, slot, x_mb, on: ring.at[slot].set(jnp.where(on, x_mb, ring[slot]))  # noqa: E731
             if keep_residuals:
                 y, residuals = jax.vmap(stage_forward_saving)(chunks, probe_chunks, repeat, stages, fwd_in)
+                residuals = pullbacks.stashed(residuals)
                 c["stash"] = [stash_constraint(jax.vmap(keep)(ring, row["forward_slot"], res, on)) for ring, res in zip(c["stash"], residuals)]
             else:
                 y = jax.vmap(stage_forward)(chunks, probe_chunks, repeat, stages, fwd_in)
@@ -209,9 +230,13 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
 
         x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
         held = constrain(jnp.zeros((s, *x_like.shape), x_like.dtype), state_axes, "pipeline stage inputs")
-        if keep_residuals:  # a ring per residual array: [stages, slots, ...]
-            _, residuals = jax.eval_shape(jax.vmap(stage_forward_saving), chunks, probe_chunks, jnp.zeros(s, jnp.int32), stages, held)
-            stash = [stash_constraint(jnp.zeros((s, slots, *a.shape[1:]), a.dtype)) for a in residuals]
+        constants = ()
+        if keep_residuals:  # a ring per residual array that varies, [stages, slots, ...]; the constants once
+            forward_args = (chunks, probe_chunks, jnp.zeros(s, jnp.int32), stages, held)
+            pullbacks.mark_constants(jax.vmap(stage_forward_saving), *forward_args)
+            _, residuals = jax.vmap(stage_forward_saving)(*forward_args)  # what is not used: dead code
+            constants = [r[0] for r, constant in zip(residuals, pullbacks.constant) if constant]  # one stage's: all alike
+            stash = [stash_constraint(jnp.zeros((s, slots, *a.shape[1:]), a.dtype)) for a in pullbacks.stashed(residuals)]
         else:
             stash = constrain(jnp.zeros((s, slots, *x_like.shape), x_like.dtype), stash_axes, "pipeline stash")
         c = {

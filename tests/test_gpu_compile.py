@@ -203,6 +203,14 @@ def test_every_pipeline_schedule_compiles_for_h100s(h100s):
         assert hlo.collectives(text)["collective-permute"] >= 2  # activations on, and (gradients) back
 
 
+def test_1f1b_keeping_residuals_compiles_for_h100s_with_cudnn_attention_under_context_parallelism(h100s):
+    # The context-parallel attention mask depends on no input of the stage: kept once, it reaches
+    # the backward unbatched (stashed per stage, cuDNN's batching rule failed on it).
+    text = compiled(h100s, {"stage": 2, "context": 2, "fsdp": 2}, model__num_layers=4, pipeline__microbatches=4,
+                    pipeline__schedule="1f1b", pipeline__remat="none", model__remat="dots")
+    assert hlo.custom_calls(text)["__cudnn$fmhaScaleBiasSoftmaxBackward"] >= 1
+
+
 def test_1f1b_temporaries_stay_flat_in_the_microbatches_on_h100s(h100s):
     def temporaries(microbatches: int, **schedule) -> int:  # microbatches of 2 sequences per FSDP shard
         step = compiled_step(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, train__batch_size=8 * microbatches,

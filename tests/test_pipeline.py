@@ -314,3 +314,12 @@ def test_pullbacks_stash_residuals_without_the_parameters():
     got = jax.jit(lambda w, saved, dy: pullbacks.join(saved, (w,))(dy))(w_lij, saved, dy_bi)
     want = jax.vjp(layers, w_lij, x_bi)[1](dy_bi)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+
+    # A residual built from no input (a mask) is marked constant: kept once, not per microbatch.
+    def masked(w_ij, x_bi):
+        y_bi, pull = jax.vjp(lambda w, x: jnp.tanh(x @ w) * (jnp.arange(8) < 5), w_ij, x_bi)
+        return y_bi, pullbacks.split(pull, (w_ij,))
+
+    pullbacks.mark_constants(masked, w_lij[0], x_bi)
+    constant = [r for r, c in zip(masked(w_lij[0], x_bi)[1], pullbacks.constant) if c]
+    assert len(constant) == 1 and np.array_equal(np.ravel(constant[0]), np.arange(8) < 5)
