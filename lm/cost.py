@@ -9,7 +9,7 @@ System, Run) are `lm.cost_inputs`.
 
 Step time: FLOPs (`lm.metrics.flops_per_token`, plus what remat recomputes) at one calibrated
 share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
-pipeline bubble, and the exposed time of each collective from ring formulas over the link its
+pipeline bubble and its stash's memory traffic, and the exposed time of each collective from ring formulas over the link its
 group spans (NVLink inside a host, the network across hosts). FSDP's gathers and
 reduce-scatters overlap the layer they feed (XLA's latency-hiding scheduler); tensor, context,
 pipeline and data-parallel collectives are counted as exposed.
@@ -242,6 +242,7 @@ class Cost:
         out = {
             "compute": compute,
             "bubble": bubble,
+            "stash": self._stash_traffic() / s.hbm_bytes_per_s,
             "fsdp": fsdp,
             "tensor": self.passes * self.layers * tp_per_layer,
             "context": self.passes * self.layers * cp_per_layer,
@@ -250,6 +251,16 @@ class Cost:
         }
         out["total"] = sum(out.values())
         return out
+
+    def _stash_traffic(self) -> float:
+        """Bytes a pipeline's stash moves per step on each device: every forward writes its chunk's
+        stash entry (a select reads the slot first) and its backward reads it, the only memory
+        traffic the model counts apart (the rest is in the matmul efficiency)."""
+        lay = self.layout
+        if lay.stage == 1:
+            return 0.0
+        kept = self._kept_bytes()["full" if self._recomputes_ticks else lay.remat]
+        return 3 * lay.microbatches * self.layers * kept * self.local_tokens
 
     def tokens_per_s_per_gpu(self) -> float:
         return self.run.batch * self.run.seq_len / self.step_time["total"] / self.layout.gpus

@@ -80,6 +80,7 @@ class System:
     nvlink_latency_s: float
     network_bytes_per_s: float
     network_latency_s: float
+    hbm_bytes_per_s: float  # device memory bandwidth
 
     @classmethod
     def load(cls, name: str) -> System:
