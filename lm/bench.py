@@ -137,6 +137,7 @@ def _bench(config, steps, warmup, devices, save_hlo, data_batches, vocab_size) -
         "pipeline_schedule": pipelined["schedule"],
         "pipeline_bubble": pipelined["bubble"],
         "pipeline_stash_depth": pipelined["stash_depth"],
+        "pipeline_stash": pipelined["stash"],
         **data,
     }
 

@@ -81,7 +81,7 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
     ]
     pipe = summary["pipeline"]
     if pipe["schedule"] != "none":
-        lines.append(f"pipeline: {pipe['schedule']}, bubble {pipe['bubble']:.3f}, {pipe['stash_depth']} microbatch stage inputs kept per stage")
+        lines.append(f"pipeline: {pipe['schedule']}, bubble {pipe['bubble']:.3f}, {pipe['stash_depth']} microbatches' {pipe['stash']} kept per stage")
     compiled = summary.get("compiled_train_step_per_device")
     if compiled:
         lines.append("compiled train step, per device (XLA memory analysis):")

@@ -134,17 +134,20 @@ def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
 
 def report(plan: PipelinePlan) -> dict:
     """What `lm.bench` and `lm.layout` say of a plan: the schedule's name, its bubble (the idle
-    share of the stages' work slots) and its stash depth (the microbatch stage inputs each stage
+    share of the stages' work slots), its stash depth (how many microbatch chunks each stage
     keeps for its backward: every tick's for GPipe / circular, the most in flight for 1F1B,
-    (R + 1)S - 1 when M is large enough)."""
+    (R + 1)S - 1 when M is large enough) and what it keeps of each (`stash`: the stage inputs,
+    recomputing the rest, with remat `full`; else residuals)."""
     if plan.stages == 1:
-        return {"schedule": "none", "bubble": 0.0, "stash_depth": 0}
+        return {"schedule": "none", "bubble": 0.0, "stash_depth": 0, "stash": "none"}
+    kept = "stage inputs" if plan.remat == "full" else "residuals"
     if plan.schedule == "1f1b":
         table = schedule_1f1b(plan.stages, plan.microbatches, plan.repeats)
         name = "interleaved 1f1b" if plan.repeats > 1 else "1f1b"
-        return {"schedule": name, "bubble": bubble_fraction(table), "stash_depth": max(in_flight(table))}
+        return {"schedule": name, "bubble": bubble_fraction(table), "stash_depth": max(in_flight(table)), "stash": kept}
     table = schedule(plan.stages, plan.microbatches, plan.repeats)
-    return {"schedule": "circular" if plan.repeats > 1 else "gpipe", "bubble": bubble_fraction(table), "stash_depth": len(table)}
+    name = "circular" if plan.repeats > 1 else "gpipe"
+    return {"schedule": name, "bubble": bubble_fraction(table), "stash_depth": len(table), "stash": kept}
 
 
 def check(stages: int, microbatches: int, repeats: int, layers: int | None = None, batch: int | None = None,

@@ -14,9 +14,11 @@ from lm.program import setup
 from lm.train import train
 from sharding import ShardingError
 from sharding.pipeline import (
+    PipelinePlan,
     bubble_fraction,
     in_flight,
     phases,
+    report,
     schedule,
     schedule_1f1b,
 )
@@ -323,3 +325,12 @@ def test_pullbacks_stash_residuals_without_the_parameters():
     pullbacks.mark_constants(masked, w_lij[0], x_bi)
     constant = [r for r, c in zip(masked(w_lij[0], x_bi)[1], pullbacks.constant) if c]
     assert len(constant) == 1 and np.array_equal(np.ravel(constant[0]), np.arange(8) < 5)
+
+
+def test_the_report_names_the_schedule_its_bubble_and_what_each_stage_keeps():
+    assert report(PipelinePlan(4, 8, 1, "full", "gpipe")) == {"schedule": "gpipe", "bubble": pytest.approx(3 / 11), "stash_depth": 11,
+                                                              "stash": "stage inputs"}
+    assert report(PipelinePlan(4, 8, 1, "full", "1f1b")) == {"schedule": "1f1b", "bubble": pytest.approx(3 / 11), "stash_depth": 7,
+                                                             "stash": "stage inputs"}
+    assert report(PipelinePlan(4, 8, 2, "none", "1f1b"))["stash"] == "residuals"
+    assert report(PipelinePlan())["schedule"] == "none"
