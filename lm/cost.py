@@ -129,8 +129,7 @@ class Cost:
             else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash)
                 saved *= stash / lay.repeats
         # Several passes per step (accumulation, pipeline microbatches): a float32 accumulator too.
-        accumulates = self.passes > 1 and self.layout.schedule != "gpipe"  # GPipe: autodiff sums in place
-        grads = self.state_bytes["params"] * (2 if accumulates else 1)
+        grads = self.state_bytes["params"] * (2 if self.passes > 1 else 1)
         return {
             "grads": grads,
             "saved": saved,
