@@ -161,8 +161,9 @@ def fp8_one_device():
     return fp8_states({}, jax.devices()[:1])
 
 
-@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2}],
-                         ids=["gpipe", "circular", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
+                                   {"pipeline__schedule": "1f1b", "pipeline__remat": "none"}],
+                         ids=["gpipe", "circular", "1f1b", "interleaved-1f1b", "1f1b-residuals"])
 def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(fp8_one_device, extra):
     ref_states, ref_losses = fp8_one_device
     states, losses = fp8_states({"data": -1, "stage": 2}, **extra)
