@@ -255,11 +255,13 @@ class Cost:
         """Bytes a pipeline's stash moves per step on each device: every forward writes its chunk's
         stash entry (a select reads the slot first) and its backward reads it, the only memory
         traffic the model counts apart (the rest is in the matmul efficiency)."""
-        lay = self.layout
+        lay, kept = self.layout, self._kept_bytes()
         if lay.stage == 1:
             return 0.0
-        kept = self._kept_bytes()["full" if self._recomputes_ticks else lay.remat]
-        return 3 * lay.microbatches * self.layers * kept * self.local_tokens
+        # Per forward (R x M of them): the chunk's input when the tick is recomputed, else what
+        # the chunk's layers keep.
+        entry = kept["full"] if self._recomputes_ticks else self.layers / lay.repeats * kept[lay.remat]
+        return 3 * lay.microbatches * lay.repeats * entry * self.local_tokens
 
     def tokens_per_s_per_gpu(self) -> float:
         return self.run.batch * self.run.seq_len / self.step_time["total"] / self.layout.gpus
