@@ -188,7 +188,10 @@ class Cost:
         tokens = run.batch * run.seq_len / lay.gpus
         block = 2 * run.layer_params * m.num_layers  # forward FLOPs per token
         qkv = 2 * m.num_layers * m.embed_dim * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-        attention = 2 * m.num_layers * run.seq_len * m.num_heads * m.head_dim  # causal, forward
+        # Forward, causal: cuDNN skips the masked half. Under context parallelism the reordered
+        # sequence's mask reaches cuDNN as a bias (lm.attention) and every (query, key) pair is
+        # computed: twice the work.
+        attention = 2 * m.num_layers * run.seq_len * m.num_heads * m.head_dim * (2 if lay.context > 1 else 1)
         recompute = {"none": 0.0, "dots": 0.0, "dots_no_batch": 0.0, "qkv_proj": block - qkv, "full": block}[lay.remat]
         recompute_attention = attention if lay.remat in ("full", "qkv_proj") else 0.0
         if self._recomputes_ticks:  # each tick is recomputed whole in the backward

@@ -187,6 +187,15 @@ def table_arrays(table: Sequence[Sequence[Work | None]], stages: int) -> dict[st
     }
 
 
+def with_ends(arrays: dict[str, np.ndarray]) -> dict:
+    """`arrays` ([ticks, stages]) and, under "first" and "last", the first and the last stage's
+    columns as [ticks] arrays of their own: the ends of the pipeline (embedding, head) read them
+    without indexing a per-tick row the compiler has split over `stage`, which costs a broadcast
+    from one device per read (and XLA hoists the constant ones out of the loop, where XLA:CPU ran
+    them in a different order on different devices and deadlocked)."""
+    return {**arrays, "first": {k: v[:, 0] for k, v in arrays.items()}, "last": {k: v[:, -1] for k, v in arrays.items()}}
+
+
 def split_microbatches(x, count: int, axes: Sequence[str | None], name: str = "microbatches"):
     """`[batch, ...]` -> `[count, batch // count, ...]`. Microbatch j holds rows j, j + count, ...:
     every data-parallel shard holds part of each, so no rows move between devices."""
@@ -253,7 +262,7 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
     x_m = split_microbatches(x, m, x_axes, "pipeline microbatches")
     state_axes = ("stages", *x_axes)
     ticks = table_arrays(schedule(s, m, r), s)
-    rows = {k: jnp.asarray(v) for k, v in ticks.items()}
+    rows = jax.tree.map(jnp.asarray, with_ends(ticks))
     if probes is not None:
         rows["probes"] = _per_tick(stage_chunks(probes, probes_axes, s, r), ticks, r)
 
@@ -267,15 +276,15 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
 
     def tick(carry, row):
         held, outputs = carry  # held: [stages, mb, ...] what each stage works on at this tick
-        micro, repeat, active = row["microbatch"], row["repeat"], row["active"]
+        first, last = row["first"], row["last"]
         # Stage 0 takes a fresh microbatch in the first repeat, the last stage's output after.
-        first_in = jnp.where(repeat[0] == 0, x_m[micro[0]], outputs[micro[0]])
+        first_in = jnp.where(first["repeat"] == 0, x_m[first["microbatch"]], outputs[first["microbatch"]])
         held = held.at[0].set(first_in)
         held = constrain(held, state_axes, "pipeline stage inputs")
-        out = jax.vmap(run_stage, in_axes=(1, 1, 0, 0, 0))(chunks, row.get("probes"), repeat, jnp.arange(s), held)
+        out = jax.vmap(run_stage, in_axes=(1, 1, 0, 0, 0))(chunks, row.get("probes"), row["repeat"], jnp.arange(s), held)
         out = constrain(out, state_axes, "pipeline stage outputs")
-        last = jnp.where(active[-1], out[-1], outputs[micro[-1]])
-        outputs = outputs.at[micro[-1]].set(last)
+        leaving = jnp.where(last["active"], out[-1], outputs[last["microbatch"]])
+        outputs = outputs.at[last["microbatch"]].set(leaving)
         # Each stage's result moves to the next stage (a collective-permute over `stage`).
         return (jnp.roll(out, 1, axis=0), outputs), None
 

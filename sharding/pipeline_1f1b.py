@@ -27,6 +27,7 @@ from sharding.pipeline import (
     schedule_1f1b,
     split_microbatches,
     stage_chunks,
+    with_ends,
 )
 from sharding.remat import remat
 from sharding.rules import constrain, constrain_leading
@@ -183,7 +184,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         def backward_half(c, row):
             """Every stage's backward of its microbatch (masked where it has none); the input
             cotangents one stage back (stage 0's to the last stage, for its previous repeat)."""
-            bwd, on, repeat = jnp.maximum(row["backward"], 0), row["backward"] >= 0, row["backward_repeat"]
+            on, repeat, first = row["backward"] >= 0, row["backward_repeat"], row["first"]
             # It reads its stashed input before this tick's forward may reuse the slot.
             saved = jax.vmap(lambda ring, slot: jax.tree.map(lambda a: a[slot], ring))(c["stash"], row["backward_slot"])
             if keep_residuals:
@@ -194,8 +195,8 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             if probes is not None:
                 c["stats"] = jax.vmap(functools.partial(into, combine=jnp.maximum, fill=-jnp.inf))(c["stats"], dprobes, repeat, on)
             # Stage 0's input cotangent after its first chunk: the embedding's gradient.
-            (d_embed,) = jax.vjp(lambda ep: embed_fn(ep, in_m[bwd[0]]), embed_params)[1](dx[0])
-            c["embed_grads"] = add(c["embed_grads"], d_embed, on[0] & (repeat[0] == 0))
+            (d_embed,) = jax.vjp(lambda ep: embed_fn(ep, in_m[jnp.maximum(first["backward"], 0)]), embed_params)[1](dx[0])
+            c["embed_grads"] = add(c["embed_grads"], d_embed, (first["backward"] >= 0) & (first["backward_repeat"] == 0))
             c["bwd_in"] = constrain(jnp.roll(dx, -1, axis=0), state_axes, "pipeline stage cotangents")  # a collective-permute
             return c
 
@@ -203,9 +204,9 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             """Stage 0 embeds a microbatch entering its first chunk, every stage runs its forward
             and stashes its input, the last applies the head and loss after the last chunk and
             seeds the cotangent its backward starts from next tick; activations one stage on."""
-            fwd, on, repeat = jnp.maximum(row["forward"], 0), row["forward"] >= 0, row["forward_repeat"]
-            entering = embed_fn(embed_params, in_m[fwd[0]]).astype(c["fwd_in"].dtype)
-            fwd_in = c["fwd_in"].at[0].set(jnp.where(repeat[0] == 0, entering, c["fwd_in"][0]))
+            on, repeat, first, last = row["forward"] >= 0, row["forward_repeat"], row["first"], row["last"]
+            entering = embed_fn(embed_params, in_m[jnp.maximum(first["forward"], 0)]).astype(c["fwd_in"].dtype)
+            fwd_in = c["fwd_in"].at[0].set(jnp.where(first["forward_repeat"] == 0, entering, c["fwd_in"][0]))
             keep = lambda ring, slot, x_mb, on: ring.at[slot].set(jnp.where(on, x_mb, ring[slot]))  # noqa: E731
             if keep_residuals:
                 y, residuals = jax.vmap(stage_forward_saving)(chunks, probe_chunks, repeat, stages, fwd_in)
@@ -215,8 +216,8 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
                 y = jax.vmap(stage_forward)(chunks, probe_chunks, repeat, stages, fwd_in)
                 c["stash"] = constrain(jax.vmap(keep)(c["stash"], row["forward_slot"], fwd_in, on), stash_axes, "pipeline stash")
             y = constrain(y, state_axes, "pipeline stage outputs")
-            leaving = on[-1] & (repeat[-1] == r - 1)
-            mb_loss, dloss_params, dy = head(loss_params, y[-1], t_m[fwd[-1]])
+            leaving = (last["forward"] >= 0) & (last["forward_repeat"] == r - 1)
+            mb_loss, dloss_params, dy = head(loss_params, y[-1], t_m[jnp.maximum(last["forward"], 0)])
             c["loss"] = c["loss"] + jnp.where(leaving, mb_loss, 0.0) / m
             c["loss_grads"] = add(c["loss_grads"], dloss_params, leaving)
             seeded = jnp.where(leaving, dy.astype(c["bwd_in"].dtype), c["bwd_in"][-1])
@@ -247,7 +248,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         # One scan per phase of the table: ticks with forwards only, with both, with backwards only,
         # each tick running only the halves some stage works in (the schedule's own bubble).
         for start, stop, forwards, backwards in phases(table):
-            rows = {k: jnp.asarray(v[start:stop]) for k, v in arrays.items()}
+            rows = jax.tree.map(lambda v: jnp.asarray(v[start:stop]), with_ends(arrays))
             c, _ = jax.lax.scan(functools.partial(tick, forwards=forwards, backwards=backwards), c, rows)
         like = lambda tree, ref: jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), tree, ref)  # noqa: E731
         stats = None if probes is None else like(swap(c["stats"]), probes)
