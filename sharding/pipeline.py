@@ -191,8 +191,7 @@ def with_ends(arrays: dict[str, np.ndarray]) -> dict:
     """`arrays` ([ticks, stages]) and, under "first" and "last", the first and the last stage's
     columns as [ticks] arrays of their own: the ends of the pipeline (embedding, head) read them
     without indexing a per-tick row the compiler has split over `stage`, which costs a broadcast
-    from one device per read (and XLA hoists the constant ones out of the loop, where XLA:CPU ran
-    them in a different order on different devices and deadlocked)."""
+    from one device per read (and XLA hoists the constant ones out of the loop)."""
     return {**arrays, "first": {k: v[:, 0] for k, v in arrays.items()}, "last": {k: v[:, -1] for k, v in arrays.items()}}
 
 
