@@ -247,8 +247,9 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         }
         # One scan per phase of the table: ticks with forwards only, with both, with backwards only,
         # each tick running only the halves some stage works in (the schedule's own bubble).
+        columns = with_ends(arrays)
         for start, stop, forwards, backwards in phases(table):
-            rows = jax.tree.map(lambda v: jnp.asarray(v[start:stop]), with_ends(arrays))
+            rows = jax.tree.map(lambda v: jnp.asarray(v[start:stop]), columns)
             c, _ = jax.lax.scan(functools.partial(tick, forwards=forwards, backwards=backwards), c, rows)
         like = lambda tree, ref: jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), tree, ref)  # noqa: E731
         stats = None if probes is None else like(swap(c["stats"]), probes)

@@ -94,7 +94,7 @@ def one_device_deep():
         ({"stage": 2, "data": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2, "sharding__sequence_parallel": True}),
         # The stash keeps the pullbacks' residuals instead of recomputing (pipeline.remat).
         # (On {stage: 4} this aborts full runs of the suite: XLA:CPU's in-process collectives
-        # time out, devices in different collectives. PERFORMANCE.md, "1F1B keeping residuals".)
+        # time out, devices in different collectives. PERFORMANCE.md, "The pipeline's ends read their own schedule columns".)
         ({"stage": 2, "data": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4, "pipeline__remat": "none"}),
         ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2, "pipeline__remat": "dots",
                                                 "model__remat": "full", "sharding__sequence_parallel": True, "train__grad_accum": 2}),
