@@ -1,7 +1,7 @@
 """Reading XLA's optimized HLO text: what a compiled program really runs.
 
 `gemms` lists every matrix multiply (a `dot` inside a GEMM fusion, or a cuBLAS / cuBLASLt call)
-with its operand and result element types; `custom_calls` and `collectives` count what a program
+with its operand, accumulation and result element types; `custom_calls` and `collectives` count what a program
 calls and communicates. Used by the GPU readiness checks (`tests/test_gpu_compile.py`) and
 `lm.layout --target`'s report.
 """
@@ -23,6 +23,7 @@ class Gemm(NamedTuple):
     lhs: str  # element type, e.g. bf16, f8e4m3fn
     rhs: str
     out: str
+    accumulation: str  # the dot algorithm's accumulation type where one is named, else `out`
     kind: str  # dot (in a fusion) or the custom-call target
     computation: str
     op_name: str  # the JAX operation it came from (metadata), e.g. .../btd,dhk->bthk/dot_general
@@ -68,14 +69,17 @@ def gemms(hlo: str) -> list[Gemm]:
                 kind = "dot"
             if len(names) >= 2:
                 op_name = re.search(r'op_name="([^"]*)"', line)
-                found.append(Gemm(types.get(names[0], "?"), types.get(names[1], "?"), out_type, kind, name, op_name.group(1) if op_name else ""))
+                algorithm = re.search(r"algorithm=dot_[a-z0-9]+_[a-z0-9]+_([a-z0-9]+)", line)
+                accumulation = algorithm.group(1) if algorithm else out_type
+                found.append(Gemm(types.get(names[0], "?"), types.get(names[1], "?"), out_type, accumulation, kind, name,
+                                  op_name.group(1) if op_name else ""))
     return found
 
 
 def summary(hlo: str) -> dict:
     """What a compiled program runs, as plain data: GEMM operand types, custom calls, collectives."""
     return {
-        "gemm_operand_types": dict(Counter(f"{g.lhs} x {g.rhs} -> {g.out}" for g in gemms(hlo))),
+        "gemm_operand_types": dict(Counter(f"{g.lhs} x {g.rhs} -> {g.out}" + (f" (accumulating {g.accumulation})" if g.accumulation != g.out else "") for g in gemms(hlo))),
         "custom_calls": dict(custom_calls(hlo)),
         "collectives": dict(collectives(hlo)),
     }
@@ -98,16 +102,21 @@ def collectives(hlo: str) -> Counter:
     return Counter(m for m in re.findall(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo))
 
 
-def collective_shapes(hlo: str, op: str) -> list[tuple[int, ...]]:
-    """Result shapes of every `op` (e.g. all-gather) in an HLO module's text; for the
-    asynchronous form (`op-start`, whose result is a tuple of operands and results, possibly
-    combined from many collectives) every shape in that tuple."""
-    shapes = []
+def collective_buffers(hlo: str, op: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(element type, shape) of every result of `op` (e.g. all-gather) in an HLO module's text;
+    for the asynchronous form (`op-start`, whose result is a tuple of operands and results,
+    possibly combined from many collectives) every buffer in that tuple."""
+    buffers = []
     for line in hlo.splitlines():
         m = re.search(rf"=\s*(.*?)\s{op}(?:-start)?\(", line)
         if m:
-            shapes += [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"[a-z0-9]+\[([\d,]*)\]", m.group(1))]
-    return shapes
+            buffers += [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in re.findall(r"([a-z0-9]+)\[([\d,]*)\]", m.group(1))]
+    return buffers
+
+
+def collective_shapes(hlo: str, op: str) -> list[tuple[int, ...]]:
+    """The shapes of `collective_buffers`."""
+    return [shape for _, shape in collective_buffers(hlo, op)]
 
 
 def loop_bodies(hlo: str) -> dict[str, str]:

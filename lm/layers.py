@@ -275,6 +275,9 @@ def gather_length(x_btd: jax.Array) -> jax.Array:
 
     Under sequence parallelism this is Megatron's all-gather from the sequence-split norm region;
     the row-parallel output's reduction then lands split again (reduce-scatter). Without it XLA
-    may instead move the heads (all-to-all) or gather the weights.
+    may instead move the heads (all-to-all) or gather the weights. The input is pinned to its
+    split first, so that the gather moves it in its own dtype (left alone, XLA gathered the final
+    norm's float32 internals and cast after).
     """
+    x_btd = constrain(x_btd, RESIDUAL_AXES, "norm output, split")
     return constrain(x_btd, ("batch", "length", "act_embed"), "norm output")

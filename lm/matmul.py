@@ -4,6 +4,14 @@ inputs with float32 accumulation, forward and backward (a hand-written VJP).
 Autodiff of a dot with `preferred_element_type=float32` would give float32 x bf16 backward dots
 (slow on CPU, and not what fp8 / bf16 hardware runs); here the output gradient is cast to the
 inputs' dtype so both backward matmuls run on the same units as the forward one.
+
+On accelerators a 16-bit result is the dot's own output (accumulated in float32 by the named dot
+algorithm, rounded once), not a float32 result cast afterwards: where the contraction is split
+over devices (tensor parallelism's row-parallel matmuls and input gradients) the partial sums are
+reduced in the dot's output type, so a float32 dot put float32 collectives on the wire, twice
+Megatron's bytes, and XLA turned those under sequence parallelism into whole all-reduces instead
+of reduce-scatters (PERFORMANCE.md, "Partial sums in the compute dtype"). XLA:CPU runs
+16-bit-result dots about 2x slower, so there the result is float32, cast.
 """
 
 from __future__ import annotations
@@ -13,7 +21,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import sharding
+
 F32 = jnp.float32
+# Dot algorithms that accumulate 16-bit operands in float32 whatever the result's type.
+_F32_ACCUMULATION = {jnp.dtype(jnp.bfloat16): "BF16_BF16_F32", jnp.dtype(jnp.float16): "F16_F16_F32"}
+
+
+def einsum(spec: str, a, b, out_dtype):
+    """`jnp.einsum(spec, a, b)` accumulated in float32, its result in `out_dtype`."""
+    algorithm = _F32_ACCUMULATION.get(a.dtype) if a.dtype == b.dtype and jnp.dtype(out_dtype) != F32 else None
+    if algorithm is None or sharding.platform() == "cpu":
+        return jnp.einsum(spec, a, b, preferred_element_type=F32).astype(out_dtype)
+    return jnp.einsum(spec, a, b, precision=algorithm, preferred_element_type=out_dtype)
 
 
 def transposed_specs(spec: str) -> tuple[str, str, str]:
@@ -35,10 +55,12 @@ def has_batch_dims(spec: str) -> bool:
 
 def backward(spec: str, x, w, dy, *, dtypes=None, scales=(None, None)):
     """(dx, dw) of `einsum(spec, x, w)`, float32 accumulation, in x's and w's dtypes (or
-    `dtypes`), each float32 result multiplied by its scale first when one is given (fp8 sites)."""
+    `dtypes`). At fp8 sites (`scales` given) each float32 result is multiplied by its scale
+    first. dw leaves its dot in float32 either way: it is summed over the data and fsdp devices
+    there, in float32 (torchtitan's reduce dtype)."""
     dx_spec, dw_spec, dw_spec_swapped = transposed_specs(spec)
     dx_dtype, dw_dtype = dtypes or (x.dtype, w.dtype)
-    dx = jnp.einsum(dx_spec, dy, w, preferred_element_type=F32)
+    dx = einsum(dx_spec, dy, w, F32 if scales[0] is not None else dx_dtype)
     # XLA:CPU transposes a weight-gradient matmul's first operand (and refuses to materialise
     # what produced it, recomputing it inside the transpose); so the smaller operand goes first.
     if x.size > dy.size:
@@ -52,7 +74,7 @@ def backward(spec: str, x, w, dy, *, dtypes=None, scales=(None, None)):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def matmul(spec: str, out_dtype, x, w):
     """`einsum(spec, x, w)` accumulated in float32, the result in `out_dtype`."""
-    return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(out_dtype)
+    return einsum(spec, x, w, out_dtype)
 
 
 def _matmul_fwd(spec, out_dtype, x, w):

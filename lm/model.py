@@ -148,7 +148,8 @@ class Transformer(nnx.Module):
     def _embed(self, tokens_bt, positions_bt=None, tables=None) -> jax.Array:
         """The embedded tokens (and positions); `tables` given: (token table, position table)."""
         table_vd, positions_td = tables or self._embed_tables()
-        x = self.policy.cast(lookup(table_vd, tokens_bt))
+        # Cast before the lookup gathers the table: the all-gather moves compute-dtype bytes.
+        x = lookup(self.policy.cast(table_vd), tokens_bt)
         if self.cfg.position == "learned":
             table_td = constrain(positions_td, (None, None), "position table")
             in_order = jnp.arange(tokens_bt.shape[1])[None] if positions_bt is None else positions_bt

@@ -53,7 +53,10 @@ def test_bf16_matmuls_are_bf16_gemms_accumulating_in_float32(h100s):
     assert {"bthk,hkd->btd", "btd,df->btf", "btf,fd->btd", "btd,dv->btv"} <= specs
     assert {"btd,dhk->bthk", "btd,dgk->btgk"} & specs
     assert len(gemms) >= 3 * 7  # the layer loop's 7 matmuls, forward and two backward each
-    assert {(g.lhs, g.rhs, g.out) for g in gemms} == {("bf16", "bf16", "f32")}
+    assert {(g.lhs, g.rhs, g.accumulation) for g in gemms} == {("bf16", "bf16", "f32")}
+    # Activations and their gradients leave the GEMM in bf16 (their partial sums, where tensor
+    # parallelism splits the contraction, are reduced in bf16); weight gradients in float32.
+    assert {g.out for g in gemms} == {"bf16", "f32"}
     # The detector: the same model in float32 runs float32 GEMMs.
     assert {(g.lhs, g.rhs) for g in model_gemms(compiled(h100s, {"fsdp": 8}, precision__compute_dtype="float32"))} == {("f32", "f32")}
 
@@ -113,6 +116,24 @@ def test_tensor_parallel_loss_never_gathers_the_logits(h100s):
     per_device_tokens = 16 // 4 * 128
     assert hlo.collective_shapes(text, "all-gather")
     assert not [s for s in hlo.collective_shapes(text, "all-gather") if 256 in s and np.prod(s) >= per_device_tokens * 256]
+
+
+def test_tensor_parallel_partial_sums_are_reduce_scattered_in_bf16(h100s):
+    """Under tensor + sequence parallelism the row-parallel matmuls' partial sums (and the input
+    gradients') are reduce-scattered in the compute dtype, as Megatron does; no activation-sized
+    all-reduce. (Until 2026-11-23 they left the GEMM in float32 and XLA all-reduced the
+    recomputed forward's whole float32 outputs.)"""
+    def activation_sized(text, op):
+        return [t for t, s in hlo.collective_buffers(text, op) if np.prod(s, dtype=np.int64) >= tokens * 128 // 2]
+
+    tokens = 16 // 4 * 128  # per fsdp shard, the whole sequence
+    text = compiled(h100s, {"fsdp": 4, "tensor": 2}, sharding__sequence_parallel=True, model__remat="dots_no_batch")
+    assert set(activation_sized(text, "reduce-scatter")) == {"bf16"}
+    assert not activation_sized(text, "all-reduce")
+    # The detector: in float32 the same reductions are float32.
+    text = compiled(h100s, {"fsdp": 4, "tensor": 2}, sharding__sequence_parallel=True, model__remat="dots_no_batch",
+                    precision__compute_dtype="float32")
+    assert set(activation_sized(text, "reduce-scatter")) == {"f32"}
 
 
 def test_gpu_compiles_get_meshlm_compiler_options(h100s):
