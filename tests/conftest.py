@@ -5,7 +5,13 @@ import os
 # The tests compile far more than they run: LLVM's optimisations off makes the suite's compiles
 # about a quarter faster. The few tests that train for minutes do it in a fresh process, through
 # `train_run`, where XLA optimises fully (at -O0 they ran twice as long).
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+# A collective waits for all 8 fake devices' threads; on 2 busy cores one can lag past XLA:CPU's
+# 40 s limit, which aborts the process (seen in 1F1B tests while other compiles ran beside the
+# suite). A true deadlock still aborts, after 10 minutes, with XLA's "stuck" warnings from 20 s.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
+    " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The XLA GPU compiler (make gpu-compiler) on the path, for the deviceless GPU compile checks;
 # the CPU stays the only backend this process runs on.
