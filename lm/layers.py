@@ -279,5 +279,6 @@ def gather_length(x_btd: jax.Array) -> jax.Array:
     split first, so that the gather moves it in its own dtype (left alone, XLA gathered the final
     norm's float32 internals and cast after).
     """
-    x_btd = constrain(x_btd, RESIDUAL_AXES, "norm output, split")
+    if sharding.platform() != "cpu":  # the CPU program kept as it was (PERFORMANCE.md: an XLA:CPU abort)
+        x_btd = constrain(x_btd, RESIDUAL_AXES, "norm output, split")
     return constrain(x_btd, ("batch", "length", "act_embed"), "norm output")

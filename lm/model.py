@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import sharding
 from lm.fp8 import Probe, fp8_suspended
 from lm.layers import (
     RESIDUAL_AXES,
@@ -149,7 +150,11 @@ class Transformer(nnx.Module):
         """The embedded tokens (and positions); `tables` given: (token table, position table)."""
         table_vd, positions_td = tables or self._embed_tables()
         # Cast before the lookup gathers the table: the all-gather moves compute-dtype bytes.
-        x = lookup(self.policy.cast(table_vd), tokens_bt)
+        # (The CPU program is kept as it was: PERFORMANCE.md, an XLA:CPU abort.)
+        if sharding.platform() == "cpu":
+            x = self.policy.cast(lookup(table_vd, tokens_bt))
+        else:
+            x = lookup(self.policy.cast(table_vd), tokens_bt)
         if self.cfg.position == "learned":
             table_td = constrain(positions_td, (None, None), "position table")
             in_order = jnp.arange(tokens_bt.shape[1])[None] if positions_bt is None else positions_bt
