@@ -123,10 +123,11 @@ def test_tensor_parallel_partial_sums_are_reduce_scattered_in_bf16(h100s):
     gradients') are reduce-scattered in the compute dtype, as Megatron does; no activation-sized
     all-reduce. (Until 2026-11-23 they left the GEMM in float32 and XLA all-reduced the
     recomputed forward's whole float32 outputs.)"""
-    def activation_sized(text, op):
+    tokens = 16 // 4 * 128  # per fsdp shard, the whole sequence
+
+    def activation_sized(text, op):  # element types of the buffers of at least half a [tokens, embed]
         return [t for t, s in hlo.collective_buffers(text, op) if np.prod(s, dtype=np.int64) >= tokens * 128 // 2]
 
-    tokens = 16 // 4 * 128  # per fsdp shard, the whole sequence
     text = compiled(h100s, {"fsdp": 4, "tensor": 2}, sharding__sequence_parallel=True, model__remat="dots_no_batch")
     assert set(activation_sized(text, "reduce-scatter")) == {"bf16"}
     assert not activation_sized(text, "all-reduce")
