@@ -8,6 +8,7 @@ import os
 # A collective waits for all 8 fake devices' threads; on 2 busy cores one can lag past XLA:CPU's
 # 40 s limit, which aborts the process (seen in 1F1B tests while other compiles ran beside the
 # suite). A true deadlock still aborts, after 10 minutes, with XLA's "stuck" warnings from 20 s.
+# (`import lm` below sizes XLA:CPU's thread pools for the 8 devices: `lm._size_cpu_thread_pools`.)
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
     " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     " --xla_cpu_collective_call_terminate_timeout_seconds=600"
@@ -43,7 +44,7 @@ def shakespeare() -> Path:
 
 def run_module(*args: str, env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m ARGS` from the repo root on one CPU device, output captured."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MESHLM_GPU_COMPILER")}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MESHLM_GPU_COMPILER", "PJRT_NPROC")}
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
