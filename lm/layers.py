@@ -9,6 +9,7 @@ dim, f mlp hidden, v vocab.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -41,20 +42,22 @@ def _param(key, shape, logical_axes, std: float | None, dtype, fill: float = 0.0
     return kind(value, out_sharding=logical_axes, eager_sharding=False)
 
 
-@jax.custom_vjp
-def lookup(table_vd: jax.Array, ids_bt: jax.Array) -> jax.Array:
-    """`table[ids]` with the table gathered whole for the lookup (as every FSDP weight is before
-    use: a lookup into a table split along `embed` makes XLA replicate its output instead), and
-    its gradient placed back as the parameter is (`vocab`, `embed`), so that FSDP reduce-scatters
-    it rather than all-reducing the whole table's gradient and slicing it."""
-    return jnp.take(constrain(table_vd, ("vocab", None), "embedding table"), ids_bt, axis=0)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def lookup(table_vd: jax.Array, ids_bt: jax.Array, dtype) -> jax.Array:
+    """`table[ids]` in `dtype`, the table cast before it is gathered whole for the lookup (as
+    every FSDP weight is before use: a lookup into a table split along `embed` makes XLA
+    replicate its output instead), so the gather moves compute-dtype bytes. Its gradient is
+    summed in float32, in the table's dtype, and placed back as the parameter is (`vocab`,
+    `embed`), so that FSDP reduce-scatters it rather than all-reducing the whole table's
+    gradient and slicing it."""
+    return jnp.take(constrain(table_vd.astype(dtype), ("vocab", None), "embedding table"), ids_bt, axis=0)
 
 
-def _lookup_fwd(table_vd, ids_bt):
-    return lookup(table_vd, ids_bt), (table_vd, ids_bt)
+def _lookup_fwd(table_vd, ids_bt, dtype):
+    return lookup(table_vd, ids_bt, dtype), (table_vd, ids_bt)
 
 
-def _lookup_bwd(residuals, dy_btd):
+def _lookup_bwd(dtype, residuals, dy_btd):
     table_vd, ids_bt = residuals
     # The rows' gradients split along `embed` as the table is (an all-to-all from the batch
     # split), the batch over data-parallel replicas only: left to itself, with the batch split
@@ -279,6 +282,5 @@ def gather_length(x_btd: jax.Array) -> jax.Array:
     split first, so that the gather moves it in its own dtype (left alone, XLA gathered the final
     norm's float32 internals and cast after).
     """
-    if sharding.platform() != "cpu":  # the CPU program kept as it was (PERFORMANCE.md: an XLA:CPU abort)
-        x_btd = constrain(x_btd, RESIDUAL_AXES, "norm output, split")
+    x_btd = constrain(x_btd, RESIDUAL_AXES, "norm output, split")
     return constrain(x_btd, ("batch", "length", "act_embed"), "norm output")

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import sharding
 from lm.fp8 import Probe, fp8_suspended
 from lm.layers import (
     RESIDUAL_AXES,
@@ -149,11 +148,7 @@ class Transformer(nnx.Module):
     def _embed(self, tokens_bt, positions_bt=None, tables=None) -> jax.Array:
         """The embedded tokens (and positions); `tables` given: (token table, position table)."""
         table_vd, positions_td = tables or self._embed_tables()
-        # Cast before the lookup gathers the table, so the all-gather moves compute-dtype bytes
-        # (not on CPU, whose program is kept as it was: PERFORMANCE.md, an XLA:CPU abort).
-        if sharding.platform() != "cpu":
-            table_vd = self.policy.cast(table_vd)
-        x = self.policy.cast(lookup(table_vd, tokens_bt))
+        x = lookup(table_vd, tokens_bt, self.policy.compute_dtype)
         if self.cfg.position == "learned":
             table_td = constrain(positions_td, (None, None), "position table")
             in_order = jnp.arange(tokens_bt.shape[1])[None] if positions_bt is None else positions_bt

@@ -108,3 +108,20 @@ def test_packed_documents_equal_each_document_run_alone(style, attention):
     np.testing.assert_array_equal(again[:, :5], packed[:, :5])
     np.testing.assert_array_equal(again[:, 16:], packed[:, 16:])
     assert np.abs(again[:, 7:16] - packed[:, 7:16]).max() > 1e-4
+
+
+def test_the_embedding_lookup_gathers_the_cast_table_and_sums_its_gradient_in_float32():
+    """The table is cast to the compute dtype before the lookup (its gather moves 16-bit bytes);
+    its gradient stays float32: two rows' cotangents 1 and 2^-10 on one id sum to 1 + 2^-10,
+    which bfloat16 (8 significant bits) would round to 1."""
+    from lm.layers import lookup
+
+    table = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 7
+    ids = jnp.array([[1, 1, 3]])
+    rows, pullback = jax.vjp(lambda t: lookup(t, ids, jnp.bfloat16), table)
+    assert rows.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(table.astype(jnp.bfloat16)[ids], np.float32))
+    dy = jnp.array([[[1.0] * 3, [2.0**-10] * 3, [0.5] * 3]], jnp.bfloat16)
+    (grad,) = pullback(dy)
+    assert grad.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(grad), [[0.0] * 3, [1 + 2.0**-10] * 3, [0.0] * 3, [0.5] * 3])
