@@ -16,13 +16,12 @@ def _tune_xla_cpu() -> None:
     except ImportError:
         return
     flags = os.environ.get("XLA_FLAGS", "")
-    _size_cpu_thread_pools(flags)
     # YNNPACK-fused reductions (softmax and layer-norm backward) are slower than XLA's own here.
     if version.__version__.startswith("0.10.") and "xla_cpu_experimental_ynn_fusion_type" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_experimental_ynn_fusion_type=-reduce".strip()
 
 
-def _size_cpu_thread_pools(flags: str) -> None:
+def _size_cpu_thread_pools() -> None:
     """With N fake CPU devices (`--xla_force_host_platform_device_count`), XLA:CPU's two thread
     pools get max(cores, N) threads, shared by all N devices. A device's thunks run concurrently
     on them, and a collective holds its thread until every device arrives: with one thread per
@@ -31,12 +30,13 @@ def _size_cpu_thread_pools(flags: str) -> None:
     the test suite's 1F1B steps on 2 cores). `PJRT_NPROC` (XLA's own knob) sizes both pools;
     8 threads per device, unless the user set it.
     """
-    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     if found and int(found.group(1)) > 1:
         os.environ.setdefault("PJRT_NPROC", str(8 * int(found.group(1))))
 
 
 _tune_xla_cpu()
+_size_cpu_thread_pools()
 
 # The XLA GPU compiler (JAX's CUDA plugin, with cuDNN), installed apart by `make gpu-compiler` so
 # that CPU runs never load it. With MESHLM_GPU_COMPILER=1 it is put on the path here, before JAX

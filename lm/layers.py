@@ -47,9 +47,9 @@ def lookup(table_vd: jax.Array, ids_bt: jax.Array, dtype) -> jax.Array:
     """`table[ids]` in `dtype`, the table cast before it is gathered whole for the lookup (as
     every FSDP weight is before use: a lookup into a table split along `embed` makes XLA
     replicate its output instead), so the gather moves compute-dtype bytes. Its gradient is
-    summed in float32, in the table's dtype, and placed back as the parameter is (`vocab`,
-    `embed`), so that FSDP reduce-scatters it rather than all-reducing the whole table's
-    gradient and slicing it."""
+    summed in float32, returned in the table's own dtype (not `dtype`: a bf16 table gradient
+    would round the sum) and placed back as the parameter is (`vocab`, `embed`), so that FSDP
+    reduce-scatters it rather than all-reducing the whole table's gradient and slicing it."""
     return jnp.take(constrain(table_vd.astype(dtype), ("vocab", None), "embedding table"), ids_bt, axis=0)
 
 

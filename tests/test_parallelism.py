@@ -1,5 +1,6 @@
 """Data, FSDP, tensor and sequence parallelism: same losses and parameters as one device."""
 
+import os
 import re
 
 import jax
@@ -82,3 +83,14 @@ def test_fsdp_gathers_weights_one_layer_at_a_time_inside_the_scan():
     assert not stacked, f"whole layer stacks gathered at once: {stacked}"
     in_loop = [s for name, shapes in per_computation.items() if name in bodies for s in shapes]
     assert (64, 128) in in_loop and (128, 64) in in_loop  # w_in / w_gate, w_out of one layer
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from Linux's /proc")
+def test_xla_cpu_thread_pools_hold_eight_threads_per_fake_device():
+    """`import lm` sizes XLA:CPU's pools (PJRT_NPROC) for the 8 fake devices: with one thread per
+    device, threads blocked in one collective left another's parts queued, and the suite hung."""
+    mesh = sharding.make_mesh(sharding.MeshConfig(data=8))
+    x = jax.device_put(np.ones((8, 4), np.float32), sharding.named_sharding(mesh, ("batch", None)))
+    assert float(jax.jit(lambda a: a.sum())(x)) == 32.0  # a collective ran
+    names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+    assert sum("XLAEigen" in name for name in names) >= 8 * 8
