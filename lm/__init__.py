@@ -22,17 +22,19 @@ def _tune_xla_cpu() -> None:
 
 
 def _size_cpu_thread_pools() -> None:
-    """With N fake CPU devices (`--xla_force_host_platform_device_count`), XLA:CPU's two thread
-    pools get max(cores, N) threads, shared by all N devices. A device's thunks run concurrently
-    on them, and a collective holds its thread until every device arrives: with one thread per
-    device, a device whose part of that collective (or whose matmul's pool tasks) waits queued
-    behind threads blocked in another collective never arrives, and the process hangs (seen in
-    the test suite's 1F1B steps on 2 cores). `PJRT_NPROC` (XLA's own knob) sizes both pools;
-    8 threads per device, unless the user set it.
+    """With N fake CPU devices (`--xla_force_host_platform_device_count`, or JAX_NUM_CPU_DEVICES),
+    XLA:CPU's two thread pools get max(cores, N) threads, shared by all N devices. A device's
+    thunks run concurrently on them, and a collective holds its thread until every device
+    arrives: with one thread per device, a device whose part of that collective (or whose
+    matmul's pool tasks) waits queued behind threads blocked in another collective never
+    arrives, and the process hangs (seen in the test suite's 1F1B steps on 2 cores).
+    `PJRT_NPROC` (XLA's own knob) sizes both pools: 8 threads per device, unless the user set it.
     """
-    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
-    if found and int(found.group(1)) > 1:
-        os.environ.setdefault("PJRT_NPROC", str(8 * int(found.group(1))))
+    flag = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    counts = (flag.group(1) if flag else "1", os.environ.get("JAX_NUM_CPU_DEVICES", "1"))
+    devices = max(int(n) for n in counts if n.isdigit())
+    if devices > 1:
+        os.environ.setdefault("PJRT_NPROC", str(8 * devices))
 
 
 _tune_xla_cpu()
