@@ -2,8 +2,8 @@
 
 `gemms` lists every matrix multiply (a `dot` inside a GEMM fusion, or a cuBLAS / cuBLASLt call)
 with its operand, accumulation and result element types; `custom_calls` and `collectives` count
-what a program calls and communicates. Used by the GPU readiness checks (`tests/test_gpu_compile.py`) and
-`lm.layout --target`'s report.
+what a program calls and communicates. Used by the GPU readiness checks
+(`tests/test_gpu_compile.py`) and `lm.layout --target`'s report.
 """
 
 from __future__ import annotations
