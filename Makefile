@@ -32,8 +32,12 @@ gpu-compiler: $(VENV)/gpu-compiler/.done
 train: $(VENV)/.base
 	$(PY) -m lm.train --config=configs/tiny.py --workdir=runs/tiny
 
+# Two pytest workers, each taking whole test files (their module fixtures are computed once):
+# the suite compiles far more than it runs, and one process leaves a core idle between compiles
+# (20.5 -> 14.1 min on 2 cores, PERFORMANCE.md). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.test $(VENV)/gpu-compiler/.done
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 bench: $(VENV)/.base
 	$(PY) -m lm.bench --config=configs/tiny.py

@@ -8,8 +8,12 @@ fp8 matmul peaks, then `python -m lm.bench` of the recipe in bf16 and fp8, with 
 XLA attention, at several remat policies, and the largest batch that fits (doubling until the
 device runs out of memory). Each benchmark runs in its own process (an out-of-memory failure
 is a result, not a crash); the compiled HLO of the main cases is read for GEMM operand types
-(fp8 or bf16), cuDNN attention calls and collectives (`lm.hlo`). Cases run in priority order until `--budget_s` is spent. Everything goes to
-`DIR/gpu.json` as it arrives; the last stdout line is the same JSON.
+(fp8 or bf16), cuDNN attention calls and collectives (`lm.hlo`). Cases run in priority order
+until `--budget_s` is spent. Everything goes to `DIR/gpu.json` as it arrives; the last stdout
+line is the same JSON.
+
+Rehearsed on a CPU by the test suite (`tests/test_gpu_kit.py`: `--attention=xla`, a small
+`--matmul_size`, two cases), so the first GPU session's minutes go to measuring, not debugging.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,14 +32,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lm, also without an install
 BF16 = ["--config.precision.compute_dtype=bfloat16"]
 FP8 = [*BF16, "--config.precision.fp8=delayed"]
-# (name, overrides, keep the HLO): in priority order.
-CASES = [
-    ("bf16_cudnn_b8", [*BF16, "--config.model.attention=cudnn", "--config.train.batch_size=8"], True),
-    ("bf16_xla_b8", [*BF16, "--config.model.attention=xla", "--config.train.batch_size=8"], True),
-    ("fp8_cudnn_b8", [*FP8, "--config.model.attention=cudnn", "--config.train.batch_size=8"], True),
-    ("bf16_cudnn_b8_remat_dots", [*BF16, "--config.model.attention=cudnn", "--config.train.batch_size=8", "--config.model.remat=dots"], False),
-    ("bf16_cudnn_b8_remat_none", [*BF16, "--config.model.attention=cudnn", "--config.train.batch_size=8", "--config.model.remat=none"], False),
-]
+
+
+def attention(kind: str) -> list[str]:
+    return [f"--config.model.attention={kind}"]
+
+
+def cases(main: str) -> list[tuple[str, list[str], bool]]:
+    """(name, overrides, keep the HLO), in priority order, with `main` attention (cudnn on a
+    GPU); XLA's attention once beside it for comparison."""
+    b8 = ["--config.train.batch_size=8"]
+    compare = [] if main == "xla" else [("bf16_xla_b8", [*BF16, *attention("xla"), *b8], True)]
+    return [
+        (f"bf16_{main}_b8", [*BF16, *attention(main), *b8], True),
+        *compare,
+        (f"fp8_{main}_b8", [*FP8, *attention(main), *b8], True),
+        (f"bf16_{main}_b8_remat_dots", [*BF16, *attention(main), *b8, "--config.model.remat=dots"], False),
+        (f"bf16_{main}_b8_remat_none", [*BF16, *attention(main), *b8, "--config.model.remat=none"], False),
+    ]
 
 
 def device_info(out: Path) -> dict:
@@ -45,15 +60,41 @@ def device_info(out: Path) -> dict:
     if cuda_versions is not None:
         info["cudnn"] = cuda_versions.cudnn_get_version()
         info["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
-    try:
+    try:  # the device's own target description, where this jaxlib exposes it (0.10.2 does not)
         target = xla_client.get_topology_for_devices(jax.devices()[:1]).target_config
         (out / "target_config.txtpb").write_text(str(target))
         info["target_config"] = "target_config.txtpb"
     except Exception as e:  # noqa: BLE001 - report what this jaxlib offers, do not stop
         info["target_config_error"] = f"{type(e).__name__}: {e}"
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"], capture_output=True, text=True)
-    info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except OSError as e:  # not installed in this image: the rest still runs
+        info["nvidia_smi"] = f"unavailable: {e}"
+    info["stored_target_check"] = stored_target_check(jax.devices()[0], info)
     return info
+
+
+def stored_target_check(device, info: dict) -> dict:
+    """The stored target description the deviceless compiles use (H200 for an H200, else H100)
+    field by field against what this device reports (None where it reports nothing)."""
+    from lm import targets  # (only sets XLA:CPU environment variables at import)
+
+    name = "h200" if "H200" in device.device_kind else "h100"
+    text = targets.target_config(name)
+    stored = lambda key: re.search(rf"{key}:\s*\"?([\w. ]+)", text).group(1)  # noqa: E731
+    smi = info.get("nvidia_smi", "").split(", ")
+    fields = {
+        "device_description_str": (stored("device_description_str"), device.device_kind),
+        "core_count": (int(stored("core_count")), getattr(device, "core_count", None)),
+        "compute_capability_major": (int(stored("major")), getattr(device, "compute_capability", "").split(".")[0] or None),
+        "device_memory_mib": (int(stored("device_memory_size")) // 2**20, smi[2] if len(smi) == 4 else None),
+        "clock_mhz": (round(float(stored("clock_rate_ghz")) * 1000), smi[3] if len(smi) == 4 else None),
+        "cudnn": (".".join(re.search(r"dnn_version_info \{\s*major: (\d+)\s*minor: (\d+)\s*patch: (\d+)", text).groups()),
+                  info.get("cudnn")),
+    }
+    return {"target": name, **{k: {"stored": a, "device": b} for k, (a, b) in fields.items()}}
 
 
 def matmul_peaks(n: int = 8192, reps: int = 20) -> dict:
@@ -107,7 +148,17 @@ def main() -> None:
     parser.add_argument("--budget_s", type=float, default=540, help="start no new case after this many seconds")
     parser.add_argument("--case_timeout_s", type=float, default=240)
     parser.add_argument("--max_batch", type=int, default=128)
+    parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"), help="the main cases' attention")
+    parser.add_argument("--matmul_size", type=int, default=8192, help="n of the n x n x n peak matmuls")
+    parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all), e.g. for a rehearsal")
     args = parser.parse_args()
+    chosen = cases(args.attention)
+    if args.cases:
+        wanted = args.cases.split(",")
+        unknown = sorted(set(wanted) - {name for name, _, _ in chosen})
+        if unknown:
+            parser.error(f"unknown case(s) {', '.join(unknown)}; the cases are {', '.join(name for name, _, _ in chosen)}")
+        chosen = [case for case in chosen if case[0] in wanted]
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the largest-batch search wants the device
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "meshlm_jax_cache"))
     out = Path(args.out)
@@ -121,24 +172,26 @@ def main() -> None:
         print(f"{key}: {json.dumps(value)}", flush=True)
 
     save("device", device_info(out))
-    save("matmul_peak_flops", matmul_peaks())
+    save("matmul_peak_flops", matmul_peaks(args.matmul_size))
     hlo_root = Path(tempfile.mkdtemp(prefix="meshlm_hlo_"))
-    for name, overrides, keep_hlo in CASES:
+    for name, overrides, keep_hlo in chosen:
         if time.perf_counter() - began > args.budget_s:
             break
         save(name, run_bench(args.config, overrides, args.steps, args.case_timeout_s, hlo_root / name if keep_hlo else None))
-    # The largest power-of-two batch that fits, bf16 with cuDNN attention (the recipe's remat).
+    # The largest power-of-two batch that fits, bf16 with the main attention (the recipe's remat).
     batch, fits = 16, {}
     while batch <= args.max_batch and time.perf_counter() - began < args.budget_s:
-        result = run_bench(args.config, [*BF16, "--config.model.attention=cudnn", f"--config.train.batch_size={batch}"], args.steps, args.case_timeout_s, None)
+        sized = [*BF16, *attention(args.attention), f"--config.train.batch_size={batch}"]
+        result = run_bench(args.config, sized, args.steps, args.case_timeout_s, None)
         fits[batch] = result
-        save("batch_sweep_bf16_cudnn", fits)
+        save(f"batch_sweep_bf16_{args.attention}", fits)
         if not result["ok"]:
             break
         batch *= 2
     if time.perf_counter() - began < args.budget_s:
         best = max((b for b, r in fits.items() if r["ok"]), default=8)
-        save(f"fp8_cudnn_b{best}", run_bench(args.config, [*FP8, "--config.model.attention=cudnn", f"--config.train.batch_size={best}"], args.steps, args.case_timeout_s, None))
+        largest = [*FP8, *attention(args.attention), f"--config.train.batch_size={best}"]
+        save(f"fp8_{args.attention}_largest_b{best}", run_bench(args.config, largest, args.steps, args.case_timeout_s, None))
     report["elapsed_s"] = round(time.perf_counter() - began, 1)
     (out / "gpu.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report))

@@ -1,0 +1,34 @@
+"""The GPU run kit (benchmarks/gpu.py), rehearsed on one CPU device: every stage of it runs and
+lands in its JSON, so a session's few GPU minutes go to measuring, not to debugging the kit."""
+
+import json
+
+from conftest import run_module
+
+
+def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
+    result = run_module("benchmarks.gpu", "--config=configs/tiny.py", f"--out={tmp_path}", "--steps=2", "--attention=xla",
+                        "--matmul_size=128", "--cases=bf16_xla_b8", "--max_batch=16", timeout=900,
+                        env_extra={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache")})  # not the kit's /tmp default
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == json.loads((tmp_path / "gpu.json").read_text())
+    # Each stored target field is set beside what this device says of it (nothing, on a CPU).
+    check = report["device"]["stored_target_check"]
+    assert check["target"] == "h100" and check["core_count"] == {"stored": 132, "device": None}
+    assert check["cudnn"]["stored"] == "9.8.0" and "nvidia_smi" in report["device"]
+    assert all(flops > 0 for flops in report["matmul_peak_flops"].values())
+    case = report["bf16_xla_b8"]
+    assert case["ok"] and case["compute_dtype"] == "bfloat16" and case["tokens_per_sec"] > 0
+    assert sum(n for types, n in case["hlo"]["gemm_operand_types"].items() if types.startswith("bf16 x bf16")) > 0
+    # The batch sweep doubles from 16 up to --max_batch, then fp8 runs at the largest that fit.
+    assert list(report["batch_sweep_bf16_xla"]) == ["16"] and report["batch_sweep_bf16_xla"]["16"]["ok"]
+    largest = report["fp8_xla_largest_b16"]
+    assert largest["ok"] and largest["fp8"] == "delayed" and largest["tokens_per_step"] == 16 * 128
+    assert report["elapsed_s"] > 0
+
+
+def test_the_gpu_kit_names_its_cases_when_asked_for_an_unknown_one(tmp_path):
+    result = run_module("benchmarks.gpu", f"--out={tmp_path}", "--cases=bf16_cudnn_b8,bf16_fast")
+    assert result.returncode == 2 and "unknown case(s) bf16_fast; the cases are bf16_cudnn_b8, bf16_xla_b8" in result.stderr
+    assert not (tmp_path / "gpu.json").exists()
