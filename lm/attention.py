@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import sharding
+from lm.errors import UserError
 from lm.precision import Policy
 
 
@@ -35,21 +36,43 @@ def cudnn_available() -> bool:
     return True
 
 
+def cudnn_missing(platform: str, dtype, head_dim: int) -> str | None:
+    """What cuDNN's fused attention needs that a program for `platform` with `dtype` queries of
+    `head_dim` lacks (the first such need, as a phrase), or None when it can run there."""
+    needs = {
+        f"a GPU target (this program is for {platform})": platform == "gpu",
+        "cuDNN installed": platform != "gpu" or cudnn_available(),
+        f"bfloat16 or float16 inputs (precision.compute_dtype gives {jnp.dtype(dtype)})": dtype in (jnp.bfloat16, jnp.float16),
+        f"a head dim that is a multiple of 8 up to 128 (the model's is {head_dim})": head_dim % 8 == 0 and head_dim <= 128,
+    }
+    return next((need for need, met in needs.items() if not met), None)
+
+
+def check_cudnn(platform: str, dtype, head_dim: int) -> None:
+    """The UserError for `model.attention=cudnn` where cuDNN cannot run."""
+    missing = cudnn_missing(platform, dtype, head_dim)
+    if missing:
+        raise UserError(f"model.attention=cudnn needs {missing}; use model.attention=auto (cuDNN where it can run) or xla")
+
+
 def attention_kernel(requested: str, q_bthk: jax.Array, decoding: bool = False) -> str:
     """Which attention runs: `einsum` (written out, the CPU default), `xla` (XLA's own fused
     attention) or `cudnn` (cuDNN flash attention). `auto` takes cuDNN when compiling for a GPU
-    and it can take the call: cuDNN loadable here, bf16 / float16 inputs, a head dim that is a
-    multiple of 8 up to 128, not decoding (the cache's mask goes to XLA); a training mask
-    (packed documents, a reordered sequence) reaches cuDNN as a bias. Otherwise XLA on
-    accelerators and einsum on CPU."""
-    if requested != "auto":
-        return requested
+    and it can take the call (`cudnn_missing`: cuDNN loadable here, bf16 / float16 inputs, a
+    head dim that is a multiple of 8 up to 128) and not decoding (the cache's mask goes to XLA);
+    a training mask (packed documents, a reordered sequence) reaches cuDNN as a bias. Otherwise
+    XLA on accelerators and einsum on CPU. `cudnn` asked for where it cannot run is a
+    `UserError` (`check_cudnn`, also run by `lm.program.setup` before anything is written);
+    decoding takes `auto`'s choice."""
     backend = sharding.platform()  # the compile target's, not necessarily this machine's
+    if requested == "cudnn" and not decoding:
+        check_cudnn(backend, q_bthk.dtype, q_bthk.shape[-1])
+        return requested
+    if requested not in ("auto", "cudnn"):
+        return requested
     if backend == "cpu":
         return "einsum"
-    head_dim = q_bthk.shape[-1]
-    cudnn_ok = not decoding and q_bthk.dtype in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if backend == "gpu" and cudnn_ok and cudnn_available() else "xla"
+    return "xla" if decoding or cudnn_missing(backend, q_bthk.dtype, q_bthk.shape[-1]) else "cudnn"
 
 
 def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0, decoding: bool = False) -> jax.Array:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import sharding
 import sharding.pipeline
 from lm import targets
+from lm.attention import check_cudnn
 from lm.config import UserError
 from lm.fp8 import Fp8Meta, Probe, update_fp8
 from lm.layers import Embedding
@@ -337,4 +338,6 @@ def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), obse
     spec = RunSpec.parse(config, vocab_size, observe=observe)
     mesh = sharding.make_mesh(spec.mesh, devices)
     check_batch_split(spec, mesh)
+    if spec.model.attention == "cudnn":  # before a run directory is written, not at the first trace
+        check_cudnn(mesh.devices.flat[0].platform, spec.policy.compute_dtype, spec.model.head_dim)
     return Program(spec, mesh, faults)

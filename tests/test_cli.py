@@ -25,8 +25,9 @@ def train_cli(capsys, *argv):
         (["--config.data.path=/no/such/file.txt"], ["does not exist", "--config.data.path"]),
         (["--config.mesh.data=16"], ["needs 16 devices but 8 are available"]),
         (["--config.train.steps=abc"], ["not a valid int"]),
+        (["--config.model.attention=cudnn"], ["model.attention=cudnn needs a GPU target (this program is for cpu)", "or xla"]),
     ],
-    ids=["unknown-key", "missing-data", "mesh-too-large", "bad-value"],
+    ids=["unknown-key", "missing-data", "mesh-too-large", "bad-value", "cudnn-on-cpu"],
 )
 def test_bad_input(tmp_path, capsys, extra, fragments):
     assert_one_line_error(train_cli(capsys, f"--workdir={tmp_path / 'run'}", *extra), *fragments)
