@@ -1,3 +1,5 @@
+import json
+
 import jax
 from conftest import fast_config, run_module
 
@@ -15,3 +17,17 @@ def test_sample_from_a_trained_run(tmp_path, small_corpus):
     result = run_module("lm.generate", f"--workdir={tmp_path}", "--prompt=def ", "--max_new_tokens=20", "--top_k=5")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def ")
+
+
+def test_a_run_that_named_cudnn_attention_samples_on_a_cpu(tmp_path, small_corpus):
+    """A run trained on GPUs with `model.attention=cudnn`, sampled on a laptop: it runs, with the
+    kernel `auto` picks here (decoding never names cuDNN; it once did, and failed on a CPU)."""
+    train(fast_config(small_corpus, train__steps=5, model__attention="xla"), tmp_path, jax.devices()[:1])
+    saved = json.loads((tmp_path / "config.json").read_text())
+
+    def greedy(attention):
+        (tmp_path / "config.json").write_text(json.dumps({**saved, "model": {**saved["model"], "attention": attention}}))
+        _, tokenizer, model = load(tmp_path)
+        return generate(model, tokenizer, "def ", 12, temperature=0.0)
+
+    assert greedy("cudnn") == greedy("auto")  # as written on a GPU host
