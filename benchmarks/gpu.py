@@ -72,7 +72,10 @@ def device_info(out: Path) -> dict:
         info["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
     except OSError as e:  # not installed in this image: the rest still runs
         info["nvidia_smi"] = f"unavailable: {e}"
-    info["stored_target_check"] = stored_target_check(jax.devices()[0], info)
+    try:
+        info["stored_target_check"] = stored_target_check(jax.devices()[0], info)
+    except Exception as e:  # noqa: BLE001 - a device that reports something unexpected: say so, go on
+        info["stored_target_check_error"] = f"{type(e).__name__}: {e}"
     return info
 
 
@@ -84,11 +87,12 @@ def stored_target_check(device, info: dict) -> dict:
     name = "h200" if "H200" in device.device_kind else "h100"
     text = targets.target_config(name)
     stored = lambda key: re.search(rf"{key}:\s*\"?([\w. ]+)", text).group(1)  # noqa: E731
-    smi = info.get("nvidia_smi", "").split(", ")
+    smi = (info.get("nvidia_smi", "").splitlines() or [""])[0].split(", ")  # the first GPU's line
+    capability = getattr(device, "compute_capability", "")  # e.g. "9.0" on CUDA devices
     fields = {
         "device_description_str": (stored("device_description_str"), device.device_kind),
         "core_count": (int(stored("core_count")), getattr(device, "core_count", None)),
-        "compute_capability_major": (int(stored("major")), getattr(device, "compute_capability", "").split(".")[0] or None),
+        "compute_capability_major": (int(stored("major")), int(capability.split(".")[0]) if capability else None),
         "device_memory_mib": (int(stored("device_memory_size")) // 2**20, smi[2] if len(smi) == 4 else None),
         "clock_mhz": (round(float(stored("clock_rate_ghz")) * 1000), smi[3] if len(smi) == 4 else None),
         "cudnn": (".".join(re.search(r"dnn_version_info \{\s*major: (\d+)\s*minor: (\d+)\s*patch: (\d+)", text).groups()),
