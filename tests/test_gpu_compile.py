@@ -92,15 +92,15 @@ def test_attention_falls_back_where_cudnn_cannot_take_the_call(h100s):
         assert attention_kernel("auto", q(jax.numpy.bfloat16, k=256)) == "xla"  # head dim over 128
         assert attention_kernel("auto", q(jax.numpy.bfloat16), decoding=True) == "xla"  # a decoding mask
         # Asked for by name where it cannot run: what is missing, in one line (cuDNN itself first).
-        if not cudnn_available():
+        if cudnn_available():
+            with pytest.raises(UserError, match=r"cudnn needs bfloat16 or float16 inputs \(precision.compute_dtype gives float32\)"):
+                attention_kernel("cudnn", q(jax.numpy.float32))
+            with pytest.raises(UserError, match="cudnn needs a head dim that is a multiple of 8 up to 128 .the model's is 256"):
+                attention_kernel("cudnn", q(jax.numpy.bfloat16, k=256))
+            assert attention_kernel("cudnn", q(jax.numpy.bfloat16), decoding=True) == "xla"
+        else:
             with pytest.raises(UserError, match="cudnn needs cuDNN installed"):
                 attention_kernel("cudnn", q(jax.numpy.bfloat16))
-            return
-        with pytest.raises(UserError, match=r"cudnn needs bfloat16 or float16 inputs \(precision.compute_dtype gives float32\)"):
-            attention_kernel("cudnn", q(jax.numpy.float32))
-        with pytest.raises(UserError, match="cudnn needs a head dim that is a multiple of 8 up to 128 .the model's is 256"):
-            attention_kernel("cudnn", q(jax.numpy.bfloat16, k=256))
-        assert attention_kernel("cudnn", q(jax.numpy.bfloat16), decoding=True) == "xla"
     assert attention_kernel("auto", q(jax.numpy.bfloat16)) == "einsum"  # on this CPU
 
 
