@@ -7,8 +7,8 @@ from conftest import run_module
 
 
 def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
-    result = run_module("benchmarks.gpu", "--config=configs/tiny.py", f"--out={tmp_path}", "--steps=2", "--attention=xla",
-                        "--matmul_size=128", "--cases=bf16_xla_b8", "--max_batch=16", timeout=900,
+    result = run_module("benchmarks.gpu", "--config=configs/tiny.py", f"--out={tmp_path}", "--steps=2", "--matmul_size=128",
+                        "--cases=bf16_cudnn_b8,bf16_xla_b8", "--max_batch=16", timeout=900,
                         env_extra={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache")})  # not the kit's /tmp default
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -18,10 +18,14 @@ def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
     assert check["target"] == "h100" and check["core_count"] == {"stored": 132, "device": None}
     assert check["cudnn"]["stored"] == "9.8.0" and "nvidia_smi" in report["device"]
     assert all(flops > 0 for flops in report["matmul_peak_flops"].values())
+    # cuDNN cannot run on a CPU: the case says why, in one line, and the kit goes on.
+    failed = report["bf16_cudnn_b8"]
+    assert not failed["ok"] and not failed["out_of_memory"] and "model.attention=cudnn needs a GPU target" in failed["error"]
     case = report["bf16_xla_b8"]
     assert case["ok"] and case["compute_dtype"] == "bfloat16" and case["tokens_per_sec"] > 0
     assert sum(n for types, n in case["hlo"]["gemm_operand_types"].items() if types.startswith("bf16 x bf16")) > 0
-    # The batch sweep doubles from 16 up to --max_batch, then fp8 runs at the largest that fit.
+    # The batch sweep (with XLA's attention, the main kernel having failed) doubles from 16 up to
+    # --max_batch, then fp8 runs at the largest that fit.
     assert list(report["batch_sweep_bf16_xla"]) == ["16"] and report["batch_sweep_bf16_xla"]["16"]["ok"]
     largest = report["fp8_xla_largest_b16"]
     assert largest["ok"] and largest["fp8"] == "delayed" and largest["tokens_per_step"] == 16 * 128
