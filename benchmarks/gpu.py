@@ -186,8 +186,8 @@ def main() -> None:
         save(name, run_bench(args.config, overrides, args.steps, args.case_timeout_s, hlo_root / name if keep_hlo else None))
     # The largest power-of-two batch that fits, bf16 with the main attention (the recipe's remat);
     # with XLA's where the main one failed for another reason than memory (cuDNN missing, say).
-    main = report.get(f"bf16_{args.attention}_b8", {"ok": True})
-    kernel = args.attention if main["ok"] or main.get("out_of_memory") else "xla"
+    headline = report.get(f"bf16_{args.attention}_b8", {"ok": True})  # the first case, if it ran
+    kernel = args.attention if headline["ok"] or headline.get("out_of_memory") else "xla"
     batch, fits = 16, {}
     while batch <= args.max_batch and time.perf_counter() - began < args.budget_s:
         sized = [*BF16, *attention(kernel), f"--config.train.batch_size={batch}"]
