@@ -9,8 +9,8 @@ XLA attention, at several remat policies, and the largest batch that fits (doubl
 device runs out of memory). Each benchmark runs in its own process (an out-of-memory failure
 is a result, not a crash); the compiled HLO of the main cases is read for GEMM operand types
 (fp8 or bf16), cuDNN attention calls and collectives (`lm.hlo`). Cases run in priority order
-until `--budget_s` is spent. Everything goes to `DIR/gpu.json` as it arrives; the last stdout
-line is the same JSON.
+until `--budget_s` is spent. Everything goes to `DIR/gpu.json` as it arrives (each read HLO to
+`DIR/hlo/CASE/`); the last stdout line is the same JSON.
 
 Where the main attention fails for another reason than memory (cuDNN missing, say), the batch
 sweep and the fp8 run at the largest batch use XLA's. Rehearsed on a CPU by the test suite
@@ -179,7 +179,7 @@ def main() -> None:
 
     save("device", device_info(out))
     save("matmul_peak_flops", matmul_peaks(args.matmul_size))
-    hlo_root = Path(tempfile.mkdtemp(prefix="meshlm_hlo_"))
+    hlo_root = out / "hlo"  # each case's optimised train step, beside gpu.json
     for name, overrides, keep_hlo in chosen:
         if time.perf_counter() - began > args.budget_s:
             break

@@ -15,9 +15,10 @@ type, tokenizer files the library cannot parse) were written first, from reading
 the fuzzer found nothing further in them.
 """
 
+import contextlib
 import os
 import tempfile
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -84,10 +85,13 @@ def test_random_overrides_are_accepted_or_a_user_error(overrides):
         assert str(e) and "\n" not in str(e).strip(), str(e)  # one line
 
 
-def _write(data: bytes, name: str) -> Path:
-    path = Path(tempfile.mkdtemp(prefix="meshlm-fuzz-")) / name
-    path.write_bytes(data)
-    return path
+@contextlib.contextmanager
+def _written(data: bytes, name: str) -> Iterator[Path]:
+    """`data` in a file `name`, in a directory removed after the case (300 cases per test)."""
+    with tempfile.TemporaryDirectory(prefix="meshlm-fuzz-") as directory:
+        path = Path(directory) / name
+        path.write_bytes(data)
+        yield path
 
 
 BYTES = st.one_of(st.binary(max_size=600), st.text(max_size=300).map(str.encode))
@@ -95,28 +99,28 @@ BYTES = st.one_of(st.binary(max_size=600), st.text(max_size=300).map(str.encode)
 
 @given(BYTES)
 def test_random_bytes_as_a_recipe(data):
-    try:
-        c = load_file(str(_write(data, "recipe.py")))
-        assert isinstance(c, ml_collections.ConfigDict)
-    except UserError as e:
-        assert "\n" not in str(e).strip()
+    with _written(data, "recipe.py") as path:
+        try:
+            c = load_file(str(path))
+            assert isinstance(c, ml_collections.ConfigDict)
+        except UserError as e:
+            assert "\n" not in str(e).strip()
 
 
 @given(BYTES)
 def test_random_bytes_as_a_tokenizer(data):
-    config = ml_collections.ConfigDict({"tokenizer": str(_write(data, "tokenizer.json"))})
-    try:
-        assert tokenizer_for(config, None).vocab_size >= 1
-    except UserError as e:
-        assert "\n" not in str(e).strip()
+    with _written(data, "tokenizer.json") as path:
+        try:
+            assert tokenizer_for(ml_collections.ConfigDict({"tokenizer": str(path)}), None).vocab_size >= 1
+        except UserError as e:
+            assert "\n" not in str(e).strip()
 
 
 @given(BYTES)
 def test_random_bytes_as_a_corpus(data):
-    path = _write(data, "corpus.txt")
-    try:
-        out = path.parent / f"store-{time.monotonic_ns()}"
-        store = prepare_store(corpus_files(str(path)), ByteTokenizer(), out, workers=1, progress=False)
-        lm_data.split(store, 8, 0.1, str(path))
-    except UserError as e:
-        assert "\n" not in str(e).strip()
+    with _written(data, "corpus.txt") as path:
+        try:
+            store = prepare_store(corpus_files(str(path)), ByteTokenizer(), path.parent / "store", workers=1, progress=False)
+            lm_data.split(store, 8, 0.1, str(path))
+        except UserError as e:
+            assert "\n" not in str(e).strip()

@@ -10,7 +10,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' temporary run directories, pruned by pytest
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the inline backend: figures become outputs
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, as a user's laptop
     monkeypatch.delenv("MESHLM_GPU_COMPILER", raising=False)
