@@ -141,17 +141,17 @@ def distinct(costs: list[Cost]) -> list[Cost]:
 
 
 def smallest_fit(run: Run, gpus: int, system: System, device_memory: int, remats=REMAT) -> tuple[int, int] | None:
-    """(GPUs, a fitting layout's bytes per GPU) for the smallest power-of-two multiple of `gpus`
-    on which some layout's memory fits, counting memory only (None: none up to MAX_SEARCHED_GPUS)."""
+    """(GPUs, a fitting layout's bytes per GPU) for the smallest GPU count above `gpus`, among its
+    power-of-two multiples and the powers of two (a count like 3 may divide nothing), on which
+    some layout's memory fits, counting memory only (None: none up to MAX_SEARCHED_GPUS)."""
     constants = cost.calibration()
-    n = gpus * 2
-    while n <= MAX_SEARCHED_GPUS:
+    counts = {n << k for n in (gpus, 1) for k in range(MAX_SEARCHED_GPUS.bit_length())}
+    for n in sorted(c for c in counts if gpus < c <= MAX_SEARCHED_GPUS):
         for candidate in layouts(run, n, system.gpus_per_host, remats):
             if not isinstance(candidate, tuple):
                 total = Cost(run, candidate, system, constants=constants).memory["total"]
                 if total <= device_memory:
                     return n, total
-        n *= 2
     return None
 
 
@@ -213,7 +213,9 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     system = System.load(args.target)
     hosts = args.hosts or max(1, -(-args.gpus // system.gpus_per_host))
-    if args.gpus < 1 or args.gpus % hosts:
+    if args.gpus < 1:
+        raise UserError(f"--gpus={args.gpus} must be at least 1")
+    if args.gpus % hosts:
         raise UserError(f"--gpus={args.gpus} does not split evenly over --hosts={hosts}")
     remats = tuple(r for r in args.remat.split(",") if r)
     if unknown := [r for r in remats if r not in REMAT]:
@@ -227,7 +229,9 @@ def main(argv: list[str]) -> None:
     if not result.ranked:
         found = smallest_fit(run, args.gpus, system, memory, remats)
         where = f"; the smallest GPU count that fits is {found[0]} ({found[1] / 2**30:.1f} GiB per GPU)" if found else ""
-        raise UserError(f"no layout of this config fits {args.gpus} {args.target} GPUs ({memory / 2**30:.1f} GiB each){where}")
+        why = ", ".join(f"{reason} {n}" for reason, n in sorted(result.dropped.items()))
+        raise UserError(f"no layout of this config fits {args.gpus} {args.target} GPUs ({memory / 2**30:.1f} GiB each; "
+                        f"of {result.evaluated} layouts: {why}){where}")
     print(describe(result, args.top))
     summary = {
         "gpus": args.gpus, "hosts": hosts, "target": args.target, "evaluated": result.evaluated,

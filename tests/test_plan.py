@@ -125,6 +125,15 @@ def test_an_impossible_request_names_the_smallest_gpu_count_that_fits(capsys):
     assert not lm_plan.plan(run, 16, H100, memory).ranked and lm_plan.plan(run, 32, H100, memory).ranked
 
 
+def test_a_gpu_count_nothing_divides_says_so_and_names_a_power_of_two_that_fits(capsys):
+    # 3 divides no dimension of the 70B's (batch 256, 64 heads, 80 layers), nor do its multiples
+    # 6, 12, 24, ...: the answer says the layouts were indivisible, and looks at powers of two too.
+    result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=3", "--target=h100")
+    assert_one_line_error(result, "no layout of this config fits 3 h100 GPUs", "of 5 layouts: indivisible 5",
+                          "the smallest GPU count that fits is 32")
+    assert_one_line_error(run_cli(capsys, lm_plan.main, "--config=configs/tiny.py", "--gpus=0"), "--gpus=0 must be at least 1")
+
+
 @pytest.mark.skipif(not targets.compiler_available(), reason="the XLA GPU compiler plugin is not installed (make gpu-compiler)")
 def test_verify_compiles_the_top_layouts_for_the_target(capsys):
     result = run_cli(capsys, lm_plan.main, "--config=configs/tiny.py", "--gpus=8", "--target=h100", "--top=2", "--verify", "--remat=full")
