@@ -74,6 +74,17 @@ def _rope_keys(hf: dict) -> dict:
 def model_keys(hf: dict) -> dict:
     """The meshlm `model.*` config keys (dotted, as overrides) that represent `hf` exactly."""
     kind = family(hf)
+    try:
+        return _model_keys(hf, kind)
+    except KeyError as e:
+        raise UserError(f"config.json: a {kind} config needs {e.args[0]!r}, which this one lacks; pass the config.json "
+                        "that transformers' save_pretrained wrote") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise UserError(f"config.json: a {kind} field has a value of the wrong kind ({e}); pass the config.json "
+                        "that transformers' save_pretrained wrote") from None
+
+
+def _model_keys(hf: dict, kind: str) -> dict:
     if kind == "gpt2":
         d = hf.get("n_embd", 768)
         _require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new", "meshlm's GELU is the tanh approximation")

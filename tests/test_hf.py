@@ -3,6 +3,7 @@ on tiny random models of every family, exact round trips, sharded import, traini
 greedy generation, and the one-line errors. Offline: every model is made here."""
 
 import json
+import shutil
 import sys
 
 import jax
@@ -274,12 +275,19 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, hf_dirs):
     unsupported = tmp_path / "bert"
     unsupported.mkdir()
     (unsupported / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    partial = tmp_path / "partial"  # a config.json cut short: a KeyError traceback before
+    partial.mkdir()
+    (partial / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    mistyped = shutil.copytree(good, tmp_path / "mistyped")
+    (mistyped / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()), "num_attention_heads": "four", "head_dim": None}))
     act = tmp_path / "act"
     act.mkdir()
     (act / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()), "hidden_act": "gelu"}))
     cases = [
         (tmp_path / "empty", "has no config.json"),
         (unsupported, "model_type='bert' is not supported"),
+        (partial, "a gpt2 config needs 'vocab_size', which this one lacks"),
+        (mistyped, "a llama field has a value of the wrong kind"),
         (act, "hidden_act='gelu'"),
         (_without(good, tmp_path / "missing", drop="model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight is missing"),
         (_without(good, tmp_path / "shape", reshape="model.layers.0.self_attn.k_proj.weight"), "has shape (31, 64), but config.json implies (32, 64)"),
