@@ -87,6 +87,12 @@ def _sample(model: Transformer, prompt_bt, key, temperature, *, max_new_tokens: 
 
 def generate_ids(model, prompt_ids, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> np.ndarray:
     """`max_new_tokens` ids sampled after `prompt_ids` (temperature 0: greedy, the argmax)."""
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens={max_new_tokens}: ask for at least one token")
+    if not temperature >= 0:  # NaN too
+        raise UserError(f"temperature={temperature}: use 0 (greedy) or a positive temperature")
+    if top_k < 0:
+        raise UserError(f"top_k={top_k}: use 0 (every token) or a positive k")
     ids = np.asarray(prompt_ids, np.int32)
     vocab = model.cfg.used_vocab
     if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:

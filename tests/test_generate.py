@@ -1,8 +1,11 @@
 import json
+import re
 
 import jax
+import pytest
 from conftest import fast_config, run_module
 
+from lm.config import UserError
 from lm.generate import generate, load
 from lm.train import train
 
@@ -17,6 +20,12 @@ def test_sample_from_a_trained_run(tmp_path, small_corpus):
     result = run_module("lm.generate", f"--workdir={tmp_path}", "--prompt=def ", "--max_new_tokens=20", "--top_k=5")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def ")
+    # Sampling arguments with no meaning are one-line errors (a traceback, or silent nonsense for
+    # a negative temperature, before).
+    for bad, fragment in [({"max_new_tokens": -5}, "ask for at least one token"), ({"temperature": -1.0}, "use 0 (greedy)"),
+                          ({"temperature": float("nan")}, "use 0 (greedy)"), ({"top_k": -2}, "use 0 (every token)")]:
+        with pytest.raises(UserError, match=re.escape(fragment)):
+            generate(model, tokenizer, "def ", **{"max_new_tokens": 4, **bad})
 
 
 def test_a_run_that_named_cudnn_attention_samples_on_a_cpu(tmp_path, small_corpus):
