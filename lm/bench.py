@@ -153,6 +153,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--data", action="store_true", help="feed the steps from the config's corpus through the real input pipeline")
     parser.add_argument("--data_only", action="store_true", help="time the input pipeline alone (no model): host time per global batch")
     args = parser.parse(argv)
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError(f"--steps={args.steps} --warmup={args.warmup}: time at least one step, after zero or more warm-up steps")
     if args.target and not args.compile_only:
         raise UserError("--target compiles for a GPU this machine may not have: add --compile_only")
     if args.data_only:

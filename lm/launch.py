@@ -107,9 +107,9 @@ def _write(i: int, line: bytes) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if "--" not in argv:
+    if "--" not in argv and not {"-h", "--help"} & set(argv):
         raise UserError("give the command after --, e.g. python -m lm.launch --processes=2 -- python -m lm.train ...")
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     parser = Parser(prog="python -m lm.launch", description="Run N local processes as one JAX cluster.", with_config=False)
     parser.add_argument("--processes", type=int, default=2, help="number of processes")
     parser.add_argument("--devices_per_process", type=int, default=4, help="fake CPU devices per process")

@@ -19,6 +19,7 @@ import numpy as np
 from lm import cli, hlo, targets
 from lm import data as lm_data
 from lm.cli import Parser
+from lm.config import UserError
 from lm.program import setup
 from sharding import report
 from sharding.pipeline import report as pipeline_report
@@ -103,6 +104,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--hosts", type=int, default=1, help="with --target: the GPUs are spread over this many hosts")
     parser.add_argument("--save_hlo", help="directory to write the compiled train step's optimized HLO into")
     args = parser.parse(argv)
+    if args.devices < 0:
+        raise UserError(f"--devices={args.devices}: give a number of devices (0: the real ones)")
     devices = None
     if args.target:  # nothing above has asked JAX for devices yet
         devices = targets.command_devices("lm.layout", argv, args.target, args.devices or 8, args.hosts)

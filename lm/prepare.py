@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lm import sources, token_store
+from lm import inputs, sources, token_store
 from lm.errors import UserError
 from lm.sources import Piece, Reading
 from lm.tokenizer import ByteTokenizer, load_tokenizer
@@ -245,13 +245,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", required=True, help="the store directory (new, or a prepare to resume)")
     parser.add_argument("--workers", type=int, default=None, help="tokenising processes (default: every core; none under 64 MB of text)")
     args = parser.parse(argv)
+    if args.workers is not None and args.workers < 1:
+        raise UserError(f"--workers={args.workers}: use 1 (tokenise in this process) or more")
     d = args.config.data
     if token_store.is_store(d.path):
         raise UserError(f"data.path={d.path} is already a token store; train from it (--config.data.path={d.path})")
     if d.sources:
         raise UserError("lm.prepare makes one store from data.path; prepare each source of data.sources on its own")
     files = sources.corpus_files(d.path)
-    out = Path(args.out).expanduser()
+    out = inputs.new_or_run_dir(args.out, "--out")
     tokenizer = tokenizer_for_corpus(d, out, files)
     finished = token_store.is_store(out)
     store = prepare_store(files, tokenizer, out, workers=args.workers, text_field=d.text_field, skip_bad_records=d.skip_bad_records)

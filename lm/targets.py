@@ -64,7 +64,9 @@ def memory_bytes(name: str) -> int:
 
 def devices(name: str, count: int, hosts: int = 1) -> list:
     """`count` compile-only devices of target `name` over `hosts` hosts (`count // hosts` each)."""
-    if count < 1 or hosts < 1 or count % hosts:
+    if count < 1 or hosts < 1:
+        raise UserError(f"--devices={count} --hosts={hosts}: both must be at least 1")
+    if count % hosts:
         raise UserError(f"--devices={count} does not split evenly over --hosts={hosts}")
     text = target_config(name)
     if not compiler_available():

@@ -8,7 +8,11 @@ import json
 import pytest
 from conftest import assert_one_line_error, run_cli, run_module
 
+from lm import bench as lm_bench
 from lm import generate as lm_generate
+from lm import launch as lm_launch
+from lm import layout as lm_layout
+from lm import prepare as lm_prepare
 from lm import train as lm_train
 
 TRAIN = ("--config=configs/tiny.py",)
@@ -56,6 +60,29 @@ def test_workdir_of_an_incompatible_config(tmp_path, capsys):
 
 def test_generate_without_a_run(tmp_path, capsys):
     assert_one_line_error(run_cli(capsys, lm_generate.main, f"--workdir={tmp_path}"), "not a meshlm run")
+
+
+@pytest.mark.parametrize(
+    "main, argv, fragment",
+    [  # each was a traceback (or, for --devices=-2, a silent plan on one device) before
+        (lm_bench.main, ["--config=configs/tiny.py", "--steps=0"], "time at least one step"),
+        (lm_bench.main, ["--config=configs/tiny.py", "--compile_only", "--target=h100", "--devices=0"], "both must be at least 1"),
+        (lm_layout.main, ["--config=configs/tiny.py", "--devices=-2"], "give a number of devices"),
+        (lm_prepare.main, ["--config=configs/tiny.py", "--out={file}"], "is a file; pass a directory"),
+        (lm_prepare.main, ["--config=configs/tiny.py", "--out={tmp}/store", "--workers=0"], "--workers=0: use 1"),
+    ],
+    ids=["bench-no-steps", "bench-no-devices", "layout-negative-devices", "prepare-into-a-file", "prepare-no-workers"],
+)
+def test_tool_arguments_with_no_meaning(tmp_path, capsys, main, argv, fragment):
+    (tmp_path / "file").write_text("mine")
+    argv = [a.format(file=tmp_path / "file", tmp=tmp_path) for a in argv]
+    assert_one_line_error(run_cli(capsys, main, *argv), fragment)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and (tmp_path / "file").read_text() == "mine"
+
+
+def test_launch_help_is_help(capsys):
+    result = run_cli(capsys, lm_launch.main, "--help")
+    assert result.returncode == 0 and "--devices_per_process" in result.stdout
 
 
 def test_bench_prints_json_last(tmp_path):
