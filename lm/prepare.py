@@ -187,10 +187,12 @@ def _run(out: Path, units, todo: list[int], tokenizer, reading: Reading, workers
     if workers is None:  # as many as cores, unless there is too little text to be worth starting them
         workers = 1 if sum(sizes[i] for i in todo) < IN_PROCESS_BYTES else os.cpu_count() or 1
     if workers <= 1 or len(todo) <= 1:
-        for i in todo:
-            prepare_unit(out, i, units[i], tokenizer, reading)
-            done(i)
-        bar.close()
+        try:
+            for i in todo:
+                prepare_unit(out, i, units[i], tokenizer, reading)
+                done(i)
+        finally:
+            bar.close()  # its line ended before an error's
         return
     processes, waiting = _start_workers(out, units, todo, tokenizer, reading, workers), set(todo)
     try:

@@ -16,6 +16,7 @@ import gzip
 import io
 import json
 import sysconfig
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,9 +111,7 @@ def plan_units(files: list[Path]) -> list[list[Piece]]:
             units.extend([Piece(str(f), kind, start, min(start + target, size))] for start in range(0, size, target))
         elif kind == "parquet" and size > target:
             close_small()
-            import pyarrow.parquet as pq
-
-            groups = pq.ParquetFile(f).num_row_groups
+            groups = _parquet_file(f).num_row_groups
             per_unit = max(1, groups * target // size)
             units.extend([Piece(str(f), kind, g, min(g + per_unit, groups))] for g in range(0, groups, per_unit))
         elif kind == "datasets":
@@ -208,8 +207,29 @@ def _open_jsonl(path: Path):
 
 
 def _jsonl(piece: Piece, reading: Reading) -> Iterator[str]:
-    """Records of the lines that *start* in [start, stop) (whole file for compressed ones)."""
+    """Records of the lines that *start* in [start, stop) (whole file for compressed ones); a
+    file that does not decompress is a UserError."""
     path = Path(piece.path)
+    try:
+        yield from _jsonl_records(path, piece, reading)
+    except _read_errors() as e:
+        raise UserError(f"{path} cannot be read ({e}); re-compress or remove it") from None
+
+
+def _read_errors() -> tuple[type[Exception], ...]:
+    """What reading a damaged file raises: OSError (BadGzipFile), EOFError (a cut stream),
+    zlib.error (corrupt deflate data), zstandard's ZstdError."""
+    errors: list[type[Exception]] = [OSError, EOFError, zlib.error]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _jsonl_records(path: Path, piece: Piece, reading: Reading) -> Iterator[str]:
     with _open_jsonl(path) as f:
         position = 0
         if piece.start > 0:
@@ -266,17 +286,30 @@ def _texts(column, reading: Reading, where: str) -> Iterator[str]:
 
 
 def _parquet(piece: Piece, reading: Reading) -> Iterator[str]:
-    import pyarrow.parquet as pq
+    import pyarrow
 
-    f = pq.ParquetFile(piece.path)
+    f = _parquet_file(Path(piece.path))
     if reading.text_field not in f.schema_arrow.names:
         raise UserError(f"{piece.path}: no column {reading.text_field!r} (columns: {', '.join(f.schema_arrow.names)}); set data.text_field")
     stop = f.num_row_groups if piece.stop < 0 else piece.stop
     groups = list(range(piece.start, stop))
     if not groups:
         return
-    for batch in f.iter_batches(batch_size=1024, row_groups=groups, columns=[reading.text_field]):
-        yield from _texts(batch.column(0).to_pylist(), reading, piece.path)
+    try:
+        for batch in f.iter_batches(batch_size=1024, row_groups=groups, columns=[reading.text_field]):
+            yield from _texts(batch.column(0).to_pylist(), reading, piece.path)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise UserError(f"{piece.path} cannot be read as Parquet ({str(e).splitlines()[0]}); rewrite or remove it") from None
+
+
+def _parquet_file(path: Path):
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pyarrow.ArrowException, OSError) as e:
+        raise UserError(f"{path} cannot be read as Parquet ({str(e).splitlines()[0]}); rewrite or remove it") from None
 
 
 def _load_dataset(path: Path):

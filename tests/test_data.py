@@ -97,6 +97,26 @@ def test_malformed_jsonl_is_one_line_naming_file_and_line_or_skipped(tmp_path, c
     assert token_store.TokenStore(tmp_path / "store2").manifest["counts"] == {"bad_records_skipped": 2}
 
 
+def test_damaged_compressed_and_parquet_files_are_one_line(tmp_path, capsys):
+    """Each of these ended in a traceback from gzip, zlib, zstandard or pyarrow."""
+    import zstandard
+
+    packed = gzip.compress(b'{"text": "some text, again and again"}\n' * 200)
+    flipped = bytearray(packed)
+    flipped[40:60] = bytes(20)
+    damaged = {
+        "not.jsonl.gz": b"plain text, not gzip",
+        "cut.jsonl.gz": packed[: len(packed) // 2],
+        "flipped.jsonl.gz": bytes(flipped),
+        "bad.jsonl.zst": zstandard.ZstdCompressor().compress(b'{"text": "x"}\n' * 100)[:-8] + bytes(8),
+        "bad.parquet": b"PAR1 not a parquet file PAR1",
+    }
+    for name, content in damaged.items():
+        (tmp_path / name).write_bytes(content)
+        result = run_cli(capsys, prepare.main, f"--out={tmp_path / ('out-' + name)}", f"--config.data.path={tmp_path / name}")
+        assert_one_line_error(result, f"{tmp_path / name} cannot be read")
+
+
 def test_bad_inputs_are_one_line(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "mine.txt").write_text("x")
