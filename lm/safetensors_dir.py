@@ -28,6 +28,8 @@ class Reader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
+                if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+                    raise TypeError("weight_map is not a map of tensor names to file names")
             except (ValueError, KeyError, TypeError) as e:
                 raise UserError(f"{index} is not a safetensors index ({type(e).__name__}); re-save the model with save_pretrained") from None
         elif (directory / SINGLE).is_file():

@@ -279,6 +279,10 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, hf_dirs):
     partial.mkdir()
     (partial / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     mistyped = shutil.copytree(good, tmp_path / "mistyped")
+    bad_index = tmp_path / "bad_index"  # its weight_map not a map: a TypeError traceback before
+    bad_index.mkdir()
+    shutil.copy(good / "config.json", bad_index)
+    (bad_index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": 5}))
     (mistyped / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()), "num_attention_heads": "four", "head_dim": None}))
     act = tmp_path / "act"
     act.mkdir()
@@ -288,6 +292,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, hf_dirs):
         (unsupported, "model_type='bert' is not supported"),
         (partial, "a gpt2 config needs 'vocab_size', which this one lacks"),
         (mistyped, "a llama field has a value of the wrong kind"),
+        (bad_index, "model.safetensors.index.json is not a safetensors index"),
         (act, "hidden_act='gelu'"),
         (_without(good, tmp_path / "missing", drop="model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight is missing"),
         (_without(good, tmp_path / "shape", reshape="model.layers.0.self_attn.k_proj.weight"), "has shape (31, 64), but config.json implies (32, 64)"),
