@@ -52,15 +52,19 @@ class Checkpointer:
             args["data"] = ocp.args.JsonSave(data_state)
         self.manager.save(step, args=ocp.args.Composite(**args))
 
-    def restore(self, abstract_state, step: int | None = None) -> tuple[object, dict | None]:
+    def restore(self, abstract_state, step: int | None = None, need_data: bool = False) -> tuple[object, dict | None]:
         """(state placed as `abstract_state`'s shardings, data iterator state) at `step` (default
-        latest). A `TrainState` comes back as one (it is stored as the dict of its fields)."""
+        latest). A `TrainState` comes back as one (it is stored as the dict of its fields).
+        `need_data`: a checkpoint without the data iterator's position is damaged (training
+        always saves it; resuming without it would replay the data from its start)."""
         step = self._step(step)
         path = self.directory / str(step)
         tree = _as_tree(abstract_state)
         self._check_layout(tree, step)
         items = {"state": ocp.args.StandardRestore(tree)}
         has_data = (path / "data").exists()
+        if need_data and not has_data:
+            raise UnreadableCheckpoint(f"checkpoint {path} has no data iterator position (its 'data' item is missing)")
         if has_data:
             items["data"] = ocp.args.JsonRestore()
         try:
@@ -96,7 +100,7 @@ class Checkpointer:
         """
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
-                return step, *self.restore(abstract_state, step)
+                return step, *self.restore(abstract_state, step, need_data=True)
             except UnreadableCheckpoint as e:
                 warn(f"warning: {e}; it is kept as {step}.unreadable and the previous checkpoint is used")
                 self._set_aside(step)

@@ -2,6 +2,7 @@
 last checkpoint, and a checkpoint restores onto any mesh."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,6 +112,15 @@ def test_sigkill_during_a_save_and_a_truncated_checkpoint_lose_only_the_work_sin
     warnings = [line for line in again.stdout.splitlines() if line.startswith("warning: checkpoint")]
     assert len(warnings) == 1 and "30 cannot be read" in warnings[0], again.stdout
     assert "resuming from step 20" in again.stdout and (work / "checkpoints" / "30.unreadable").is_dir()
+    np.testing.assert_array_equal([losses(work)[s] for s in range(21, 31)], [expected[s] for s in range(21, 31)])
+
+    # A checkpoint without the data iterator's position is damaged too: resuming there would
+    # replay the data from its start (it silently did), so step 20 is used and the losses match.
+    shutil.rmtree(work / "checkpoints" / "30" / "data")
+    shutil.rmtree(work / "checkpoints" / "30.unreadable")
+    third = run_module("lm.train", *cli_args(small_corpus, work, "--config.train.steps=30", *every))
+    assert third.returncode == 0, third.stderr
+    assert "30 has no data iterator position" in third.stdout and "resuming from step 20" in third.stdout
     np.testing.assert_array_equal([losses(work)[s] for s in range(21, 31)], [expected[s] for s in range(21, 31)])
 
 
