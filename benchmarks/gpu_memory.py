@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from lm.targets import TARGETS
+
 ROOT = Path(__file__).resolve().parents[1]
 GRIDS = {  # recipe, devices, config overrides
     "recipes": [
@@ -56,7 +58,7 @@ def gib(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="h100", help="a GPU target, or cpu: fake CPU devices")
+    parser.add_argument("--target", default="h100", choices=["cpu", *sorted(TARGETS)], help="a GPU target, or cpu: fake CPU devices")
     parser.add_argument("--remat", default="none,dots,full")
     parser.add_argument("--grid", default="recipes", choices=sorted(GRIDS))
     args, extra = parser.parse_known_args()

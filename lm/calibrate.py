@@ -22,7 +22,7 @@ import numpy as np
 
 from lm import cli, cost, targets
 from lm.cli import Parser
-from lm.config import apply_overrides, default_config
+from lm.config import UserError, apply_overrides, default_config
 from lm.cost import Cost, Layout, System
 from lm.recipe import load_file
 
@@ -159,6 +159,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--published", action="store_true", help="print predicted vs published figures")
     parser.add_argument("--fit", action="store_true", help="with --published: fit the matmul efficiency first")
     args = parser.parse(argv)
+    if not (args.memory or args.published):
+        raise UserError("nothing to do: give --memory (fit the memory model from compiles), --published (compare with "
+                        "published runs; --fit fits the matmul efficiency first), or both")
+    if args.fit and not args.published:
+        raise UserError("--fit fits the matmul efficiency to a published run: add --published")
     constants = cost.calibration()
     if args.memory:
         if args.platform == "gpu":

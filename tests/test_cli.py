@@ -9,6 +9,7 @@ import pytest
 from conftest import assert_one_line_error, run_cli, run_module
 
 from lm import bench as lm_bench
+from lm import calibrate as lm_calibrate
 from lm import generate as lm_generate
 from lm import launch as lm_launch
 from lm import layout as lm_layout
@@ -70,8 +71,11 @@ def test_generate_without_a_run(tmp_path, capsys):
         (lm_layout.main, ["--config=configs/tiny.py", "--devices=-2"], "give a number of devices"),
         (lm_prepare.main, ["--config=configs/tiny.py", "--out={file}"], "is a file; pass a directory"),
         (lm_prepare.main, ["--config=configs/tiny.py", "--out={tmp}/store", "--workers=0"], "--workers=0: use 1"),
+        (lm_calibrate.main, [], "nothing to do: give --memory"),  # it did nothing, silently
+        (lm_calibrate.main, ["--memory", "--fit"], "--fit fits the matmul efficiency to a published run: add --published"),
     ],
-    ids=["bench-no-steps", "bench-no-devices", "layout-negative-devices", "prepare-into-a-file", "prepare-no-workers"],
+    ids=["bench-no-steps", "bench-no-devices", "layout-negative-devices", "prepare-into-a-file", "prepare-no-workers",
+         "calibrate-nothing", "calibrate-fit-alone"],
 )
 def test_tool_arguments_with_no_meaning(tmp_path, capsys, main, argv, fragment):
     (tmp_path / "file").write_text("mine")
