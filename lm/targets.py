@@ -46,6 +46,7 @@ def command_devices(module: str, argv: list[str], name: str, count: int, hosts: 
     before anything asks JAX for devices."""
     import jax
 
+    check_counts(count, hosts)  # before starting again with the compiler, or finding it missing
     with_compiler(module, argv)
     jax.config.update("jax_platforms", "cpu")
     return devices(name, count, hosts)
@@ -62,12 +63,16 @@ def memory_bytes(name: str) -> int:
     return int(re.search(r"device_memory_size:\s*(\d+)", target_config(name)).group(1))
 
 
-def devices(name: str, count: int, hosts: int = 1) -> list:
-    """`count` compile-only devices of target `name` over `hosts` hosts (`count // hosts` each)."""
+def check_counts(count: int, hosts: int) -> None:
     if count < 1 or hosts < 1:
         raise UserError(f"--devices={count} --hosts={hosts}: both must be at least 1")
     if count % hosts:
         raise UserError(f"--devices={count} does not split evenly over --hosts={hosts}")
+
+
+def devices(name: str, count: int, hosts: int = 1) -> list:
+    """`count` compile-only devices of target `name` over `hosts` hosts (`count // hosts` each)."""
+    check_counts(count, hosts)
     text = target_config(name)
     if not compiler_available():
         raise UserError(
