@@ -213,11 +213,14 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     system = System.load(args.target)
     hosts = args.hosts or max(1, -(-args.gpus // system.gpus_per_host))
-    if args.gpus < 1:
-        raise UserError(f"--gpus={args.gpus} must be at least 1")
+    if args.gpus < 1 or args.top < 1 or args.hosts < 0 or args.memory_gib < 0:
+        raise UserError(f"--gpus={args.gpus} and --top={args.top} must be at least 1, --hosts={args.hosts} and "
+                        f"--memory_gib={args.memory_gib} at least 0 (0: the target's)")
     if args.gpus % hosts:
         raise UserError(f"--gpus={args.gpus} does not split evenly over --hosts={hosts}")
     remats = tuple(r for r in args.remat.split(",") if r)
+    if not remats:
+        raise UserError(f"--remat={args.remat!r} names no remat policy; choose from {', '.join(REMAT)}")
     if unknown := [r for r in remats if r not in REMAT]:
         raise UserError(f"--remat={unknown[0]!r} is not a remat policy; choose from {', '.join(REMAT)}")
     devices = targets.command_devices("lm.plan", argv, args.target, args.gpus, hosts) if args.verify else None

@@ -131,7 +131,9 @@ def test_a_gpu_count_nothing_divides_says_so_and_names_a_power_of_two_that_fits(
     result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=3", "--target=h100")
     assert_one_line_error(result, "no layout of this config fits 3 h100 GPUs", "of 5 layouts: indivisible 5",
                           "the smallest GPU count that fits is 32")
-    assert_one_line_error(run_cli(capsys, lm_plan.main, "--config=configs/tiny.py", "--gpus=0"), "--gpus=0 must be at least 1")
+    for flags, fragment in [(["--gpus=0"], "--gpus=0 and --top=5 must be at least 1"), (["--gpus=8", "--top=-1"], "--top=-1 must be"),
+                            (["--gpus=8", "--memory_gib=-5"], "--memory_gib=-5.0 at least 0"), (["--gpus=8", "--remat=,"], "names no remat policy")]:
+        assert_one_line_error(run_cli(capsys, lm_plan.main, "--config=configs/tiny.py", *flags), fragment)
 
 
 @pytest.mark.skipif(not targets.compiler_available(), reason="the XLA GPU compiler plugin is not installed (make gpu-compiler)")
