@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from lm import cli, hlo, targets
+from lm import cli, hlo, inputs, targets
 from lm import data as lm_data
 from lm.cli import Parser
 from lm.config import UserError
@@ -153,6 +153,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--data", action="store_true", help="feed the steps from the config's corpus through the real input pipeline")
     parser.add_argument("--data_only", action="store_true", help="time the input pipeline alone (no model): host time per global batch")
     args = parser.parse(argv)
+    if args.save_hlo:
+        inputs.new_or_run_dir(args.save_hlo, "--save_hlo")  # before compiling, not after
     if args.steps < 1 or args.warmup < 0:
         raise UserError(f"--steps={args.steps} --warmup={args.warmup}: time at least one step, after zero or more warm-up steps")
     if args.target and not args.compile_only:

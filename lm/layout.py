@@ -16,7 +16,7 @@ import json
 import jax
 import numpy as np
 
-from lm import cli, hlo, targets
+from lm import cli, hlo, inputs, targets
 from lm import data as lm_data
 from lm.cli import Parser
 from lm.config import UserError
@@ -104,6 +104,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--hosts", type=int, default=1, help="with --target: the GPUs are spread over this many hosts")
     parser.add_argument("--save_hlo", help="directory to write the compiled train step's optimized HLO into")
     args = parser.parse(argv)
+    if args.save_hlo:
+        inputs.new_or_run_dir(args.save_hlo, "--save_hlo")  # before compiling, not after
     if args.devices < 0:
         raise UserError(f"--devices={args.devices}: give a number of devices (0: the real ones)")
     devices = None

@@ -71,16 +71,18 @@ def test_generate_without_a_run(tmp_path, capsys):
         (lm_layout.main, ["--config=configs/tiny.py", "--devices=-2"], "give a number of devices"),
         (lm_prepare.main, ["--config=configs/tiny.py", "--out={file}"], "is a file; pass a directory"),
         (lm_prepare.main, ["--config=configs/tiny.py", "--out={tmp}/store", "--workers=0"], "--workers=0: use 1"),
+        (lm_layout.main, ["--config=configs/tiny.py", "--save_hlo={file}"], "--save_hlo={file} is a file"),  # after compiling
+        (lm_bench.main, ["--config=configs/tiny.py", "--save_hlo={file}/hlo"], "which is a file"),
         (lm_calibrate.main, [], "nothing to do: give --memory"),  # it did nothing, silently
         (lm_calibrate.main, ["--memory", "--fit"], "--fit fits the matmul efficiency to a published run: add --published"),
     ],
     ids=["bench-no-steps", "bench-no-devices", "layout-negative-devices", "prepare-into-a-file", "prepare-no-workers",
-         "calibrate-nothing", "calibrate-fit-alone"],
+         "layout-hlo-into-a-file", "bench-hlo-under-a-file", "calibrate-nothing", "calibrate-fit-alone"],
 )
 def test_tool_arguments_with_no_meaning(tmp_path, capsys, main, argv, fragment):
     (tmp_path / "file").write_text("mine")
     argv = [a.format(file=tmp_path / "file", tmp=tmp_path) for a in argv]
-    assert_one_line_error(run_cli(capsys, main, *argv), fragment)
+    assert_one_line_error(run_cli(capsys, main, *argv), fragment.format(file=tmp_path / "file"))
     assert [p.name for p in tmp_path.iterdir()] == ["file"] and (tmp_path / "file").read_text() == "mine"
 
 
