@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import ml_collections
+import pytest
 from conftest import ROOT
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -97,6 +98,7 @@ def _written(data: bytes, name: str) -> Iterator[Path]:
 BYTES = st.one_of(st.binary(max_size=600), st.text(max_size=300).map(str.encode))
 
 
+@pytest.mark.filterwarnings("ignore::SyntaxWarning")  # random source such as `x is 1` warns as it compiles
 @given(BYTES)
 def test_random_bytes_as_a_recipe(data):
     with _written(data, "recipe.py") as path:
