@@ -299,7 +299,7 @@ def _parquet(piece: Piece, reading: Reading) -> Iterator[str]:
         for batch in f.iter_batches(batch_size=1024, row_groups=groups, columns=[reading.text_field]):
             yield from _texts(batch.column(0).to_pylist(), reading, piece.path)
     except (pyarrow.ArrowException, OSError) as e:
-        raise UserError(f"{piece.path} cannot be read as Parquet ({str(e).splitlines()[0]}); rewrite or remove it") from None
+        raise _unreadable_parquet(piece.path, e) from None
 
 
 def _parquet_file(path: Path):
@@ -309,7 +309,11 @@ def _parquet_file(path: Path):
     try:
         return pq.ParquetFile(path)
     except (pyarrow.ArrowException, OSError) as e:
-        raise UserError(f"{path} cannot be read as Parquet ({str(e).splitlines()[0]}); rewrite or remove it") from None
+        raise _unreadable_parquet(path, e) from None
+
+
+def _unreadable_parquet(path, e: Exception) -> UserError:
+    return UserError(f"{path} cannot be read as Parquet ({str(e).splitlines()[0]}); rewrite or remove it")
 
 
 def _load_dataset(path: Path):

@@ -64,6 +64,7 @@ def memory_bytes(name: str) -> int:
 
 
 def check_counts(count: int, hosts: int) -> None:
+    """The UserError for compile-only device and host counts that cannot be laid out."""
     if count < 1 or hosts < 1:
         raise UserError(f"--devices={count} --hosts={hosts}: both must be at least 1")
     if count % hosts:

@@ -279,11 +279,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, hf_dirs):
     partial.mkdir()
     (partial / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     mistyped = shutil.copytree(good, tmp_path / "mistyped")
+    (mistyped / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()), "num_attention_heads": "four", "head_dim": None}))
     bad_index = tmp_path / "bad_index"  # its weight_map not a map: a TypeError traceback before
     bad_index.mkdir()
     shutil.copy(good / "config.json", bad_index)
     (bad_index / "model.safetensors.index.json").write_text(json.dumps({"weight_map": 5}))
-    (mistyped / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()), "num_attention_heads": "four", "head_dim": None}))
     act = tmp_path / "act"
     act.mkdir()
     (act / "config.json").write_text(json.dumps({**json.loads((good / "config.json").read_text()), "hidden_act": "gelu"}))
