@@ -76,7 +76,9 @@ def default_config() -> ml_collections.ConfigDict:
         # stashes each stage input and recomputes the tick; none stashes what the layers keep
         # (model.remat) for every microbatch in flight: no recompute, more memory (Megatron's way).
         remat="full",
-        schedule="gpipe",  # gpipe (circular with repeats > 1) | 1f1b (interleaved with repeats > 1; stash bounded)
+        # gpipe (circular with repeats > 1) | 1f1b (interleaved with repeats > 1; at most 2S - 1
+        # microbatches in flight) | 1f1b_per_stage (each stage its own half per slot: at most S)
+        schedule="gpipe",
     )
     c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)
     c.precision = dict(
@@ -106,7 +108,7 @@ _CHOICES = {
     "model.attention": ("auto", "cudnn", "xla", "einsum"),
     "train.on_nonfinite": ("skip", "stop"),
     "pipeline.remat": REMAT,
-    "pipeline.schedule": ("gpipe", "1f1b"),
+    "pipeline.schedule": ("gpipe", "1f1b", "1f1b_per_stage"),
     "precision.param_dtype": ("float32", "bfloat16"),
     "precision.compute_dtype": ("float32", "bfloat16", "float16"),
     "precision.mu_dtype": ("float32", "bfloat16"),

@@ -29,6 +29,7 @@ from lm.precision import Policy
 from sharding import constrain
 from sharding.pipeline import PipelinePlan, pipeline
 from sharding.pipeline_1f1b import pipeline_1f1b
+from sharding.pipeline_per_stage import pipeline_per_stage
 from sharding.remat import remat
 
 
@@ -185,7 +186,8 @@ class Transformer(nnx.Module):
             positions = None if positions_bt is None else positions_bt[: tokens_mb.shape[0]]
             return self._embed(tokens_mb, positions, tables)
 
-        return pipeline_1f1b(
+        run = pipeline_per_stage if self.pipeline.schedule == "1f1b_per_stage" else pipeline_1f1b
+        return run(
             stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
             loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,
             x_axes=RESIDUAL_AXES, batch_axes=("batch", "length"), probes=probes, probes_axes=probes_axes,

@@ -62,8 +62,9 @@ class Faults:
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     """Mean next-token cross entropy in float32."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
-    return jnp.mean(losses)
+    logits_btv = logits_btv.astype(jnp.float32)
+    target_logit = jnp.sum(jnp.where(jnp.arange(logits_btv.shape[-1]) == targets_bt[..., None], logits_btv, 0.0), axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits_btv, axis=-1) - target_logit)
 
 
 class ModelLayout:
@@ -190,7 +191,7 @@ class Program:
         multiplied by before differentiation (the 1F1B pipeline runs its backward with it)."""
         inputs, targets_bt = self.model_inputs(batch)
         model = self.layout.model(params, fp8, probes)
-        if self.spec.pipeline.schedule == "1f1b":  # the head and loss inside the pipeline
+        if self.spec.pipeline.schedule != "gpipe":  # 1F1B: the head and loss inside the pipeline
             return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale)
         logits, _ = model(**inputs)
         return cross_entropy(logits, targets_bt)
@@ -309,7 +310,7 @@ def check_batch_split(spec: RunSpec, mesh: Mesh) -> None:
     plan = spec.pipeline
     if plan.stages > 1:
         per_replica = b // (dp * accum)
-        sharding.pipeline.check(plan.stages, plan.microbatches, plan.repeats, spec.model.num_layers, per_replica, plan.schedule)
+        sharding.pipeline.check(plan.stages, plan.microbatches, plan.repeats, spec.model.num_layers, per_replica, plan.schedule, plan.remat)
     if b % jax.process_count():
         raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
 

@@ -103,6 +103,38 @@ def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list
     return [[Step(work(t - s, s, False), work(t - back + s, s, True)) for s in range(stages)] for t in range(ticks)]
 
 
+def schedule_1f1b_per_stage(stages: int, microbatches: int) -> list[list[Step]]:
+    """Megatron-LM's 1F1B in slots where each stage runs one half (a forward or a backward) of
+    its own: stage s runs S - 1 - s warm-up forwards, then a forward and a backward in turn, then
+    the remaining backwards, each at the first slot after its input is there (the previous
+    stage's forward, the next stage's backward; the last stage's forward for its backward).
+    2(M + S - 1) slots, bubble (S - 1) / (M + S - 1), at most S - s microbatches in flight at
+    stage s (`in_flight`), and every cotangent is used the slot after it is made; an activation
+    may wait at its stage (held with those in flight). `pipeline_per_stage` runs this table."""
+    check(stages, microbatches, 1)
+    order = []  # per stage, its halves in Megatron's order: (backward?, microbatch)
+    for s in range(stages):
+        warm = min(stages - 1 - s, microbatches)
+        steady = [half for k in range(microbatches - warm) for half in ((False, warm + k), (True, k))]
+        order.append([(False, k) for k in range(warm)] + steady + [(True, k) for k in range(microbatches - warm, microbatches)])
+    done, table, at = {}, [], [0] * stages  # done[(backward, microbatch, stage)] = slot
+    while any(at[s] < len(order[s]) for s in range(stages)):
+        t, row = len(table), []
+        for s in range(stages):
+            half = order[s][at[s]] if at[s] < len(order[s]) else None
+            ready = False
+            if half is not None:
+                backward, k = half
+                needs = (True, k, s + 1) if backward and s < stages - 1 else (False, k, s if backward else s - 1)
+                ready = needs[2] < 0 or done.get(needs, t) < t  # not done yet: get() gives t
+            work = Work(half[1], s) if ready else None
+            row.append(Step(None, work) if ready and half[0] else Step(work, None))
+            if ready:
+                done[(half[0], half[1], s)], at[s] = t, at[s] + 1
+        table.append(row)
+    return table
+
+
 def in_flight(table: Sequence[Sequence[Step]]) -> list[int]:
     """Per stage, the most microbatches whose forward has run there and whose backward has not,
     after a tick: the stage inputs a 1F1B stage keeps (a tick's backward reads its input before
@@ -115,6 +147,21 @@ def in_flight(table: Sequence[Sequence[Step]]) -> list[int]:
     return most
 
 
+def held_per_stage(table: Sequence[Sequence[Step]]) -> list[int]:
+    """Per stage of a per-stage 1F1B table (`schedule_1f1b_per_stage`), the most stage inputs
+    it keeps, each from the slot it arrives (after the previous stage's forward) to the slot of
+    its backward (which frees it before that slot's arrival is kept). Stage 0 keeps none: it
+    embeds its microbatch again for the backward."""
+    most = [0] * len(table[0])
+    for s in range(1, len(table[0])):
+        held = 0
+        for t, row in enumerate(table):
+            held -= row[s].backward is not None
+            held += t > 0 and table[t - 1][s - 1].forward is not None
+            most[s] = max(most[s], held)
+    return most
+
+
 def phases(table: Sequence[Sequence[Step]]) -> list[tuple[int, int, bool, bool]]:
     """A 1F1B table's runs of consecutive ticks as (start, stop, any forward, any backward): the
     halves of a tick some stage works in, all a program need run."""
@@ -124,10 +171,13 @@ def phases(table: Sequence[Sequence[Step]]) -> list[tuple[int, int, bool, bool]]
 
 
 def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
-    """Idle (tick, stage) cells over all cells run. In a 1F1B table a cell is a tick's forward or
-    backward half, and a half no stage works in is not run (see `phases`)."""
-    if isinstance(table[0][0], Step):
+    """Idle (tick, stage) cells over all cells run. In a lockstep 1F1B table a cell is a tick's
+    forward or backward half, and a half no stage works in is not run (see `phases`); in a
+    per-stage one (no stage runs both halves of a slot), a cell is a slot."""
+    if isinstance(table[0][0], Step) and any(step.forward and step.backward for row in table for step in row):
         table = [col for row in table for col in zip(*row) if any(m is not None for m in col)]
+    elif isinstance(table[0][0], Step):
+        table = [[step.forward or step.backward for step in row] for row in table]
     cells = [cell for row in table for cell in row]
     return sum(cell is None for cell in cells) / len(cells)
 
@@ -136,11 +186,14 @@ def report(plan: PipelinePlan) -> dict:
     """What `lm.bench` and `lm.layout` say of a plan: the schedule's name, its bubble (the idle
     share of the stages' work slots), its stash depth (how many microbatch chunks each stage
     keeps for its backward: every tick's for GPipe / circular, the most in flight for 1F1B,
-    (R + 1)S - 1 when M is large enough) and what it keeps of each (`stash`: the stage inputs,
+    (R + 1)S - 1 when M is large enough, S for the per-stage 1F1B) and what it keeps of each (`stash`: the stage inputs,
     recomputing the rest, with remat `full`; else residuals)."""
     if plan.stages == 1:
         return {"schedule": "none", "bubble": 0.0, "stash_depth": 0, "stash": "none"}
     kept = "stage inputs" if plan.remat == "full" else "residuals"
+    if plan.schedule == "1f1b_per_stage":
+        table = schedule_1f1b_per_stage(plan.stages, plan.microbatches)
+        return {"schedule": plan.schedule, "bubble": bubble_fraction(table), "stash_depth": max(held_per_stage(table)), "stash": kept}
     if plan.schedule == "1f1b":
         table = schedule_1f1b(plan.stages, plan.microbatches, plan.repeats)
         name = "interleaved 1f1b" if plan.repeats > 1 else "1f1b"
@@ -151,7 +204,7 @@ def report(plan: PipelinePlan) -> dict:
 
 
 def check(stages: int, microbatches: int, repeats: int, layers: int | None = None, batch: int | None = None,
-          schedule: str = "gpipe") -> None:
+          schedule: str = "gpipe", remat: str = "full") -> None:
     """ShardingErrors for a pipeline that cannot be built; `batch` is the per-replica batch."""
     if min(stages, microbatches, repeats) < 1:
         raise ShardingError(f"pipeline stages, microbatches and repeats must be positive, got {stages}, {microbatches}, {repeats}")
@@ -164,6 +217,11 @@ def check(stages: int, microbatches: int, repeats: int, layers: int | None = Non
         raise ShardingError(
             f"interleaved 1F1B (pipeline.repeats={repeats}) takes microbatches in groups of the {stages} stages; "
             f"make pipeline.microbatches={microbatches} a multiple of {stages}"
+        )
+    if schedule == "1f1b_per_stage" and (repeats > 1 or remat != "full"):
+        raise ShardingError(
+            f"pipeline.schedule=1f1b_per_stage recomputes each stage from its input and does not interleave; use "
+            f"pipeline.repeats=1 and pipeline.remat=full (got {repeats} and {remat!r}), or pipeline.schedule=1f1b"
         )
     if layers is not None and layers % (stages * repeats):
         raise ShardingError(

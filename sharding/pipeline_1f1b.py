@@ -256,6 +256,16 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         found = like(swap(c["grads"]), params), stats, like(c["embed_grads"], embed_params), like(c["loss_grads"], loss_params)
         return c["loss"], found
 
+    return owning_backward(run, params, probes, embed_params, loss_params, seed, inputs, targets)
+
+
+def owning_backward(run: Callable, params, probes, embed_params, loss_params, seed, inputs, targets):
+    """`run(...)[0]` (a pipeline's loss) as a function JAX differentiates through what `run`
+    found (`(loss, (dparams, probe statistics, dembed, dloss_params))`, all taken at cotangent
+    `seed`): a custom VJP whose backward scales them by the loss's cotangent over `seed` (a
+    float16 loss scale goes into `seed`, so the activations' cotangents are scaled where they
+    would overflow or underflow, as under autodiff). Statistics are not scaled."""
+
     @jax.custom_vjp
     def pipelined(params, probes, embed_params, loss_params, seed, inputs, targets):
         return run(params, probes, embed_params, loss_params, seed, inputs, targets)[0]
@@ -269,7 +279,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         ratio = g / seed  # 1 when the loss is differentiated with the seed's own scale
         scale = lambda tree: jax.tree.map(lambda a: (a * ratio).astype(a.dtype), tree)  # noqa: E731
         none = tuple(jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), a) for a in integer_args)
-        return scale(dparams), stats, scale(dembed), scale(dloss_params), jnp.zeros_like(seed), *none  # statistics are not scaled
+        return scale(dparams), stats, scale(dembed), scale(dloss_params), jnp.zeros_like(seed), *none
 
     pipelined.defvjp(forward_rule, backward_rule)
     return pipelined(params, probes, embed_params, loss_params, jnp.asarray(seed, jnp.float32), inputs, targets)

@@ -229,6 +229,11 @@ def axis_size(mesh: Mesh, rules: Rules, logical: str) -> int:
     return math.prod(mesh.shape[a] for a in rule_axes(rules, logical))
 
 
+def active_mesh() -> Mesh | None:
+    """The mesh of the innermost `activate` (None outside one)."""
+    return _ACTIVE.stack[-1][0] if _ACTIVE.stack else None
+
+
 def platform() -> str:
     """The platform ('cpu', 'gpu', 'tpu') of the mesh in force, else JAX's default backend: what a
     traced program is compiled for, also when that is a GPU this machine does not have."""
@@ -237,12 +242,30 @@ def platform() -> str:
     return jax.default_backend()
 
 
+def _in_force() -> tuple[Mesh, Rules]:
+    """The mesh and rules of the innermost `activate`; inside a `shard_map` that made some mesh
+    axes manual (a pipeline running each stage's own code), the rules without those axes: an
+    array there is already one shard along them, and the partitioner places only the others."""
+    mesh, rules = _ACTIVE.stack[-1]
+    manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    if manual:
+        rules = tuple((logical, tuple(a for a in _as_tuple(axes) if a not in manual) or None) for logical, axes in rules)
+    return mesh, rules
+
+
+def _placement(mesh: Mesh, spec: PartitionSpec) -> NamedSharding | PartitionSpec:
+    """`spec` on `mesh`; inside a partly manual `shard_map`, the bare spec, which applies to the
+    mesh in context there (a NamedSharding on the concrete mesh, whose axes are all automatic, is
+    refused)."""
+    return spec if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) else NamedSharding(mesh, spec)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str = "activation") -> jax.Array:
     """Constrain an activation's sharding by logical names; a no-op outside `activate`."""
     if not _ACTIVE.stack:
         return x
-    mesh, rules = _ACTIVE.stack[-1]
-    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules, shape=x.shape, name=name))
+    mesh, rules = _in_force()
+    return jax.lax.with_sharding_constraint(x, _placement(mesh, logical_to_spec(logical_axes, rules, mesh=mesh, shape=x.shape, name=name)))
 
 
 def constrain_leading(x: jax.Array, logical_axis: str, name: str = "activation") -> jax.Array:
@@ -251,10 +274,10 @@ def constrain_leading(x: jax.Array, logical_axis: str, name: str = "activation")
     pipeline's stash of backward residuals). A no-op outside `activate`."""
     if not _ACTIVE.stack:
         return x
-    mesh, rules = _ACTIVE.stack[-1]
+    mesh, rules = _in_force()
     leading = logical_to_spec((logical_axis,), rules, mesh=mesh, shape=x.shape[:1], name=name)
     spec = PartitionSpec(leading[0] if len(leading) else None, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, _placement(mesh, spec))
 
 
 def resharding_steps(source: PartitionSpec, target: PartitionSpec) -> list[PartitionSpec]:
@@ -281,17 +304,17 @@ def move(x: jax.Array, from_axes: Sequence[str | None], to_axes: Sequence[str | 
     A no-op outside `activate`."""
     if not _ACTIVE.stack:
         return x
-    mesh, rules = _ACTIVE.stack[-1]
+    mesh, rules = _in_force()
     source, target = (logical_to_spec(axes, rules, mesh=mesh, shape=x.shape, name=name) for axes in (from_axes, to_axes))
     for spec in resharding_steps(source, target):
-        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        x = jax.lax.with_sharding_constraint(x, _placement(mesh, spec))
     return x
 
 
 def split_ways(logical: str) -> int:
     """How many ways the mesh and rules in force split the logical axis `logical` (1 outside
     `activate`)."""
-    return axis_size(*_ACTIVE.stack[-1], logical) if _ACTIVE.stack else 1
+    return axis_size(*_in_force(), logical) if _ACTIVE.stack else 1
 
 
 def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]) -> Callable:

@@ -1,0 +1,176 @@
+"""1F1B with each stage running its own half of every slot: Megatron-LM's in-flight bound (at most
+S - s microbatches at stage s) in one SPMD program.
+
+`sharding.pipeline_1f1b` steps every stage in lockstep (a vmap over stages, which the compiler
+splits over `stage`): a microbatch's round trip takes two ticks per stage, so stage s keeps
+2(S - s) - 1 inputs. Here a `jax.shard_map` makes `stage` manual (data, fsdp, context and
+tensor stay with the partitioner, placed by the logical rules inside as everywhere else), each
+device picks its half of the slot with a `lax.switch` on its column of
+`schedule_1f1b_per_stage`, and activations and cotangents move one stage per slot
+(`ppermute`). Stage 0 embeds its microbatch again in the backward rather than keep it, so a
+device keeps at most S - 1 stage inputs. The cost: a slot lasts as long as the slowest stage's
+half, a backward, where a lockstep tick is one forward plus one backward; and the embedding and
+head tables are whole on every stage (inside the manual region the vocabulary cannot be split
+over `stage`). The weights are recomputed from the stashed input in the backward (`remat`
+`full`); interleaving (`repeats` > 1) is not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from sharding.mesh import ShardingError
+from sharding.pipeline import (
+    PipelinePlan,
+    Step,
+    check,
+    schedule_1f1b_per_stage,
+    split_microbatches,
+)
+from sharding.pipeline_1f1b import owning_backward
+from sharding.rules import active_mesh
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+
+
+def f32_of(tree):
+    return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
+
+
+def slot_arrays(table: Sequence[Sequence[Step]]) -> tuple[dict[str, np.ndarray], int]:
+    """`schedule_1f1b_per_stage`'s table as [slots, stages] arrays: `half` (IDLE, FORWARD,
+    BACKWARD), `microbatch`, `read` (the stash slot the half reads its stage input from; -1: the
+    activation that arrived this slot) and `store` (where the activation arriving this slot is
+    kept until its backward; -1: none arrives); and how many stash slots a stage needs. Stage 0
+    keeps nothing (it embeds again); a backward frees its slot before the slot's arrival takes
+    the lowest free one."""
+    slots, stages = len(table), len(table[0])
+    out = {k: np.full((slots, stages), fill, np.int32) for k, fill in (("half", IDLE), ("microbatch", 0), ("read", -1), ("store", -1))}
+    held, free, depth = [{} for _ in range(stages)], [[] for _ in range(stages)], 0
+    for t, row in enumerate(table):
+        for s, step in enumerate(row):
+            arriving = table[t - 1][s - 1].forward if t > 0 and s > 0 else None
+            if step.backward is not None:
+                out["half"][t, s], out["microbatch"][t, s] = BACKWARD, step.backward.microbatch
+                if s > 0:
+                    out["read"][t, s] = held[s].pop(step.backward.microbatch)
+                    free[s].append(int(out["read"][t, s]))
+                if s < stages - 1 and table[t - 1][s + 1].backward != step.backward._replace(chunk=s + 1):
+                    raise AssertionError(f"stage {s}'s backward of microbatch {step.backward.microbatch} at slot {t} lacks its cotangent")
+            if step.forward is not None:
+                out["half"][t, s], out["microbatch"][t, s] = FORWARD, step.forward.microbatch
+                fresh = arriving is not None and arriving.microbatch == step.forward.microbatch
+                if s > 0 and not fresh:
+                    out["read"][t, s] = held[s][step.forward.microbatch]
+            if arriving is not None:
+                slot = min(free[s]) if free[s] else len(held[s])
+                free[s] = [f for f in free[s] if f != slot]
+                held[s][arriving.microbatch] = out["store"][t, s] = slot
+                depth = max(depth, slot + 1)
+    return out, depth
+
+
+def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, embed_fn: Callable, embed_params, inputs,
+                       loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None], batch_axes: Sequence[str | None],
+                       probes=None, probes_axes=None, seed=1.0):
+    """What `sharding.pipeline_1f1b.pipeline_1f1b` computes (same arguments: the mean over
+    microbatches of `loss_fn(loss_params, layers(embed_fn(embed_params, inputs_mb)), targets_mb)`,
+    differentiable, its own backward run at `seed`), by `schedule_1f1b_per_stage`: every stage
+    keeps at most S - 1 stage inputs, whatever the number of microbatches. Needs the mesh in force
+    (`sharding.activate`) to have the `stage` axis."""
+    del params_axes, probes_axes  # each stage's chunk is its shard of the stacked `[layers, ...]` arrays
+    m, s = plan.microbatches, plan.stages
+    check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule="1f1b_per_stage", remat=plan.remat)
+    mesh = active_mesh()
+    if mesh is None or mesh.shape.get("stage") != s:
+        raise ShardingError(f"pipeline.schedule=1f1b_per_stage runs under a mesh whose `stage` axis has the plan's {s} stages")
+    if mesh.shape.get("context", 1) > 1:  # its attention moves keys and values by collective-permutes inside a stage's branch
+        raise ShardingError("pipeline.schedule=1f1b_per_stage does not run with context parallelism (mesh.context > 1); use pipeline.schedule=1f1b")
+    arrays, depth = slot_arrays(schedule_1f1b_per_stage(s, m))
+
+    def run(params, probes, embed_params, loss_params, seed, inputs, targets):
+        def body(chunk, chunk_probes, embed_params, loss_params, seed, inputs, targets, rows):
+            stage = jax.lax.axis_index("stage")
+            in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
+            t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
+            f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
+            layers = lambda c, p, x: stage_fn(c, p, x, stage)  # noqa: E731
+            x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
+            zero_x = jnp.zeros(x_like.shape, x_like.dtype)
+            nothing = {"y": zero_x, "dx": zero_x, "seed_dy": zero_x, "dchunk": f32(chunk), "dprobes": f32(chunk_probes, -jnp.inf),
+                       "dloss": f32(loss_params), "loss": jnp.zeros((), jnp.float32)}
+            first, last = stage == 0, stage == s - 1
+
+            def stage_input(c, row):
+                return jnp.where(row["read"] < 0, c["recv_x"], c["stash"][jnp.maximum(row["read"], 0)])
+
+            def forward(c, row, embedded):
+                return {**nothing, "y": layers(chunk, chunk_probes, jnp.where(first, embedded, stage_input(c, row)))}
+
+            def forward_last(c, row, embedded):
+                y = layers(chunk, chunk_probes, stage_input(c, row))
+                loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[row["microbatch"]]), loss_params, y)
+                dloss, dy = pull((seed / m).astype(loss.dtype))
+                return {**nothing, "seed_dy": dy.astype(zero_x.dtype), "dloss": f32_of(dloss), "loss": loss.astype(jnp.float32) / m}
+
+            def backward(c, row, embedded):
+                cotangent = jnp.where(last, c["seed_dy"], c["recv_dx"])
+                _, pull = jax.vjp(layers, chunk, chunk_probes, stage_input(c, row))
+                dchunk, dprobes, dx = pull(cotangent)
+                return {**nothing, "dx": dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes)}
+
+            def backward_first(c, row, embedded):  # stage 0: its cotangent is the embedding's
+                _, pull = jax.vjp(layers, chunk, chunk_probes, embedded)
+                dchunk, dprobes, dx = pull(c["recv_dx"])
+                return {**nothing, "dx": dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes)}
+
+            branches = [lambda c, row, embedded: nothing, forward, forward_last, backward, backward_first]
+
+            def slot(c, row):
+                row = jax.tree.map(lambda a: a[0], row)  # this stage's entry
+                pick = row["half"] + jnp.where((row["half"] == FORWARD) & last, 1, 0) + jnp.where(row["half"] == BACKWARD, 1 + first, 0)
+                # The embedding (stage 0's) and its gradient run on every stage, outside the
+                # branches: the partitioner may move the token ids with a collective-permute,
+                # which every device must join (XLA:CPU waits for all of them).
+                tokens = in_m[row["microbatch"]]
+                embedded, embed_pull = jax.vjp(lambda ep: embed_fn(ep, tokens).astype(zero_x.dtype), embed_params)
+                out = jax.lax.switch(pick, branches, c, row, embedded)
+                (dembed,) = embed_pull(jnp.where(first & (row["half"] == BACKWARD), out["dx"], 0.0).astype(zero_x.dtype))
+                c = dict(c)
+                c["dembed"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), c["dembed"], dembed)
+                for name in ("dchunk", "dloss"):
+                    c[name] = jax.tree.map(jnp.add, c[name], out[name])
+                c["dprobes"] = jax.tree.map(jnp.maximum, c["dprobes"], out["dprobes"])
+                c["loss"] = c["loss"] + out["loss"]
+                c["seed_dy"] = jnp.where(row["half"] == FORWARD, out["seed_dy"], c["seed_dy"])
+                # The activation that arrived this slot waits for its backward (after this slot's backward freed a slot).
+                kept = c["stash"].at[jnp.maximum(row["store"], 0)].set(c["recv_x"])
+                c["stash"] = jnp.where(row["store"] >= 0, kept, c["stash"])
+                c["recv_x"] = jax.lax.ppermute(out["y"], "stage", [(i, i + 1) for i in range(s - 1)])
+                c["recv_dx"] = jax.lax.ppermute(out["dx"], "stage", [(i + 1, i) for i in range(s - 1)])
+                return c, None
+
+            c = {"stash": jnp.zeros((max(depth, 1), *zero_x.shape), zero_x.dtype), "recv_x": zero_x, "recv_dx": zero_x,
+                 "dembed": f32(embed_params), **{k: nothing[k] for k in ("seed_dy", "dchunk", "dprobes", "dloss", "loss")}}
+            c, _ = jax.lax.scan(slot, c, rows)
+            total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, "stage"), tree)  # noqa: E731  held by one stage
+            return (c["dchunk"], c["dprobes"], total(c["dembed"]), total(c["dloss"])), total(c["loss"])
+
+        stage_spec, whole = PartitionSpec("stage"), PartitionSpec()
+        mapped = jax.shard_map(
+            body, mesh=mesh, axis_names={"stage"}, check_vma=False,
+            in_specs=(stage_spec, stage_spec, whole, whole, whole, whole, whole, PartitionSpec(None, "stage")),
+            out_specs=((stage_spec, stage_spec, whole, whole), whole),
+        )
+        (dparams, stats, dembed, dloss), loss = mapped(params, probes, embed_params, loss_params, seed, inputs, targets,
+                                                          jax.tree.map(jnp.asarray, arrays))
+        like = lambda tree, ref: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, ref)  # noqa: E731
+        stats = None if probes is None else like(stats, probes)
+        return loss, (like(dparams, params), stats, like(dembed, embed_params), like(dloss, loss_params))
+
+    return owning_backward(run, params, probes, embed_params, loss_params, seed, inputs, targets)

@@ -1,0 +1,132 @@
+"""The per-stage 1F1B pipeline (`pipeline.schedule=1f1b_per_stage`): Megatron-LM's table, at most
+S microbatches kept per stage, each stage running its own half of a slot; equal to one device."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from conftest import VOCAB, small_config
+from test_pipeline import (
+    DEEP,
+    compiled_1f1b_step,
+    constant_collectives,
+    fp8_states,
+    pipelined_run,
+)
+
+from lm.program import setup
+from sharding import ShardingError
+from sharding.pipeline import (
+    PipelinePlan,
+    bubble_fraction,
+    held_per_stage,
+    in_flight,
+    report,
+    schedule_1f1b_per_stage,
+)
+from sharding.pipeline_per_stage import BACKWARD, FORWARD, slot_arrays
+
+PER_STAGE = dict(pipeline__schedule="1f1b_per_stage")
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8), (4, 32), (8, 8), (8, 20)])
+def test_per_stage_table_is_megatrons_1f1b_with_at_most_s_in_flight(stages, microbatches):
+    table = schedule_1f1b_per_stage(stages, microbatches)
+    assert len(table) == 2 * (microbatches + stages - 1)
+    at = {}  # (microbatch, stage, "F" / "B") -> slot
+    for t, row in enumerate(table):
+        for s, step in enumerate(row):
+            assert step.forward is None or step.backward is None  # one half per stage and slot
+            for kind, work in (("F", step.forward), ("B", step.backward)):
+                if work is not None:
+                    assert (work.microbatch, s, kind) not in at and work.chunk == s
+                    at[(work.microbatch, s, kind)] = t
+    assert len(at) == 2 * stages * microbatches
+    for m in range(microbatches):
+        forwards = [at[(m, s, "F")] for s in range(stages)]
+        backwards = [at[(m, s, "B")] for s in range(stages)]
+        assert all(b > f for f, b in zip(forwards, backwards))  # on every stage, forward first
+        assert all(nxt > cur for cur, nxt in zip(forwards, forwards[1:]))  # down the stages
+        assert all(cur - nxt == 1 for cur, nxt in zip(backwards, backwards[1:]))  # back up in reverse, each cotangent used at once
+        assert backwards[-1] == forwards[-1] + 1  # the last stage seeds the backward the next slot
+    for s in range(stages):  # each stage runs its backwards in its forwards' order
+        assert sorted(range(microbatches), key=lambda m: at[(m, s, "F")]) == sorted(range(microbatches), key=lambda m: at[(m, s, "B")])
+    # Megatron's bound, S - s in flight at stage s; counted from their arrival, at most S kept.
+    assert in_flight(table) == [min(microbatches, stages - s) for s in range(stages)]
+    assert max(held_per_stage(table)) <= stages and held_per_stage(table)[0] == 0
+    arrays, depth = slot_arrays(table)
+    assert depth == max(held_per_stage(table))
+    for (m, s, kind), t in at.items():  # a backward reads the slot its input was kept in, untouched meanwhile
+        if kind == "B" and s > 0:
+            arrived = at[(m, s - 1, "F")] + 1
+            slot = arrays["store"][arrived, s]
+            assert arrays["read"][t, s] == slot and arrays["half"][t, s] == BACKWARD
+            assert slot not in arrays["store"][arrived + 1:t, s]
+            forward = at[(m, s, "F")]
+            assert arrays["half"][forward, s] == FORWARD and arrays["read"][forward, s] == (-1 if forward == arrived else slot)
+    assert bubble_fraction(table) == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    assert report(PipelinePlan(stages, microbatches, 1, "full", "1f1b_per_stage")) == {
+        "schedule": "1f1b_per_stage", "bubble": pytest.approx((stages - 1) / (microbatches + stages - 1)), "stash_depth": depth,
+        "stash": "stage inputs"}
+
+
+@pytest.fixture(scope="module")
+def one_device_deep():
+    return pipelined_run(small_config({}, **DEEP), jax.devices()[:1])[:3]
+
+
+@pytest.mark.parametrize(
+    "mesh, extra",
+    [
+        ({"stage": 2}, {}),
+        ({"stage": 4}, {"pipeline__microbatches": 8}),
+        ({"stage": 2, "data": 2, "tensor": 2}, {"train__grad_accum": 2, "sharding__sequence_parallel": True, "model__remat": "dots"}),
+        ({"stage": 2, "fsdp": 4}, {"pipeline__microbatches": 4}),
+    ],
+    ids=["stage2", "stage4", "stage2-data2-tensor2-sp-accum2-dots", "stage2-fsdp4"],
+)
+def test_per_stage_training_matches_one_device(one_device_deep, mesh, extra):
+    ref_losses, ref_params, (ref_loss, ref_grads) = one_device_deep
+    losses, params, (loss, grads), hlo = pipelined_run(small_config({"data": -1, **mesh}, **DEEP, **PER_STAGE, **extra))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), params, ref_params)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
+    assert " conditional(" in hlo and "collective-permute" in hlo  # each stage its own half; stages hand on
+    assert not constant_collectives(hlo)
+    # Only the last stage's forward (branch 2 of the slot's switch) computes logits, over the whole
+    # vocabulary but for the split over `tensor` (fusions' parameters carry no metadata).
+    vocab = VOCAB // mesh.get("tensor", 1)
+    logits = [line for line in hlo.splitlines() if re.search(rf"= f32\[\d+,\d+,{vocab}\]", line) and " parameter(" not in line]
+    assert logits and all("branch_2_fun" in line for line in logits)
+
+
+def test_per_stage_keeps_memory_flat_in_the_microbatches_and_below_lockstep_1f1b():
+    def temporaries(microbatches: int, **extra) -> int:
+        return compiled_1f1b_step(microbatches, **extra).memory_analysis().temp_size_in_bytes
+
+    per_stage = [temporaries(m, **PER_STAGE) for m in (4, 8, 16, 32)]
+    assert max(per_stage) <= 1.1 * min(per_stage)
+
+
+def test_fp8_in_the_per_stage_pipeline_takes_each_amax_over_the_slots_that_did_work():
+    ref_states, ref_losses = fp8_states({}, jax.devices()[:1])
+    states, losses = fp8_states({"data": -1, "stage": 2}, **PER_STAGE)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), states[0], ref_states[0])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0.25), states[-1], ref_states[-1])
+
+
+@pytest.mark.parametrize("mesh, extra, message", [
+    ({"stage": 2}, {"pipeline__repeats": 2}, "does not interleave; use pipeline.repeats=1 and pipeline.remat=full"),
+    ({"stage": 2}, {"pipeline__remat": "none"}, "does not interleave; use pipeline.repeats=1 and pipeline.remat=full"),
+    ({"stage": 2, "context": 2}, {}, "does not run with context parallelism"),
+])
+def test_per_stage_refuses_what_it_cannot_run(mesh, extra, message):
+    with pytest.raises(ShardingError, match=message):
+        program = setup(small_config({"data": -1, **mesh}, **DEEP, **PER_STAGE, **extra), VOCAB)
+        program.init_state(0)
+        c = program.spec.config
+        program.train_step.lower(program.abstract_sharded_state(), jax.ShapeDtypeStruct(
+            (c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding))
