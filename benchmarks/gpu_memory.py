@@ -38,8 +38,8 @@ GRIDS = {  # recipe, devices, config overrides
     # Pipeline schedules at a fixed microbatch of 2 sequences: M = 4 ... 32 microbatches.
     "pipeline": [
         ("llama_1b", 8, {"mesh.data": 1, "mesh.stage": 4, "mesh.fsdp": 2, "train.batch_size": 4 * m, "pipeline.microbatches": m,
-                         "pipeline.schedule": "1f1b" if "1f1b" in name else "gpipe", "pipeline.repeats": 2 if name in ("circular", "interleaved 1f1b") else 1})
-        for name in ("gpipe", "circular", "1f1b", "interleaved 1f1b")
+                         "pipeline.schedule": schedule, "pipeline.repeats": repeats})
+        for schedule, repeats in (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b", 2), ("1f1b_per_stage", 1))
         for m in (4, 8, 16, 32)
     ],
     # 1F1B recomputing each tick (pipeline.remat full) or keeping its residuals (none).

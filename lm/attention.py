@@ -94,12 +94,14 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
                 q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=mask is None, local_window_size=local, implementation=kernel
             )
 
-        if mask_bts is None or sharding.split_ways("length") == 1:
-            return fused(q_bthk, k_bsgk, v_bsgk, *([] if mask_bts is None else [mask_bts]))
+        args = (q_bthk, k_bsgk, v_bsgk, *([] if mask_bts is None else [mask_bts]))
+        if (mask_bts is None or sharding.split_ways("length") == 1) and not sharding.manual_axes():
+            return fused(*args)
         # Context parallelism: queries split along the sequence, keys and values whole. cuDNN's
-        # partitioner takes the three split alike only, so each device runs its own part.
+        # partitioner takes the three split alike only, and inside a partly manual shard_map (the
+        # per-stage pipeline) cannot partition at all: each device runs its own part.
         queries, keys = ("batch", "length", "heads", "head_dim"), ("batch", "kv_length", "kv_heads", "head_dim")
-        return sharding.per_shard(fused, (queries, keys, keys, ("batch", "length", "kv_length")), queries)(q_bthk, k_bsgk, v_bsgk, mask_bts)
+        return sharding.per_shard(fused, (queries, keys, keys, ("batch", "length", "kv_length"))[: len(args)], queries)(*args)
     b, t, h, k = q_bthk.shape
     g = k_bsgk.shape[2]
     q = (q_bthk * jnp.asarray(k**-0.5, q_bthk.dtype)).reshape(b, t, g, h // g, k)

@@ -242,13 +242,17 @@ def platform() -> str:
     return jax.default_backend()
 
 
+def manual_axes() -> set[str]:
+    """The mesh axes a surrounding `jax.shard_map` has made manual (none outside one)."""
+    return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
 def _in_force() -> tuple[Mesh, Rules]:
     """The mesh and rules of the innermost `activate`; inside a `shard_map` that made some mesh
     axes manual (a pipeline running each stage's own code), the rules without those axes: an
     array there is already one shard along them, and the partitioner places only the others."""
     mesh, rules = _ACTIVE.stack[-1]
-    manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
-    if manual:
+    if manual := manual_axes():
         rules = tuple((logical, tuple(a for a in _as_tuple(axes) if a not in manual) or None) for logical, axes in rules)
     return mesh, rules
 
@@ -257,7 +261,7 @@ def _placement(mesh: Mesh, spec: PartitionSpec) -> NamedSharding | PartitionSpec
     """`spec` on `mesh`; inside a partly manual `shard_map`, the bare spec, which applies to the
     mesh in context there (a NamedSharding on the concrete mesh, whose axes are all automatic, is
     refused)."""
-    return spec if getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) else NamedSharding(mesh, spec)
+    return spec if manual_axes() else NamedSharding(mesh, spec)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str = "activation") -> jax.Array:
@@ -321,13 +325,18 @@ def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]], out_axes: S
     """`fn` run on each device's shards of its arguments (`jax.shard_map`), the arguments and the
     result placed by logical names under the mesh and rules in force; outside `activate`, `fn`
     itself. For a kernel that cannot be partitioned as its arguments are split (cuDNN attention
-    takes queries, keys and values split alike; context parallelism splits only the queries)."""
+    takes queries, keys and values split alike; context parallelism splits only the queries), or
+    at all (inside a partly manual `shard_map`: there, over the axes still automatic)."""
 
     def run(*args):
         if not _ACTIVE.stack:
             return fn(*args)
-        mesh, rules = _ACTIVE.stack[-1]
+        mesh, rules = _in_force()
         specs = tuple(logical_to_spec(axes, rules, mesh=mesh, shape=a.shape) for axes, a in zip(in_axes, args))
-        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=logical_to_spec(out_axes, rules, mesh=mesh))(*args)
+        out_spec = logical_to_spec(out_axes, rules, mesh=mesh)
+        if manual := manual_axes():
+            automatic = set(mesh.axis_names) - manual
+            return jax.shard_map(fn, in_specs=specs, out_specs=out_spec, axis_names=automatic, check_vma=False)(*args)
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec)(*args)
 
     return run

@@ -230,10 +230,16 @@ def test_document_masking_context_parallelism_and_sliding_windows_compile_for_h1
 
 def test_every_pipeline_schedule_compiles_for_h100s(h100s):
     # Circular once crashed the XLA GPU compiler ("Failed after batched_gather_scatter_normalizer":
-    # a gather indexed per stage); 1F1B runs vjps inside its scan.
-    for extra in ({}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2}):
+    # a gather indexed per stage); 1F1B runs vjps inside its scan; the per-stage 1F1B runs cuDNN
+    # attention inside a shard_map manual over `stage` (its partitioner cannot take that: per_shard).
+    for extra in ({}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
+                  {"pipeline__schedule": "1f1b_per_stage"}):
         text = compiled(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, pipeline__microbatches=4, **extra)
         assert hlo.collectives(text)["collective-permute"] >= 2  # activations on, and (gradients) back
+        if extra.get("pipeline__schedule") == "1f1b_per_stage":
+            assert " conditional(" in text
+            if cudnn_available():
+                assert hlo.custom_calls(text)["__cudnn$fmhaSoftmaxBackward"] >= 1
 
 
 def test_1f1b_keeping_residuals_compiles_for_h100s_with_cudnn_attention_under_context_parallelism(h100s):
@@ -252,5 +258,7 @@ def test_1f1b_temporaries_stay_flat_in_the_microbatches_on_h100s(h100s):
 
     gpipe = [temporaries(m) for m in (4, 32)]
     one_f_one_b = [temporaries(m, pipeline__schedule="1f1b") for m in (4, 32)]
+    per_stage = [temporaries(m, pipeline__schedule="1f1b_per_stage") for m in (4, 32)]
     assert gpipe[1] > 2 * gpipe[0]  # every microbatch's stage inputs
     assert max(one_f_one_b) <= 1.1 * min(one_f_one_b)  # the stages' in-flight inputs only
+    assert max(per_stage) <= 1.1 * min(per_stage)
