@@ -204,7 +204,7 @@ def report(plan: PipelinePlan) -> dict:
 
 
 def check(stages: int, microbatches: int, repeats: int, layers: int | None = None, batch: int | None = None,
-          schedule: str = "gpipe", remat: str = "full") -> None:
+          schedule: str = "gpipe") -> None:
     """ShardingErrors for a pipeline that cannot be built; `batch` is the per-replica batch."""
     if min(stages, microbatches, repeats) < 1:
         raise ShardingError(f"pipeline stages, microbatches and repeats must be positive, got {stages}, {microbatches}, {repeats}")
@@ -218,10 +218,10 @@ def check(stages: int, microbatches: int, repeats: int, layers: int | None = Non
             f"interleaved 1F1B (pipeline.repeats={repeats}) takes microbatches in groups of the {stages} stages; "
             f"make pipeline.microbatches={microbatches} a multiple of {stages}"
         )
-    if schedule == "1f1b_per_stage" and (repeats > 1 or remat != "full"):
+    if schedule == "1f1b_per_stage" and repeats > 1:
         raise ShardingError(
-            f"pipeline.schedule=1f1b_per_stage recomputes each stage from its input and does not interleave; use "
-            f"pipeline.repeats=1 and pipeline.remat=full (got {repeats} and {remat!r}), or pipeline.schedule=1f1b"
+            f"pipeline.schedule=1f1b_per_stage does not interleave; use pipeline.repeats=1 (got {repeats}), "
+            "or pipeline.schedule=1f1b for interleaved 1F1B"
         )
     if layers is not None and layers % (stages * repeats):
         raise ShardingError(

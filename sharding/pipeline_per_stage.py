@@ -32,7 +32,8 @@ from sharding.pipeline import (
     schedule_1f1b_per_stage,
     split_microbatches,
 )
-from sharding.pipeline_1f1b import owning_backward
+from sharding.pipeline_1f1b import Pullbacks, owning_backward
+from sharding.remat import remat
 from sharding.rules import active_mesh
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
@@ -42,37 +43,64 @@ def f32_of(tree):
     return jax.tree.map(lambda a: a.astype(jnp.float32), tree)
 
 
-def slot_arrays(table: Sequence[Sequence[Step]]) -> tuple[dict[str, np.ndarray], int]:
+class _Rings:
+    """Per stage, numbered slots holding one microbatch's array each: `take` gives the lowest free
+    one, `release` frees it; `depth` is the most slots a stage ever needed."""
+
+    def __init__(self, stages: int):
+        self.held, self.free, self.depth = [{} for _ in range(stages)], [[] for _ in range(stages)], 0
+
+    def take(self, stage: int, microbatch: int) -> int:
+        free = self.free[stage]
+        slot = min(free) if free else len(self.held[stage])  # no free slot: 0 .. n-1 are all held
+        self.free[stage] = [f for f in free if f != slot]
+        self.held[stage][microbatch] = slot
+        self.depth = max(self.depth, slot + 1)
+        return slot
+
+    def release(self, stage: int, microbatch: int) -> int:
+        slot = self.held[stage].pop(microbatch)
+        self.free[stage].append(slot)
+        return slot
+
+
+def slot_arrays(table: Sequence[Sequence[Step]], keep_residuals: bool = False) -> tuple[dict[str, np.ndarray], int, int]:
     """`schedule_1f1b_per_stage`'s table as [slots, stages] arrays: `half` (IDLE, FORWARD,
-    BACKWARD), `microbatch`, `read` (the stash slot the half reads its stage input from; -1: the
-    activation that arrived this slot) and `store` (where the activation arriving this slot is
-    kept until its backward; -1: none arrives); and how many stash slots a stage needs. Stage 0
-    keeps nothing (it embeds again); a backward frees its slot before the slot's arrival takes
-    the lowest free one."""
+    BACKWARD), `microbatch`, `store` (the inbox slot where the activation arriving this slot is
+    kept; -1: none arrives, or it is used at once and not needed again), `read` (the inbox slot
+    the half reads its stage input from; -1: the activation that arrived this slot), and with
+    `keep_residuals`, `keep` (the residual slot a forward fills) and `use` (the one its backward
+    reads); then the inbox's and the residual stash's depths. Recomputing, an input stays in the
+    inbox until its backward; keeping residuals, until its forward, and the forward's residuals
+    until the backward. Stage 0 embeds its microbatch again rather than keep it. A slot's reads
+    free their slots before its arrival takes the lowest free one."""
     slots, stages = len(table), len(table[0])
-    out = {k: np.full((slots, stages), fill, np.int32) for k, fill in (("half", IDLE), ("microbatch", 0), ("read", -1), ("store", -1))}
-    held, free, depth = [{} for _ in range(stages)], [[] for _ in range(stages)], 0
+    names = ("half", "microbatch", "store", "read", "keep", "use")
+    out = {k: np.full((slots, stages), IDLE if k == "half" else 0 if k == "microbatch" else -1, np.int32) for k in names}
+    inbox, residuals = _Rings(stages), _Rings(stages)
     for t, row in enumerate(table):
         for s, step in enumerate(row):
             arriving = table[t - 1][s - 1].forward if t > 0 and s > 0 else None
+            fresh = arriving is not None and step.forward is not None and arriving.microbatch == step.forward.microbatch
             if step.backward is not None:
-                out["half"][t, s], out["microbatch"][t, s] = BACKWARD, step.backward.microbatch
-                if s > 0:
-                    out["read"][t, s] = held[s].pop(step.backward.microbatch)
-                    free[s].append(int(out["read"][t, s]))
+                m = step.backward.microbatch
+                out["half"][t, s], out["microbatch"][t, s] = BACKWARD, m
+                if keep_residuals:
+                    out["use"][t, s] = residuals.release(s, m)
+                elif s > 0:
+                    out["read"][t, s] = inbox.release(s, m)
                 if s < stages - 1 and table[t - 1][s + 1].backward != step.backward._replace(chunk=s + 1):
-                    raise AssertionError(f"stage {s}'s backward of microbatch {step.backward.microbatch} at slot {t} lacks its cotangent")
+                    raise AssertionError(f"stage {s}'s backward of microbatch {m} at slot {t} lacks its cotangent")
             if step.forward is not None:
-                out["half"][t, s], out["microbatch"][t, s] = FORWARD, step.forward.microbatch
-                fresh = arriving is not None and arriving.microbatch == step.forward.microbatch
+                m = step.forward.microbatch
+                out["half"][t, s], out["microbatch"][t, s] = FORWARD, m
                 if s > 0 and not fresh:
-                    out["read"][t, s] = held[s][step.forward.microbatch]
-            if arriving is not None:
-                slot = min(free[s]) if free[s] else len(held[s])
-                free[s] = [f for f in free[s] if f != slot]
-                held[s][arriving.microbatch] = out["store"][t, s] = slot
-                depth = max(depth, slot + 1)
-    return out, depth
+                    out["read"][t, s] = inbox.release(s, m) if keep_residuals else inbox.held[s][m]
+                if keep_residuals:
+                    out["keep"][t, s] = residuals.take(s, m)
+            if arriving is not None and not (fresh and keep_residuals):
+                out["store"][t, s] = inbox.take(s, arriving.microbatch)
+    return out, inbox.depth, residuals.depth
 
 
 def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, embed_fn: Callable, embed_params, inputs,
@@ -85,61 +113,77 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     (`sharding.activate`) to have the `stage` axis."""
     del params_axes, probes_axes  # each stage's chunk is its shard of the stacked `[layers, ...]` arrays
     m, s = plan.microbatches, plan.stages
-    check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule="1f1b_per_stage", remat=plan.remat)
+    check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule="1f1b_per_stage")
     mesh = active_mesh()
     if mesh is None or mesh.shape.get("stage") != s:
         raise ShardingError(f"pipeline.schedule=1f1b_per_stage runs under a mesh whose `stage` axis has the plan's {s} stages")
     if mesh.shape.get("context", 1) > 1:  # its attention moves keys and values by collective-permutes inside a stage's branch
         raise ShardingError("pipeline.schedule=1f1b_per_stage does not run with context parallelism (mesh.context > 1); use pipeline.schedule=1f1b")
-    arrays, depth = slot_arrays(schedule_1f1b_per_stage(s, m))
+    keep_residuals, tick_fn, pullbacks = plan.remat != "full", remat(stage_fn, plan.remat), Pullbacks()
+    arrays, inbox_depth, stash_depth = slot_arrays(schedule_1f1b_per_stage(s, m), keep_residuals)
 
     def run(params, probes, embed_params, loss_params, seed, inputs, targets):
         def body(chunk, chunk_probes, embed_params, loss_params, seed, inputs, targets, rows):
             stage = jax.lax.axis_index("stage")
+            first, last = stage == 0, stage == s - 1
             in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
             t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
             f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
-            layers = lambda c, p, x: stage_fn(c, p, x, stage)  # noqa: E731
             x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
             zero_x = jnp.zeros(x_like.shape, x_like.dtype)
+
+            def forward_saving(chunk, chunk_probes, x):
+                """The stage's forward, and the residuals its backward needs (as `plan.remat` keeps them)."""
+                y, pull = jax.vjp(lambda c, p, x: tick_fn(c, p, x, stage), chunk, chunk_probes, x)
+                return y, pullbacks.split(pull, (chunk, chunk_probes))
+
+            constants, stash = (), []
+            if keep_residuals:  # a ring per residual array that varies; those that do not, once
+                pullbacks.mark_constants(forward_saving, chunk, chunk_probes, zero_x)
+                _, example = forward_saving(chunk, chunk_probes, zero_x)  # shapes only: dead code
+                constants = [r for r, constant in zip(example, pullbacks.constant) if constant]
+                stash = [jnp.zeros((stash_depth, *a.shape), a.dtype) for a in pullbacks.stashed(example)]
             nothing = {"y": zero_x, "dx": zero_x, "seed_dy": zero_x, "dchunk": f32(chunk), "dprobes": f32(chunk_probes, -jnp.inf),
-                       "dloss": f32(loss_params), "loss": jnp.zeros((), jnp.float32)}
-            first, last = stage == 0, stage == s - 1
+                       "dloss": f32(loss_params), "loss": jnp.zeros((), jnp.float32), "residuals": [jnp.zeros_like(r[0]) for r in stash]}
 
-            def stage_input(c, row):
-                return jnp.where(row["read"] < 0, c["recv_x"], c["stash"][jnp.maximum(row["read"], 0)])
+            def stage_input(c, row, embedded):  # stage 0's is its embedded microbatch
+                waiting = c["inbox"][jnp.maximum(row["read"], 0)]
+                return jnp.where(first, embedded, jnp.where(row["read"] < 0, c["recv_x"], waiting))
 
-            def forward(c, row, embedded):
-                return {**nothing, "y": layers(chunk, chunk_probes, jnp.where(first, embedded, stage_input(c, row)))}
+            def forward(c, row, embedded, chunk, chunk_probes):
+                x = stage_input(c, row, embedded)
+                if not keep_residuals:
+                    return {**nothing, "y": stage_fn(chunk, chunk_probes, x, stage)}
+                y, residuals = forward_saving(chunk, chunk_probes, x)
+                return {**nothing, "y": y, "residuals": pullbacks.stashed(residuals)}
 
-            def forward_last(c, row, embedded):
-                y = layers(chunk, chunk_probes, stage_input(c, row))
-                loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[row["microbatch"]]), loss_params, y)
+            def forward_last(c, row, embedded, chunk, chunk_probes):  # and the head and loss, seeding the backward
+                out = forward(c, row, embedded, chunk, chunk_probes)
+                loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[row["microbatch"]]), loss_params, out["y"])
                 dloss, dy = pull((seed / m).astype(loss.dtype))
-                return {**nothing, "seed_dy": dy.astype(zero_x.dtype), "dloss": f32_of(dloss), "loss": loss.astype(jnp.float32) / m}
+                return {**out, "seed_dy": dy.astype(zero_x.dtype), "dloss": f32_of(dloss), "loss": loss.astype(jnp.float32) / m}
 
-            def backward(c, row, embedded):
+            def backward(c, row, embedded, chunk, chunk_probes):
                 cotangent = jnp.where(last, c["seed_dy"], c["recv_dx"])
-                _, pull = jax.vjp(layers, chunk, chunk_probes, stage_input(c, row))
+                if keep_residuals:
+                    saved = [ring[jnp.maximum(row["use"], 0)] for ring in c["stash"]]
+                    pull = pullbacks.join(pullbacks.merge(saved, constants), (chunk, chunk_probes))
+                else:  # recompute the chunk from its input
+                    pull = jax.vjp(lambda c, p, x: stage_fn(c, p, x, stage), chunk, chunk_probes, stage_input(c, row, embedded))[1]
                 dchunk, dprobes, dx = pull(cotangent)
                 return {**nothing, "dx": dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes)}
 
-            def backward_first(c, row, embedded):  # stage 0: its cotangent is the embedding's
-                _, pull = jax.vjp(layers, chunk, chunk_probes, embedded)
-                dchunk, dprobes, dx = pull(c["recv_dx"])
-                return {**nothing, "dx": dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes)}
-
-            branches = [lambda c, row, embedded: nothing, forward, forward_last, backward, backward_first]
+            branches = [lambda *_: nothing, forward, forward_last, backward]
 
             def slot(c, row):
                 row = jax.tree.map(lambda a: a[0], row)  # this stage's entry
-                pick = row["half"] + jnp.where((row["half"] == FORWARD) & last, 1, 0) + jnp.where(row["half"] == BACKWARD, 1 + first, 0)
+                pick = jnp.where(row["half"] == FORWARD, 1 + last, jnp.where(row["half"] == BACKWARD, 3, 0))
                 # The embedding (stage 0's) and its gradient run on every stage, outside the
                 # branches: the partitioner may move the token ids with a collective-permute,
                 # which every device must join (XLA:CPU waits for all of them).
                 tokens = in_m[row["microbatch"]]
                 embedded, embed_pull = jax.vjp(lambda ep: embed_fn(ep, tokens).astype(zero_x.dtype), embed_params)
-                out = jax.lax.switch(pick, branches, c, row, embedded)
+                out = jax.lax.switch(pick, branches, c, row, embedded, chunk, chunk_probes)
                 (dembed,) = embed_pull(jnp.where(first & (row["half"] == BACKWARD), out["dx"], 0.0).astype(zero_x.dtype))
                 c = dict(c)
                 c["dembed"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), c["dembed"], dembed)
@@ -148,14 +192,15 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
                 c["dprobes"] = jax.tree.map(jnp.maximum, c["dprobes"], out["dprobes"])
                 c["loss"] = c["loss"] + out["loss"]
                 c["seed_dy"] = jnp.where(row["half"] == FORWARD, out["seed_dy"], c["seed_dy"])
-                # The activation that arrived this slot waits for its backward (after this slot's backward freed a slot).
-                kept = c["stash"].at[jnp.maximum(row["store"], 0)].set(c["recv_x"])
-                c["stash"] = jnp.where(row["store"] >= 0, kept, c["stash"])
+                keep = lambda ring, slot, x: jnp.where(slot >= 0, ring.at[jnp.maximum(slot, 0)].set(x), ring)  # noqa: E731
+                c["stash"] = [keep(ring, row["keep"], r) for ring, r in zip(c["stash"], out["residuals"])]
+                # The activation that arrived this slot waits (after this slot's reads freed their slots).
+                c["inbox"] = keep(c["inbox"], row["store"], c["recv_x"])
                 c["recv_x"] = jax.lax.ppermute(out["y"], "stage", [(i, i + 1) for i in range(s - 1)])
                 c["recv_dx"] = jax.lax.ppermute(out["dx"], "stage", [(i + 1, i) for i in range(s - 1)])
                 return c, None
 
-            c = {"stash": jnp.zeros((max(depth, 1), *zero_x.shape), zero_x.dtype), "recv_x": zero_x, "recv_dx": zero_x,
+            c = {"inbox": jnp.zeros((max(inbox_depth, 1), *zero_x.shape), zero_x.dtype), "stash": stash, "recv_x": zero_x, "recv_dx": zero_x,
                  "dembed": f32(embed_params), **{k: nothing[k] for k in ("seed_dy", "dchunk", "dprobes", "dloss", "loss")}}
             c, _ = jax.lax.scan(slot, c, rows)
             total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, "stage"), tree)  # noqa: E731  held by one stage

@@ -55,8 +55,8 @@ def test_per_stage_table_is_megatrons_1f1b_with_at_most_s_in_flight(stages, micr
     # Megatron's bound, S - s in flight at stage s; counted from their arrival, at most S kept.
     assert in_flight(table) == [min(microbatches, stages - s) for s in range(stages)]
     assert max(held_per_stage(table)) <= stages and held_per_stage(table)[0] == 0
-    arrays, depth = slot_arrays(table)
-    assert depth == max(held_per_stage(table))
+    arrays, depth, no_residuals = slot_arrays(table)
+    assert depth == max(held_per_stage(table)) and no_residuals == 0
     for (m, s, kind), t in at.items():  # a backward reads the slot its input was kept in, untouched meanwhile
         if kind == "B" and s > 0:
             arrived = at[(m, s - 1, "F")] + 1
@@ -65,6 +65,15 @@ def test_per_stage_table_is_megatrons_1f1b_with_at_most_s_in_flight(stages, micr
             assert slot not in arrays["store"][arrived + 1:t, s]
             forward = at[(m, s, "F")]
             assert arrays["half"][forward, s] == FORWARD and arrays["read"][forward, s] == (-1 if forward == arrived else slot)
+    # Keeping residuals: each forward's residuals in a slot its backward reads, at most S - s of
+    # them (Megatron's bound, stage 0 included); an input waits in the inbox only until its forward.
+    arrays, inbox, stash = slot_arrays(table, keep_residuals=True)
+    assert stash == min(microbatches, stages) and inbox <= depth
+    for (m, s, kind), t in at.items():
+        if kind == "B":
+            forward = at[(m, s, "F")]
+            slot = arrays["keep"][forward, s]
+            assert arrays["use"][t, s] == slot and slot not in arrays["keep"][forward + 1:t, s]
     assert bubble_fraction(table) == pytest.approx((stages - 1) / (microbatches + stages - 1))
     assert report(PipelinePlan(stages, microbatches, 1, "full", "1f1b_per_stage")) == {
         "schedule": "1f1b_per_stage", "bubble": pytest.approx((stages - 1) / (microbatches + stages - 1)), "stash_depth": depth,
@@ -83,8 +92,13 @@ def one_device_deep():
         ({"stage": 4}, {"pipeline__microbatches": 8}),
         ({"stage": 2, "data": 2, "tensor": 2}, {"train__grad_accum": 2, "sharding__sequence_parallel": True, "model__remat": "dots"}),
         ({"stage": 2, "fsdp": 4}, {"pipeline__microbatches": 4}),
+        # The stash keeps the forward's residuals (what pipeline.remat keeps) instead of recomputing.
+        ({"stage": 4}, {"pipeline__microbatches": 8, "pipeline__remat": "none"}),
+        ({"stage": 2, "data": 2, "tensor": 2}, {"train__grad_accum": 2, "sharding__sequence_parallel": True, "model__remat": "full",
+                                                "pipeline__remat": "dots"}),
     ],
-    ids=["stage2", "stage4", "stage2-data2-tensor2-sp-accum2-dots", "stage2-fsdp4"],
+    ids=["stage2", "stage4", "stage2-data2-tensor2-sp-accum2-dots", "stage2-fsdp4", "stage4-residuals",
+         "stage2-data2-tensor2-sp-accum2-residuals-dots"],
 )
 def test_per_stage_training_matches_one_device(one_device_deep, mesh, extra):
     ref_losses, ref_params, (ref_loss, ref_grads) = one_device_deep
@@ -102,12 +116,18 @@ def test_per_stage_training_matches_one_device(one_device_deep, mesh, extra):
     assert logits and all("branch_2_fun" in line for line in logits)
 
 
-def test_per_stage_keeps_memory_flat_in_the_microbatches_and_below_lockstep_1f1b():
+def test_per_stage_keeps_memory_flat_in_the_microbatches_and_fewer_residuals_than_lockstep_1f1b():
     def temporaries(microbatches: int, **extra) -> int:
         return compiled_1f1b_step(microbatches, **extra).memory_analysis().temp_size_in_bytes
 
     per_stage = [temporaries(m, **PER_STAGE) for m in (4, 8, 16, 32)]
     assert max(per_stage) <= 1.1 * min(per_stage)
+    # Keeping every layer's activations (model remat none), the residual stash dominates: 2 sets
+    # per stage here (S = 2) against lockstep 1F1B's 3 (2S - 1).
+    residuals = dict(pipeline__remat="none", model__remat="none")
+    kept = [temporaries(m, **PER_STAGE, **residuals) for m in (4, 16)]
+    lockstep = temporaries(16, pipeline__schedule="1f1b", **residuals)
+    assert max(kept) <= 1.1 * min(kept) and kept[1] < 0.9 * lockstep
 
 
 def test_fp8_in_the_per_stage_pipeline_takes_each_amax_over_the_slots_that_did_work():
@@ -119,8 +139,7 @@ def test_fp8_in_the_per_stage_pipeline_takes_each_amax_over_the_slots_that_did_w
 
 
 @pytest.mark.parametrize("mesh, extra, message", [
-    ({"stage": 2}, {"pipeline__repeats": 2}, "does not interleave; use pipeline.repeats=1 and pipeline.remat=full"),
-    ({"stage": 2}, {"pipeline__remat": "none"}, "does not interleave; use pipeline.repeats=1 and pipeline.remat=full"),
+    ({"stage": 2}, {"pipeline__repeats": 2}, "does not interleave; use pipeline.repeats=1"),
     ({"stage": 2, "context": 2}, {}, "does not run with context parallelism"),
 ])
 def test_per_stage_refuses_what_it_cannot_run(mesh, extra, message):
