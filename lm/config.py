@@ -77,7 +77,8 @@ def default_config() -> ml_collections.ConfigDict:
         # (model.remat) for every microbatch in flight: no recompute, more memory (Megatron's way).
         remat="full",
         # gpipe (circular with repeats > 1) | 1f1b (interleaved with repeats > 1; at most 2S - 1
-        # microbatches in flight) | 1f1b_per_stage (each stage its own half per slot: at most S)
+        # microbatches in flight) | 1f1b_per_stage (each stage its own half per slot: at most S;
+        # repeats 1, no context parallelism)
         schedule="gpipe",
     )
     c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)

@@ -119,18 +119,12 @@ def schedule_1f1b_per_stage(stages: int, microbatches: int) -> list[list[Step]]:
         order.append([(False, k) for k in range(warm)] + steady + [(True, k) for k in range(microbatches - warm, microbatches)])
     done, table, at = {}, [], [0] * stages  # done[(backward, microbatch, stage)] = slot
     while any(at[s] < len(order[s]) for s in range(stages)):
-        t, row = len(table), []
-        for s in range(stages):
-            half = order[s][at[s]] if at[s] < len(order[s]) else None
-            ready = False
-            if half is not None:
-                backward, k = half
-                needs = (True, k, s + 1) if backward and s < stages - 1 else (False, k, s if backward else s - 1)
-                ready = needs[2] < 0 or done.get(needs, t) < t  # not done yet: get() gives t
-            work = Work(half[1], s) if ready else None
-            row.append(Step(None, work) if ready and half[0] else Step(work, None))
-            if ready:
-                done[(half[0], half[1], s)], at[s] = t, at[s] + 1
+        row = [Step(None, None)] * stages
+        for s, (backward, k) in ((s, order[s][at[s]]) for s in range(stages) if at[s] < len(order[s])):
+            needs = (True, k, s + 1) if backward and s < stages - 1 else (False, k, s if backward else s - 1)
+            if needs[2] < 0 or done.get(needs, len(table)) < len(table):  # not done yet: get() gives this slot
+                row[s] = Step(None, Work(k, s)) if backward else Step(Work(k, s), None)
+                done[(backward, k, s)], at[s] = len(table), at[s] + 1
         table.append(row)
     return table
 
@@ -193,7 +187,8 @@ def report(plan: PipelinePlan) -> dict:
     kept = "stage inputs" if plan.remat == "full" else "residuals"
     if plan.schedule == "1f1b_per_stage":
         table = schedule_1f1b_per_stage(plan.stages, plan.microbatches)
-        return {"schedule": plan.schedule, "bubble": bubble_fraction(table), "stash_depth": max(held_per_stage(table)), "stash": kept}
+        depth = max(held_per_stage(table) if plan.remat == "full" else in_flight(table))  # inputs from arrival; residuals from the forward
+        return {"schedule": plan.schedule, "bubble": bubble_fraction(table), "stash_depth": depth, "stash": kept}
     if plan.schedule == "1f1b":
         table = schedule_1f1b(plan.stages, plan.microbatches, plan.repeats)
         name = "interleaved 1f1b" if plan.repeats > 1 else "1f1b"
@@ -204,8 +199,9 @@ def report(plan: PipelinePlan) -> dict:
 
 
 def check(stages: int, microbatches: int, repeats: int, layers: int | None = None, batch: int | None = None,
-          schedule: str = "gpipe") -> None:
-    """ShardingErrors for a pipeline that cannot be built; `batch` is the per-replica batch."""
+          schedule: str = "gpipe", context: int = 1) -> None:
+    """ShardingErrors for a pipeline that cannot be built; `batch` is the per-replica batch,
+    `context` the mesh's context-parallel size."""
     if min(stages, microbatches, repeats) < 1:
         raise ShardingError(f"pipeline stages, microbatches and repeats must be positive, got {stages}, {microbatches}, {repeats}")
     if stages > 1 and microbatches < stages:
@@ -223,6 +219,9 @@ def check(stages: int, microbatches: int, repeats: int, layers: int | None = Non
             f"pipeline.schedule=1f1b_per_stage does not interleave; use pipeline.repeats=1 (got {repeats}), "
             "or pipeline.schedule=1f1b for interleaved 1F1B"
         )
+    if schedule == "1f1b_per_stage" and context > 1:  # its attention's collective-permutes would sit in one stage's branch
+        raise ShardingError(f"pipeline.schedule=1f1b_per_stage does not run with context parallelism (mesh.context={context}); "
+                            "use pipeline.schedule=1f1b")
     if layers is not None and layers % (stages * repeats):
         raise ShardingError(
             f"{layers} layers do not split into mesh.stage={stages} x pipeline.repeats={repeats} equal chunks; "

@@ -7,12 +7,12 @@ splits over `stage`): a microbatch's round trip takes two ticks per stage, so st
 tensor stay with the partitioner, placed by the logical rules inside as everywhere else), each
 device picks its half of the slot with a `lax.switch` on its column of
 `schedule_1f1b_per_stage`, and activations and cotangents move one stage per slot
-(`ppermute`). Stage 0 embeds its microbatch again in the backward rather than keep it, so a
-device keeps at most S - 1 stage inputs. The cost: a slot lasts as long as the slowest stage's
-half, a backward, where a lockstep tick is one forward plus one backward; and the embedding and
-head tables are whole on every stage (inside the manual region the vocabulary cannot be split
-over `stage`). The weights are recomputed from the stashed input in the backward (`remat`
-`full`); interleaving (`repeats` > 1) is not supported.
+(`ppermute`). Recomputing (`pipeline.remat` full), a device keeps at most S stage inputs (stage 0
+embeds its microbatch again rather than keep it); keeping residuals (any other policy), at most
+S sets of a chunk's pullback residuals, Megatron's own bound. The cost: a slot lasts as long as
+the slowest stage's half, a backward, where a lockstep tick is one forward plus one backward;
+and the embedding and head tables are whole on every stage (inside the manual region the
+vocabulary cannot be split over `stage`). Interleaving (`repeats` > 1) is not supported.
 """
 
 from __future__ import annotations
@@ -113,12 +113,10 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     (`sharding.activate`) to have the `stage` axis."""
     del params_axes, probes_axes  # each stage's chunk is its shard of the stacked `[layers, ...]` arrays
     m, s = plan.microbatches, plan.stages
-    check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule="1f1b_per_stage")
     mesh = active_mesh()
     if mesh is None or mesh.shape.get("stage") != s:
         raise ShardingError(f"pipeline.schedule=1f1b_per_stage runs under a mesh whose `stage` axis has the plan's {s} stages")
-    if mesh.shape.get("context", 1) > 1:  # its attention moves keys and values by collective-permutes inside a stage's branch
-        raise ShardingError("pipeline.schedule=1f1b_per_stage does not run with context parallelism (mesh.context > 1); use pipeline.schedule=1f1b")
+    check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule="1f1b_per_stage", context=mesh.shape.get("context", 1))
     keep_residuals, tick_fn, pullbacks = plan.remat != "full", remat(stage_fn, plan.remat), Pullbacks()
     arrays, inbox_depth, stash_depth = slot_arrays(schedule_1f1b_per_stage(s, m), keep_residuals)
 

@@ -140,12 +140,8 @@ def test_fp8_in_the_per_stage_pipeline_takes_each_amax_over_the_slots_that_did_w
 
 @pytest.mark.parametrize("mesh, extra, message", [
     ({"stage": 2}, {"pipeline__repeats": 2}, "does not interleave; use pipeline.repeats=1"),
-    ({"stage": 2, "context": 2}, {}, "does not run with context parallelism"),
+    ({"stage": 2, "context": 2}, {}, r"does not run with context parallelism \(mesh.context=2\)"),
 ])
 def test_per_stage_refuses_what_it_cannot_run(mesh, extra, message):
     with pytest.raises(ShardingError, match=message):
-        program = setup(small_config({"data": -1, **mesh}, **DEEP, **PER_STAGE, **extra), VOCAB)
-        program.init_state(0)
-        c = program.spec.config
-        program.train_step.lower(program.abstract_sharded_state(), jax.ShapeDtypeStruct(
-            (c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding))
+        setup(small_config({"data": -1, **mesh}, **DEEP, **PER_STAGE, **extra), VOCAB)
