@@ -120,7 +120,7 @@ def test_per_stage_keeps_memory_flat_in_the_microbatches_and_fewer_residuals_tha
     def temporaries(microbatches: int, **extra) -> int:
         return compiled_1f1b_step(microbatches, **extra).memory_analysis().temp_size_in_bytes
 
-    per_stage = [temporaries(m, **PER_STAGE) for m in (4, 8, 16, 32)]
+    per_stage = [temporaries(m, **PER_STAGE) for m in (4, 32)]
     assert max(per_stage) <= 1.1 * min(per_stage)
     # Keeping every layer's activations (model remat none), the residual stash dominates: 2 sets
     # per stage here (S = 2) against lockstep 1F1B's 3 (2S - 1).
