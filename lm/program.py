@@ -62,9 +62,8 @@ class Faults:
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     """Mean next-token cross entropy in float32."""
-    logits_btv = logits_btv.astype(jnp.float32)
-    target_logit = jnp.sum(jnp.where(jnp.arange(logits_btv.shape[-1]) == targets_bt[..., None], logits_btv, 0.0), axis=-1)
-    return jnp.mean(jax.nn.logsumexp(logits_btv, axis=-1) - target_logit)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+    return jnp.mean(losses)
 
 
 class ModelLayout:

@@ -3,16 +3,18 @@ S - s microbatches at stage s) in one SPMD program.
 
 `sharding.pipeline_1f1b` steps every stage in lockstep (a vmap over stages, which the compiler
 splits over `stage`): a microbatch's round trip takes two ticks per stage, so stage s keeps
-2(S - s) - 1 inputs. Here a `jax.shard_map` makes `stage` manual (data, fsdp, context and
-tensor stay with the partitioner, placed by the logical rules inside as everywhere else), each
-device picks its half of the slot with a `lax.switch` on its column of
-`schedule_1f1b_per_stage`, and activations and cotangents move one stage per slot
-(`ppermute`). Recomputing (`pipeline.remat` full), a device keeps at most S stage inputs (stage 0
-embeds its microbatch again rather than keep it); keeping residuals (any other policy), at most
-S sets of a chunk's pullback residuals, Megatron's own bound. The cost: a slot lasts as long as
-the slowest stage's half, a backward, where a lockstep tick is one forward plus one backward;
-and the embedding and head tables are whole on every stage (inside the manual region the
-vocabulary cannot be split over `stage`). Interleaving (`repeats` > 1) is not supported.
+2(S - s) - 1 inputs. Here a `lax.scan` over the slots of `schedule_1f1b_per_stage` runs, each
+slot, a `jax.shard_map` that makes `stage` manual (data, fsdp and tensor stay with the
+partitioner, placed by the logical rules inside as everywhere else): each device picks its half
+with a `lax.switch` on its column of the table, then activations and cotangents move one stage
+(`ppermute`). Recomputing (`pipeline.remat` full), a device keeps at most S stage inputs (stage
+0 embeds its microbatch again rather than keep it); keeping residuals (any other policy), at
+most S sets of a chunk's pullback residuals, Megatron's own bound. The embedding, the head and
+the loss run between the `shard_map`s, where `stage` is automatic: the vocabulary stays split
+over the stages as in the lockstep pipelines, under conditions every device evaluates alike
+(the table's first and last columns). The cost: a slot lasts as long as the slowest stage's
+half, a backward, where a lockstep tick is one forward plus one backward. Interleaving
+(`repeats` > 1) and context parallelism are not supported.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from sharding.pipeline import (
     check,
     schedule_1f1b_per_stage,
     split_microbatches,
+    with_ends,
 )
 from sharding.pipeline_1f1b import Pullbacks, owning_backward
 from sharding.remat import remat
-from sharding.rules import active_mesh
+from sharding.rules import active_mesh, constrain, constrain_leading
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
@@ -111,7 +114,6 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     differentiable, its own backward run at `seed`), by `schedule_1f1b_per_stage`: every stage
     keeps at most S - 1 stage inputs, whatever the number of microbatches. Needs the mesh in force
     (`sharding.activate`) to have the `stage` axis."""
-    del params_axes, probes_axes  # each stage's chunk is its shard of the stacked `[layers, ...]` arrays
     m, s = plan.microbatches, plan.stages
     mesh = active_mesh()
     if mesh is None or mesh.shape.get("stage") != s:
@@ -119,101 +121,115 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule="1f1b_per_stage", context=mesh.shape.get("context", 1))
     keep_residuals, tick_fn, pullbacks = plan.remat != "full", remat(stage_fn, plan.remat), Pullbacks()
     arrays, inbox_depth, stash_depth = slot_arrays(schedule_1f1b_per_stage(s, m), keep_residuals)
+    per_stage, whole = PartitionSpec("stage"), PartitionSpec()
+    state_axes = ("stages", *x_axes)
+    f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
+
+    def forward_saving(chunk, chunk_probes, x, stage):
+        """The stage's forward, and the residuals its backward needs (as `plan.remat` keeps them)."""
+        y, pull = jax.vjp(lambda c, p, x: tick_fn(c, p, x, stage), chunk, chunk_probes, x)
+        return y, pullbacks.split(pull, (chunk, chunk_probes))
+
+    def stage_work(state, sums, chunk, chunk_probes, row, embedded, seed_dy):
+        """One slot on one stage (inside the `shard_map`, `stage` manual): its half of the table,
+        then activations on and cotangents back. `state`: this stage's inbox, residual rings and
+        the arrays in transit, each with a leading axis of 1; `sums`: the gradients of its chunk
+        and the maxima of its probes' (its shard of the `[layers, ...]` arrays, as `chunk`)."""
+        stage = jax.lax.axis_index("stage")
+        first, last = stage == 0, stage == s - 1
+        state, row = jax.tree.map(lambda a: a[0], (state, row))
+        constants = ()
+        if keep_residuals:  # residuals that depend on no input (a mask): computed here, not stashed
+            _, example = forward_saving(chunk, chunk_probes, embedded, stage)  # dead code but for those
+            constants = [r for r, constant in zip(example, pullbacks.constant) if constant]
+        nothing = {"y": jnp.zeros_like(embedded), "dx": jnp.zeros_like(embedded), "dchunk": f32(chunk),
+                   "dprobes": f32(chunk_probes, -jnp.inf), "residuals": [jnp.zeros_like(r[0]) for r in state["stash"]]}
+
+        def stage_input(c, row, embedded):  # stage 0's is its embedded microbatch
+            waiting = c["inbox"][jnp.maximum(row["read"], 0)]
+            return jnp.where(first, embedded, jnp.where(row["read"] < 0, c["recv_x"], waiting))
+
+        def forward(c, row, embedded, seed_dy, chunk, chunk_probes):
+            x = stage_input(c, row, embedded)
+            if not keep_residuals:
+                return {**nothing, "y": stage_fn(chunk, chunk_probes, x, stage)}
+            y, residuals = forward_saving(chunk, chunk_probes, x, stage)
+            return {**nothing, "y": y, "residuals": pullbacks.stashed(residuals)}
+
+        def backward(c, row, embedded, seed_dy, chunk, chunk_probes):
+            cotangent = jnp.where(last, seed_dy, c["recv_dx"])  # the last stage's from the head
+            if keep_residuals:
+                saved = [ring[jnp.maximum(row["use"], 0)] for ring in c["stash"]]
+                pull = pullbacks.join(pullbacks.merge(saved, constants), (chunk, chunk_probes))
+            else:  # recompute the chunk from its input
+                pull = jax.vjp(lambda c, p, x: stage_fn(c, p, x, stage), chunk, chunk_probes, stage_input(c, row, embedded))[1]
+            dchunk, dprobes, dx = pull(cotangent)
+            return {**nothing, "dx": dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes)}
+
+        pick = jnp.where(row["half"] == FORWARD, 1, jnp.where(row["half"] == BACKWARD, 2, 0))
+        out = jax.lax.switch(pick, [lambda *_: nothing, forward, backward], state, row, embedded, seed_dy, chunk, chunk_probes)
+        c = dict(state)
+        sums = jax.tree.map(jnp.add, sums[0], out["dchunk"]), jax.tree.map(jnp.maximum, sums[1], out["dprobes"])
+        keep = lambda ring, slot, x: jnp.where(slot >= 0, ring.at[jnp.maximum(slot, 0)].set(x), ring)  # noqa: E731
+        c["stash"] = [keep(ring, row["keep"], r) for ring, r in zip(c["stash"], out["residuals"])]
+        # The activation that arrived this slot waits (after this slot's reads freed their slots).
+        c["inbox"] = keep(c["inbox"], row["store"], c["recv_x"])
+        c["recv_x"] = jax.lax.ppermute(out["y"], "stage", [(i, i + 1) for i in range(s - 1)])
+        c["recv_dx"] = jax.lax.ppermute(out["dx"], "stage", [(i + 1, i) for i in range(s - 1)])
+        return (*jax.tree.map(lambda a: a[None], (c, out["y"], out["dx"])), sums)
 
     def run(params, probes, embed_params, loss_params, seed, inputs, targets):
-        def body(chunk, chunk_probes, embed_params, loss_params, seed, inputs, targets, rows):
-            stage = jax.lax.axis_index("stage")
-            first, last = stage == 0, stage == s - 1
-            in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
-            t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
-            f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
-            x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
-            zero_x = jnp.zeros(x_like.shape, x_like.dtype)
+        in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
+        t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
+        x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
+        stacked = lambda shape, dtype: constrain_leading(jnp.zeros((s, *shape), dtype), "stages", "pipeline per-stage state")  # noqa: E731
+        stash = []
+        if keep_residuals:  # a ring per residual array that varies, its shapes from one stage's forward
+            def residuals(chunk, chunk_probes, x):
+                pullbacks.mark_constants(lambda c, p, x: forward_saving(c, p, x, 0), chunk, chunk_probes, x)
+                return [r[None] for r in pullbacks.stashed(forward_saving(chunk, chunk_probes, x, 0)[1])]
+            shapes = jax.eval_shape(jax.shard_map(residuals, mesh=mesh, axis_names={"stage"}, check_vma=False,
+                                                  in_specs=(per_stage, per_stage, whole), out_specs=per_stage),
+                                    params, probes, jnp.zeros(x_like.shape, x_like.dtype))
+            stash = [stacked((stash_depth, *a.shape[1:]), a.dtype) for a in shapes]
+        state = {"inbox": stacked((max(inbox_depth, 1), *x_like.shape), x_like.dtype), "stash": stash,
+                 "recv_x": stacked(x_like.shape, x_like.dtype), "recv_dx": stacked(x_like.shape, x_like.dtype)}
+        placed = lambda tree, axes, fill=0.0: None if tree is None else jax.tree.map(  # noqa: E731  sums placed as the arrays
+            lambda a, ax: constrain(jnp.full(a.shape, fill, jnp.float32), tuple(ax), "pipeline gradient sums"), tree, axes)
+        sums = placed(params, params_axes), placed(probes, probes_axes, -jnp.inf)
+        staged = jax.shard_map(stage_work, mesh=mesh, axis_names={"stage"}, check_vma=False,
+                               in_specs=(per_stage,) * 5 + (whole, whole), out_specs=per_stage)
 
-            def forward_saving(chunk, chunk_probes, x):
-                """The stage's forward, and the residuals its backward needs (as `plan.remat` keeps them)."""
-                y, pull = jax.vjp(lambda c, p, x: tick_fn(c, p, x, stage), chunk, chunk_probes, x)
-                return y, pullbacks.split(pull, (chunk, chunk_probes))
+        def slot(c, row):
+            """Stage 0's embedding, every stage's half, the head and loss if the last stage ran a
+            forward, the embedding's gradient if stage 0 ran a backward: outside the `shard_map`,
+            so the vocabulary stays split over `stage` (as in the lockstep pipelines), and the
+            conditions are the same on every device (the ends' columns of the table)."""
+            first, last = row["first"], row["last"]
+            tokens = in_m[first["microbatch"]]
+            embedded, embed_pull = jax.vjp(lambda ep: embed_fn(ep, tokens).astype(x_like.dtype), embed_params)
+            state, y, dx, sums = staged(c["state"], c["sums"], params, probes, {k: v for k, v in row.items() if k not in ("first", "last")},
+                                        embedded, c["seed_dy"])
+            y, dx = (constrain(a, state_axes, "pipeline stage outputs") for a in (y, dx))
 
-            constants, stash = (), []
-            if keep_residuals:  # a ring per residual array that varies; those that do not, once
-                pullbacks.mark_constants(forward_saving, chunk, chunk_probes, zero_x)
-                _, example = forward_saving(chunk, chunk_probes, zero_x)  # shapes only: dead code
-                constants = [r for r, constant in zip(example, pullbacks.constant) if constant]
-                stash = [jnp.zeros((stash_depth, *a.shape), a.dtype) for a in pullbacks.stashed(example)]
-            nothing = {"y": zero_x, "dx": zero_x, "seed_dy": zero_x, "dchunk": f32(chunk), "dprobes": f32(chunk_probes, -jnp.inf),
-                       "dloss": f32(loss_params), "loss": jnp.zeros((), jnp.float32), "residuals": [jnp.zeros_like(r[0]) for r in stash]}
-
-            def stage_input(c, row, embedded):  # stage 0's is its embedded microbatch
-                waiting = c["inbox"][jnp.maximum(row["read"], 0)]
-                return jnp.where(first, embedded, jnp.where(row["read"] < 0, c["recv_x"], waiting))
-
-            def forward(c, row, embedded, chunk, chunk_probes):
-                x = stage_input(c, row, embedded)
-                if not keep_residuals:
-                    return {**nothing, "y": stage_fn(chunk, chunk_probes, x, stage)}
-                y, residuals = forward_saving(chunk, chunk_probes, x)
-                return {**nothing, "y": y, "residuals": pullbacks.stashed(residuals)}
-
-            def forward_last(c, row, embedded, chunk, chunk_probes):  # and the head and loss, seeding the backward
-                out = forward(c, row, embedded, chunk, chunk_probes)
-                loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[row["microbatch"]]), loss_params, out["y"])
+            def head():
+                loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[last["microbatch"]]), loss_params, y[-1])
                 dloss, dy = pull((seed / m).astype(loss.dtype))
-                return {**out, "seed_dy": dy.astype(zero_x.dtype), "dloss": f32_of(dloss), "loss": loss.astype(jnp.float32) / m}
+                return loss.astype(jnp.float32) / m, f32_of(dloss), dy.astype(x_like.dtype)
 
-            def backward(c, row, embedded, chunk, chunk_probes):
-                cotangent = jnp.where(last, c["seed_dy"], c["recv_dx"])
-                if keep_residuals:
-                    saved = [ring[jnp.maximum(row["use"], 0)] for ring in c["stash"]]
-                    pull = pullbacks.join(pullbacks.merge(saved, constants), (chunk, chunk_probes))
-                else:  # recompute the chunk from its input
-                    pull = jax.vjp(lambda c, p, x: stage_fn(c, p, x, stage), chunk, chunk_probes, stage_input(c, row, embedded))[1]
-                dchunk, dprobes, dx = pull(cotangent)
-                return {**nothing, "dx": dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes)}
+            no_head = lambda: (jnp.zeros((), jnp.float32), f32(loss_params), c["seed_dy"])  # noqa: E731
+            loss, dloss, seed_dy = jax.lax.cond(last["half"] == FORWARD, head, no_head)
+            (dembed,) = jax.lax.cond(first["half"] == BACKWARD, lambda: embed_pull(dx[0]), lambda: (f32(embed_params),))
+            add = lambda total, d: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, d)  # noqa: E731
+            return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": c["loss"] + loss, "dloss": add(c["dloss"], dloss),
+                    "dembed": add(c["dembed"], dembed)}, None
 
-            branches = [lambda *_: nothing, forward, forward_last, backward]
-
-            def slot(c, row):
-                row = jax.tree.map(lambda a: a[0], row)  # this stage's entry
-                pick = jnp.where(row["half"] == FORWARD, 1 + last, jnp.where(row["half"] == BACKWARD, 3, 0))
-                # The embedding (stage 0's) and its gradient run on every stage, outside the
-                # branches: the partitioner may move the token ids with a collective-permute,
-                # which every device must join (XLA:CPU waits for all of them).
-                tokens = in_m[row["microbatch"]]
-                embedded, embed_pull = jax.vjp(lambda ep: embed_fn(ep, tokens).astype(zero_x.dtype), embed_params)
-                out = jax.lax.switch(pick, branches, c, row, embedded, chunk, chunk_probes)
-                (dembed,) = embed_pull(jnp.where(first & (row["half"] == BACKWARD), out["dx"], 0.0).astype(zero_x.dtype))
-                c = dict(c)
-                c["dembed"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), c["dembed"], dembed)
-                for name in ("dchunk", "dloss"):
-                    c[name] = jax.tree.map(jnp.add, c[name], out[name])
-                c["dprobes"] = jax.tree.map(jnp.maximum, c["dprobes"], out["dprobes"])
-                c["loss"] = c["loss"] + out["loss"]
-                c["seed_dy"] = jnp.where(row["half"] == FORWARD, out["seed_dy"], c["seed_dy"])
-                keep = lambda ring, slot, x: jnp.where(slot >= 0, ring.at[jnp.maximum(slot, 0)].set(x), ring)  # noqa: E731
-                c["stash"] = [keep(ring, row["keep"], r) for ring, r in zip(c["stash"], out["residuals"])]
-                # The activation that arrived this slot waits (after this slot's reads freed their slots).
-                c["inbox"] = keep(c["inbox"], row["store"], c["recv_x"])
-                c["recv_x"] = jax.lax.ppermute(out["y"], "stage", [(i, i + 1) for i in range(s - 1)])
-                c["recv_dx"] = jax.lax.ppermute(out["dx"], "stage", [(i + 1, i) for i in range(s - 1)])
-                return c, None
-
-            c = {"inbox": jnp.zeros((max(inbox_depth, 1), *zero_x.shape), zero_x.dtype), "stash": stash, "recv_x": zero_x, "recv_dx": zero_x,
-                 "dembed": f32(embed_params), **{k: nothing[k] for k in ("seed_dy", "dchunk", "dprobes", "dloss", "loss")}}
-            c, _ = jax.lax.scan(slot, c, rows)
-            total = lambda tree: jax.tree.map(lambda a: jax.lax.psum(a, "stage"), tree)  # noqa: E731  held by one stage
-            return (c["dchunk"], c["dprobes"], total(c["dembed"]), total(c["dloss"])), total(c["loss"])
-
-        stage_spec, whole = PartitionSpec("stage"), PartitionSpec()
-        mapped = jax.shard_map(
-            body, mesh=mesh, axis_names={"stage"}, check_vma=False,
-            in_specs=(stage_spec, stage_spec, whole, whole, whole, whole, whole, PartitionSpec(None, "stage")),
-            out_specs=((stage_spec, stage_spec, whole, whole), whole),
-        )
-        (dparams, stats, dembed, dloss), loss = mapped(params, probes, embed_params, loss_params, seed, inputs, targets,
-                                                          jax.tree.map(jnp.asarray, arrays))
+        c = {"state": state, "sums": sums, "seed_dy": jnp.zeros(x_like.shape, x_like.dtype), "loss": jnp.zeros((), jnp.float32),
+             "dloss": f32(loss_params), "dembed": f32(embed_params)}
+        c, _ = jax.lax.scan(slot, c, jax.tree.map(jnp.asarray, with_ends(arrays)))
         like = lambda tree, ref: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, ref)  # noqa: E731
+        (dparams, stats) = c["sums"]
         stats = None if probes is None else like(stats, probes)
-        return loss, (like(dparams, params), stats, like(dembed, embed_params), like(dloss, loss_params))
+        return c["loss"], (like(dparams, params), stats, like(c["dembed"], embed_params), like(c["dloss"], loss_params))
 
     return owning_backward(run, params, probes, embed_params, loss_params, seed, inputs, targets)
