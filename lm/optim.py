@@ -7,6 +7,7 @@ Weight decay applies where `decay_mask` says (a tree of booleans shaped like the
 
 from __future__ import annotations
 
+import jax
 import optax
 
 
@@ -31,6 +32,9 @@ def optimizer(c, decay_mask) -> optax.GradientTransformation:
         mu_dtype=c.precision.mu_dtype,  # optax keeps the second moment in the parameters' dtype
     )
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm else adamw
+    # Updates in the parameters' dtype: the float32 learning rate promotes bfloat16 ones (and
+    # apply_if_finite needs its skipped branch, zeros like the gradients, of the same type).
+    tx = optax.chain(tx, optax.stateless(lambda updates, params: jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)))
     # Skipped steps are counted in the state (`notfinite_count` in a row, `total_notfinite`); the
     # train loop, not optax, decides when too many in a row end the run, so never let one through.
     return optax.apply_if_finite(tx, max_consecutive_errors=NEVER)

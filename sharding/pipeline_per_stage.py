@@ -112,8 +112,9 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     """What `sharding.pipeline_1f1b.pipeline_1f1b` computes (same arguments: the mean over
     microbatches of `loss_fn(loss_params, layers(embed_fn(embed_params, inputs_mb)), targets_mb)`,
     differentiable, its own backward run at `seed`), by `schedule_1f1b_per_stage`: every stage
-    keeps at most S - 1 stage inputs, whatever the number of microbatches. Needs the mesh in force
-    (`sharding.activate`) to have the `stage` axis."""
+    keeps at most S stage inputs (or, with `plan.remat` other than `full`, S sets of residuals),
+    whatever the number of microbatches. Needs the mesh in force (`sharding.activate`) to have the
+    `stage` axis."""
     m, s = plan.microbatches, plan.stages
     mesh = active_mesh()
     if mesh is None or mesh.shape.get("stage") != s:
@@ -219,7 +220,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
 
             no_head = lambda: (jnp.zeros((), jnp.float32), f32(loss_params), c["seed_dy"])  # noqa: E731
             loss, dloss, seed_dy = jax.lax.cond(last["half"] == FORWARD, head, no_head)
-            (dembed,) = jax.lax.cond(first["half"] == BACKWARD, lambda: embed_pull(dx[0]), lambda: (f32(embed_params),))
+            dembed = jax.lax.cond(first["half"] == BACKWARD, lambda: f32_of(embed_pull(dx[0])[0]), lambda: f32(embed_params))
             add = lambda total, d: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, d)  # noqa: E731
             return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": c["loss"] + loss, "dloss": add(c["dloss"], dloss),
                     "dembed": add(c["dembed"], dembed)}, None
@@ -228,7 +229,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
              "dloss": f32(loss_params), "dembed": f32(embed_params)}
         c, _ = jax.lax.scan(slot, c, jax.tree.map(jnp.asarray, with_ends(arrays)))
         like = lambda tree, ref: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, ref)  # noqa: E731
-        (dparams, stats) = c["sums"]
+        dparams, stats = c["sums"]
         stats = None if probes is None else like(stats, probes)
         return c["loss"], (like(dparams, params), stats, like(c["dembed"], embed_params), like(c["dloss"], loss_params))
 

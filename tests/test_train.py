@@ -78,6 +78,22 @@ def test_weight_decay_moves_matmul_weights_only_on_the_real_model():
         "embedding", "pos_embedding", "blocks/attn/bq", "blocks/mlp/b_in", "blocks/attn_norm/bias", "final_norm/scale"}
 
 
+def test_bfloat16_parameters_train():
+    """precision.param_dtype=bfloat16: the float32 learning rate promoted AdamW's updates to float32,
+    and the step failed (apply_if_finite's skipped branch is zeros like the bfloat16 gradients)."""
+    c = recipe("tiny", precision__param_dtype="bfloat16", precision__compute_dtype="bfloat16", model__num_layers=2,
+               model__embed_dim=64, model__mlp_dim=128, train__batch_size=4, train__seq_len=32, mesh__data=1)
+    program = setup(c, 256, jax.devices()[:1])
+    state = program.init_state(0)
+    batch = program.global_batch(np.random.default_rng(0).integers(0, 256, (4, 33), dtype=np.int32))
+    losses = []
+    for _ in range(4):  # the same batch: the loss falls
+        state, metrics = program.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert {a.dtype for a in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert int(metrics["skipped_steps"]) == 0 and losses[-1] < losses[0]
+
+
 def test_document_masking_trains_sharded_like_one_device(tmp_path, docs_corpus):
     kw = dict(data__document_masking=True, train__steps=4, train__grad_accum=2)
     train(fast_config(docs_corpus, mesh__data=1, **kw), tmp_path / "one", jax.devices()[:1])
