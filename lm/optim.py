@@ -32,12 +32,22 @@ def optimizer(c, decay_mask) -> optax.GradientTransformation:
         mu_dtype=c.precision.mu_dtype,  # optax keeps the second moment in the parameters' dtype
     )
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm else adamw
-    # Updates in the parameters' dtype: the float32 learning rate promotes bfloat16 ones (and
-    # apply_if_finite needs its skipped branch, zeros like the gradients, of the same type).
-    tx = optax.chain(tx, optax.stateless(lambda updates, params: jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)))
+    tx = in_gradient_dtype(tx)
     # Skipped steps are counted in the state (`notfinite_count` in a row, `total_notfinite`); the
     # train loop, not optax, decides when too many in a row end the run, so never let one through.
     return optax.apply_if_finite(tx, max_consecutive_errors=NEVER)
 
 
 NEVER = 2**31 - 1
+
+
+def in_gradient_dtype(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`tx` with its updates cast back to the gradients' dtype: the float32 learning rate promotes
+    bfloat16 ones, and `apply_if_finite`'s skipped branch (zeros like the gradients) must have the
+    same type. The state is `tx`'s own, so checkpoints keep their structure."""
+
+    def update(grads, state, params=None):
+        updates, state = tx.update(grads, state, params)
+        return jax.tree.map(lambda u, g: u.astype(g.dtype), updates, grads), state
+
+    return optax.GradientTransformation(tx.init, update)
