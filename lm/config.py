@@ -72,7 +72,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.pipeline = dict(
         microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages
         repeats=1,  # layer chunks per stage: more is circular / interleaved 1F1B (smaller bubble)
-        # What each tick keeps for the backward pass (sharding.remat, as model.remat). 1f1b: full
+        # What each tick keeps for the backward pass (sharding.remat, as model.remat). 1F1B: full
         # stashes each stage input and recomputes the tick; none stashes what the layers keep
         # (model.remat) for every microbatch in flight: no recompute, more memory (Megatron's way).
         remat="full",

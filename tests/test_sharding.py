@@ -206,3 +206,21 @@ def test_report_counts_bytes_per_device_from_shardings():
     assert report.device_bytes(tree) == 32 * 16 * 4 + 64
     text = report.table(list(rows.values()))
     assert "(embed, mlp)" in text and "(context+fsdp, tensor)" in text and "2.00 KiB" in text
+
+
+def test_constrain_inside_a_shard_map_manual_over_one_axis():
+    """Inside a `shard_map` manual over `stage` (the per-stage pipeline), logical constraints
+    place the other axes and leave out the manual one (`vocab` maps to stage x tensor)."""
+    mesh = make_mesh(MeshConfig(data=1, stage=2, fsdp=2, tensor=2))
+
+    def body(x_sbv):  # one stage's [1, batch, vocab]
+        assert sharding.manual_axes() == {"stage"}
+        return sharding.constrain(x_sbv[0] * 2, ("batch", "vocab"))[None]
+
+    x = np.arange(2 * 8 * 16, dtype=np.float32).reshape(2, 8, 16)
+    with sharding.activate(mesh):
+        run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"}))
+        y = run(x)
+    assert sharding.manual_axes() == set()
+    np.testing.assert_array_equal(np.asarray(y), 2 * x)
+    assert y.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P("stage", "fsdp", "tensor")), y.ndim)
