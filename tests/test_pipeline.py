@@ -77,6 +77,18 @@ def one_device_deep():
     return pipelined_run(small_config({}, **DEEP), jax.devices()[:1])[:3]
 
 
+def trains_like_one_device(one_device_deep, c, loss_rel: float = 1e-6) -> str:
+    """Asserts that `c`'s first gradients, 5 steps of losses and final parameters equal the
+    one-device run's; returns the compiled HLO."""
+    ref_losses, ref_params, (ref_loss, ref_grads) = one_device_deep
+    losses, params, (loss, grads), hlo = pipelined_run(c)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), params, ref_params)
+    assert loss == pytest.approx(ref_loss, rel=loss_rel)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
+    return hlo
+
+
 @pytest.mark.parametrize(
     "mesh, extra",
     [
@@ -106,13 +118,7 @@ def one_device_deep():
          "1f1b-stage4-residuals", "1f1b-stage2-data4-residuals", "interleaved-1f1b-stage2-fsdp2-tensor2-sp-accum2-residuals-dots"],
 )
 def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
-    c = small_config({"data": -1, **mesh}, **DEEP, **extra)
-    ref_losses, ref_params, (ref_loss, ref_grads) = one_device_deep
-    losses, params, (loss, grads), hlo = pipelined_run(c)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), params, ref_params)
-    assert loss == pytest.approx(ref_loss, rel=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
+    hlo = trains_like_one_device(one_device_deep, small_config({"data": -1, **mesh}, **DEEP, **extra))
     assert "collective-permute" in hlo  # stages hand activations on, forward and backward
     assert not full_vocabulary_buffers(hlo)  # the head and loss are split over the stages
     assert not constant_collectives(hlo)

@@ -11,7 +11,8 @@ from test_pipeline import (
     constant_collectives,
     fp8_states,
     full_vocabulary_buffers,
-    pipelined_run,
+    one_device_deep,  # noqa: F401  (a module fixture: the one-device reference run)
+    trains_like_one_device,
 )
 
 from lm.program import setup
@@ -79,11 +80,6 @@ def test_per_stage_table_is_megatrons_1f1b_with_at_most_s_in_flight(stages, micr
         "stash": "stage inputs"}
 
 
-@pytest.fixture(scope="module")
-def one_device_deep():
-    return pipelined_run(small_config({}, **DEEP), jax.devices()[:1])[:3]
-
-
 @pytest.mark.parametrize(
     "mesh, extra",
     [
@@ -99,13 +95,8 @@ def one_device_deep():
     ids=["stage2", "stage4", "stage2-data2-tensor2-sp-accum2-dots", "stage2-fsdp4", "stage4-residuals",
          "stage2-data2-tensor2-sp-accum2-residuals-dots"],
 )
-def test_per_stage_training_matches_one_device(one_device_deep, mesh, extra):
-    ref_losses, ref_params, (ref_loss, ref_grads) = one_device_deep
-    losses, params, (loss, grads), hlo = pipelined_run(small_config({"data": -1, **mesh}, **DEEP, **PER_STAGE, **extra))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), params, ref_params)
-    assert loss == pytest.approx(ref_loss, rel=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
+def test_per_stage_training_matches_one_device(one_device_deep, mesh, extra):  # noqa: F811  (the fixture imported above)
+    hlo = trains_like_one_device(one_device_deep, small_config({"data": -1, **mesh}, **DEEP, **PER_STAGE, **extra), loss_rel=1e-5)
     assert " conditional(" in hlo and "collective-permute" in hlo  # each stage its own half; stages hand on
     assert not constant_collectives(hlo)
     assert not full_vocabulary_buffers(hlo)  # the head and loss run outside the shard_map, split over the stages
