@@ -110,7 +110,7 @@ def _bench(config, steps, warmup, devices, save_hlo, data_batches, vocab_size) -
     peak, source = peak_flops(peak_dtype(config.precision))
     memory = compiled.memory_analysis()
     plan = program.spec.pipeline
-    pipelined = pipeline_report(plan)  # its schedule, bubble and stash depth
+    pipelined = pipeline_report(plan, mcfg.num_layers)  # its schedule, bubble and stash depth
     return {
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,

@@ -31,7 +31,7 @@ PUBLISHED_FILE = cost.TARGETS_DIR / "published.json"
 FIT_ROW = "maxtext-llama3-70b-bf16-128"  # the published row the matmul efficiency is fitted to
 
 # Small models (different shapes, so the terms are not collinear) and the layouts they are
-# compiled under: every remat policy, each parallelism, accumulation and both pipeline schedules.
+# compiled under: every remat policy, each parallelism, accumulation and every pipeline schedule.
 MODELS = (
     {"model.num_layers": 4, "model.embed_dim": 256, "model.num_heads": 8, "model.num_kv_heads": 4, "model.mlp_dim": 768,
      "data.vocab_size": 8192, "train.seq_len": 256, "train.batch_size": 32},
@@ -57,6 +57,8 @@ LAYOUTS = (
     Layout(stage=2, fsdp=4, remat="dots_no_batch", microbatches=4, schedule="1f1b", pipeline_remat="none"),
     Layout(stage=4, fsdp=2, remat="full", microbatches=8, schedule="1f1b", pipeline_remat="none"),
     Layout(stage=2, tensor=2, data=2, remat="dots", microbatches=4, schedule="1f1b", repeats=2, pipeline_remat="none"),
+    Layout(stage=4, fsdp=2, remat="full", microbatches=8, schedule="1f1b_per_stage"),
+    Layout(stage=2, fsdp=4, remat="dots_no_batch", microbatches=4, schedule="1f1b_per_stage", pipeline_remat="none"),
     Layout(data=2, context=2, tensor=2, remat="full"),
     Layout(fsdp=2, tensor=4, remat="dots_no_batch"),
     Layout(tensor=8, sequence_parallel=True, remat="dots_no_batch"),

@@ -9,7 +9,8 @@ System, Run) are `lm.cost_inputs`.
 
 Step time: FLOPs (`lm.metrics.flops_per_token`, plus what remat recomputes) at one calibrated
 share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
-pipeline bubble and its stash's memory traffic, and the exposed time of each collective from ring formulas over the link its
+pipeline bubble (a per-stage 1F1B slot lasts its longest piece of work: the wait counted with it) and its
+stash's memory traffic, and the exposed time of each collective from ring formulas over the link its
 group spans (NVLink inside a host, the network across hosts). FSDP's gathers and
 reduce-scatters overlap the layer they feed (XLA's latency-hiding scheduler); tensor, context,
 pipeline and data-parallel collectives are counted as exposed.
@@ -33,7 +34,7 @@ from lm.cost_inputs import (
     System,
     run_of,
 )
-from sharding.pipeline import PipelinePlan, report
+from sharding.pipeline import PipelinePlan, balanced_slots, report
 
 __all__ = ["MESH_AXES", "MEMORY_TERMS", "TARGETS_DIR", "Cost", "Layout", "Run", "StateLeaf", "System", "calibration", "run_of"]
 MEMORY_TERMS = ("grads", "saved", "layer", "weights", "logits")
@@ -49,9 +50,9 @@ def device_group(sizes: tuple[int, ...], axes: tuple[str, ...], gpus_per_host: i
 
 
 @functools.cache
-def pipeline_report(stages: int, microbatches: int, schedule: str, repeats: int = 1) -> dict:
+def pipeline_report(stages: int, microbatches: int, schedule: str, repeats: int = 1, remat: str = "full", layers: int = 0) -> dict:
     """`sharding.pipeline.report` of a plan (bubble, stash depth), remembered."""
-    return report(PipelinePlan(stages, microbatches, repeats, "full", schedule))
+    return report(PipelinePlan(stages, microbatches, repeats, remat, schedule), layers)
 
 
 def calibration() -> dict:
@@ -123,11 +124,13 @@ class Cost:
         lay, kept = self.layout, self._kept_bytes()
         saved = self.layers * kept[lay.remat] * self.local_tokens
         if lay.stage > 1:
-            stash = pipeline_report(lay.stage, lay.microbatches, lay.schedule, lay.repeats)["stash_depth"]
+            stash = pipeline_report(lay.stage, lay.microbatches, lay.schedule, lay.repeats, lay.pipeline_remat,
+                                    self.run.model.num_layers)["stash_depth"]
             if self._recomputes_ticks:  # every stage input the schedule keeps, plus one tick's layers on recompute
                 saved += stash * kept["full"] * self.local_tokens
-            else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash)
-                saved *= stash / lay.repeats
+            else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash),
+                # and the set a forward has just made or a backward is using, apart from the ring
+                saved *= (stash + 1) / lay.repeats
         # Several passes per step (accumulation, pipeline microbatches): a float32 accumulator too.
         grads = self.state_bytes["params"] * (2 if self.passes > 1 else 1)
         return {
@@ -182,16 +185,21 @@ class Cost:
         steps = (n - 1) * (2 if kind == "reduce" else 1)
         return steps * (gathered_bytes / n / bandwidth + latency)
 
+    def _forward_flops(self) -> tuple[float, float]:
+        """Forward FLOPs per token of the blocks' matmuls and of their attention."""
+        run, m = self.run, self.run.model
+        # Causal: cuDNN skips the masked half. Under context parallelism the reordered sequence's
+        # mask reaches cuDNN as a bias (lm.attention) and every (query, key) pair is computed:
+        # twice the work.
+        attention = 2 * m.num_layers * run.seq_len * m.num_heads * m.head_dim * (2 if self.layout.context > 1 else 1)
+        return 2 * run.layer_params * m.num_layers, attention
+
     def flops(self) -> dict:
         """FLOPs per device per step: block matmuls, the head, attention, each with recompute."""
         run, lay, m = self.run, self.layout, self.run.model
         tokens = run.batch * run.seq_len / lay.gpus
-        block = 2 * run.layer_params * m.num_layers  # forward FLOPs per token
+        block, attention = self._forward_flops()
         qkv = 2 * m.num_layers * m.embed_dim * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-        # Forward, causal: cuDNN skips the masked half. Under context parallelism the reordered
-        # sequence's mask reaches cuDNN as a bias (lm.attention) and every (query, key) pair is
-        # computed: twice the work.
-        attention = 2 * m.num_layers * run.seq_len * m.num_heads * m.head_dim * (2 if lay.context > 1 else 1)
         recompute = {"none": 0.0, "dots": 0.0, "dots_no_batch": 0.0, "qkv_proj": block - qkv, "full": block}[lay.remat]
         recompute_attention = attention if lay.remat in ("full", "qkv_proj") else 0.0
         if self._recomputes_ticks:  # each tick is recomputed whole in the backward
@@ -218,6 +226,16 @@ class Cost:
         compute = (flops["block"] / block_peak + (flops["head"] + flops["attention"]) / other_peak) / efficiency
         fraction = self.bubble_fraction()
         bubble = compute * fraction / (1 - fraction)
+        if lay.schedule == "1f1b_per_stage":
+            block_forward, attention_forward = self._forward_flops()
+            forward = run.batch * run.seq_len / lay.gpus * (block_forward / block_peak + attention_forward / other_peak)
+            layers = flops["block"] / block_peak + flops["attention"] / other_peak
+            # Its slots run one piece of work, a forward or a backward, on every stage in step (one
+            # SPMD program), so a slot lasts the longest: each microbatch's F + B takes 2 max(F, B),
+            # or in balanced slots (the backward in two parts) 3 max(F, B / 2).
+            plan = PipelinePlan(lay.stage, lay.microbatches, 1, lay.pipeline_remat, lay.schedule)
+            backward, parts = layers - forward, 2 if balanced_slots(plan, m.num_layers) else 1
+            bubble = (compute + bubble) * (1 + parts) * max(forward, backward / parts) / layers - compute
         e = run.compute_bytes
         layer_weights = run.layer_params / lay.tensor * e
         per_layer_compute = (flops["block"] / block_peak + flops["attention"] / other_peak) / efficiency / (self.layers * self.passes)

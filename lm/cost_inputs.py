@@ -33,7 +33,7 @@ class Layout:
     remat: str = "full"
     grad_accum: int = 1
     microbatches: int = 0  # pipeline microbatches, with stage > 1
-    schedule: str = "none"  # none | gpipe | 1f1b
+    schedule: str = "none"  # none | gpipe | 1f1b | 1f1b_per_stage
     repeats: int = 1  # layer chunks per stage (gpipe with repeats > 1: circular; 1f1b: interleaved)
     pipeline_remat: str = "full"  # what a tick keeps: full recomputes it; 1f1b with none keeps what `remat` keeps
 

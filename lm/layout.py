@@ -45,7 +45,7 @@ def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None
         },
     }
     summary["per_device"]["total_state_bytes"] = sum(summary["per_device"].values())
-    summary["pipeline"] = pipeline_report(program.spec.pipeline)
+    summary["pipeline"] = pipeline_report(program.spec.pipeline, program.spec.model.num_layers)
     if compile_step:
         batch = jax.ShapeDtypeStruct(
             (config.train.batch_size, config.train.seq_len + 1), np.int32, sharding=program.batch_sharding

@@ -4,7 +4,8 @@
 
 Enumerates the layouts the config allows (mesh sizes for data / stage / context / fsdp /
 tensor, sequence parallelism, remat policy, gradient accumulation or pipeline microbatches and
-schedule, for the config's global batch), predicts each one's memory per GPU and step time with
+schedule (`SCHEDULES`, with two chunks per stage where the layers allow), for the config's
+global batch), predicts each one's memory per GPU and step time with
 `lm.cost`, and prints the K fastest that fit (by predicted tokens/s per GPU), why the others
 were dropped, and a JSON line last. `--verify` compiles the top K's train steps for the target
 (deviceless, `lm.targets`) and prints XLA's memory per device beside the prediction.
@@ -24,6 +25,8 @@ from lm.config import UserError, apply_overrides
 from lm.cost import Cost, Layout, Run, System
 from sharding.remat import REMAT
 
+# (schedule, pipeline.remat): what a tick or slot keeps, `full` recomputing it.
+SCHEDULES = (("gpipe", "full"), ("1f1b", "full"), ("1f1b", "none"), ("1f1b_per_stage", "full"), ("1f1b_per_stage", "none"))
 MAX_BUBBLE = 0.5  # pipelines idling more than this are dropped
 # A layout may fill this share of a GPU's memory: the temporaries model is within ~10-25% of
 # XLA's (lm.calibrate), and the allocator needs slack.
@@ -88,10 +91,12 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[L
                 circular = run.model.num_layers % (2 * mesh["stage"]) == 0  # two chunks per stage
                 for microbatches in counts:
                     # GPipe recomputes its ticks; 1F1B recomputes them or keeps their residuals.
-                    for schedule, pipeline_remat in (("gpipe", "full"), ("1f1b", "full"), ("1f1b", "none")):
+                    for schedule, pipeline_remat in SCHEDULES:
+                        if schedule == "1f1b_per_stage" and mesh["context"] > 1:
+                            continue  # refused by sharding.pipeline.check: not a layout this config allows
                         piped = dataclasses.replace(layout, microbatches=microbatches, schedule=schedule, pipeline_remat=pipeline_remat)
                         yield piped
-                        if circular:  # circular GPipe, interleaved 1F1B
+                        if circular and schedule != "1f1b_per_stage":  # circular GPipe, interleaved 1F1B
                             yield dataclasses.replace(piped, repeats=2)
 
 

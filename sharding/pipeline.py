@@ -66,11 +66,13 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> list[list[Work
 
 
 class Step(NamedTuple):
-    """What a stage does at a tick of the 1F1B table: one forward and one backward (each a
-    `Work`, or None when that half idles)."""
+    """What a stage does at a tick of a 1F1B table: one forward and one backward (each a `Work`,
+    or None when that half idles); `part` says which layers of the chunk the backward covers:
+    0 all, 1 the later half, 2 the earlier half (balanced per-stage slots)."""
 
     forward: Work | None
     backward: Work | None
+    part: int = 0
 
 
 def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list[Step]]:
@@ -103,28 +105,38 @@ def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list
     return [[Step(work(t - s, s, False), work(t - back + s, s, True)) for s in range(stages)] for t in range(ticks)]
 
 
-def schedule_1f1b_per_stage(stages: int, microbatches: int) -> list[list[Step]]:
+def schedule_1f1b_per_stage(stages: int, microbatches: int, balanced: bool = False) -> list[list[Step]]:
     """Megatron-LM's 1F1B in slots where each stage runs one half (a forward or a backward) of
     its own: stage s runs S - 1 - s warm-up forwards, then a forward and a backward in turn, then
     the remaining backwards, each at the first slot after its input is there (the previous
     stage's forward, the next stage's backward; the last stage's forward for its backward).
     2(M + S - 1) slots, bubble (S - 1) / (M + S - 1), at most S - s microbatches in flight at
     stage s (`in_flight`), and every cotangent is used the slot after it is made; an activation
-    may wait at its stage (held with those in flight). `pipeline_per_stage` runs this table."""
+    may wait at its stage (held with those in flight). `balanced`: each backward runs as two
+    parts in consecutive slots, the chunk's later layers' then its earlier layers' (`Step.part`
+    1, 2), each about a forward's work, so every slot is: 3(M + S - 1) slots, the same bubble
+    and bound. `pipeline_per_stage` runs these tables."""
     check(stages, microbatches, 1)
-    order = []  # per stage, its halves in Megatron's order: (backward?, microbatch)
+    parts = (1, 2) if balanced else (0,)
+    order = []  # per stage, its work in Megatron's order: (part, microbatch), part None for a forward
     for s in range(stages):
         warm = min(stages - 1 - s, microbatches)
-        steady = [half for k in range(microbatches - warm) for half in ((False, warm + k), (True, k))]
-        order.append([(False, k) for k in range(warm)] + steady + [(True, k) for k in range(microbatches - warm, microbatches)])
-    done, table, at = {}, [], [0] * stages  # done[(backward, microbatch, stage)] = slot
+        back = lambda k: [(p, k) for p in parts]  # noqa: E731
+        steady = [w for k in range(microbatches - warm) for w in [(None, warm + k), *back(k)]]
+        order.append([(None, k) for k in range(warm)] + steady + [w for k in range(microbatches - warm, microbatches) for w in back(k)])
+    done, table, at = {}, [], [0] * stages  # done[(part, microbatch, stage)] = slot
     while any(at[s] < len(order[s]) for s in range(stages)):
         row = [Step(None, None)] * stages
-        for s, (backward, k) in ((s, order[s][at[s]]) for s in range(stages) if at[s] < len(order[s])):
-            needs = (True, k, s + 1) if backward and s < stages - 1 else (False, k, s if backward else s - 1)
+        for s, (part, k) in ((s, order[s][at[s]]) for s in range(stages) if at[s] < len(order[s])):
+            if part is None:
+                needs = (None, k, s - 1)
+            elif part == 2:
+                needs = (1, k, s)
+            else:
+                needs = (parts[-1], k, s + 1) if s < stages - 1 else (None, k, s)
             if needs[2] < 0 or done.get(needs, len(table)) < len(table):  # not done yet: get() gives this slot
-                row[s] = Step(None, Work(k, s)) if backward else Step(Work(k, s), None)
-                done[(backward, k, s)], at[s] = len(table), at[s] + 1
+                row[s] = Step(Work(k, s), None) if part is None else Step(None, Work(k, s), part)
+                done[(part, k, s)], at[s] = len(table), at[s] + 1
         table.append(row)
     return table
 
@@ -136,7 +148,7 @@ def in_flight(table: Sequence[Sequence[Step]]) -> list[int]:
     held, most = [0] * len(table[0]), [0] * len(table[0])
     for row in table:
         for s, step in enumerate(row):
-            held[s] += (step.forward is not None) - (step.backward is not None)
+            held[s] += (step.forward is not None) - (step.backward is not None and step.part != 1)
             most[s] = max(most[s], held[s])
     return most
 
@@ -150,7 +162,7 @@ def held_per_stage(table: Sequence[Sequence[Step]]) -> list[int]:
     for s in range(1, len(table[0])):
         held = 0
         for t, row in enumerate(table):
-            held -= row[s].backward is not None
+            held -= row[s].backward is not None and row[s].part != 1
             held += t > 0 and table[t - 1][s - 1].forward is not None
             most[s] = max(most[s], held)
     return most
@@ -169,14 +181,21 @@ def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
     forward or backward half, and a half no stage works in is not run (see `phases`); in a
     per-stage one (no stage runs both halves of a slot), a cell is a slot."""
     if isinstance(table[0][0], Step) and any(step.forward and step.backward for row in table for step in row):
-        table = [col for row in table for col in zip(*row) if any(m is not None for m in col)]
+        halves = lambda row: zip(*((step.forward, step.backward) for step in row))  # noqa: E731
+        table = [col for row in table for col in halves(row) if any(m is not None for m in col)]
     elif isinstance(table[0][0], Step):
         table = [[step.forward or step.backward for step in row] for row in table]
     cells = [cell for row in table for cell in row]
     return sum(cell is None for cell in cells) / len(cells)
 
 
-def report(plan: PipelinePlan) -> dict:
+def balanced_slots(plan: PipelinePlan, layers: int) -> bool:
+    """Whether the per-stage 1F1B runs `balanced` slots: when it keeps residuals (its backward
+    is then two forwards' work) and each stage's `layers` (0: not known) halve."""
+    return plan.schedule == "1f1b_per_stage" and plan.remat != "full" and layers > 0 and layers % (2 * plan.stages) == 0
+
+
+def report(plan: PipelinePlan, layers: int = 0) -> dict:
     """What `lm.bench` and `lm.layout` say of a plan: the schedule's name, its bubble (the idle
     share of the stages' work slots), its stash depth (how many microbatch chunks each stage
     keeps for its backward: every tick's for GPipe / circular, the most in flight for 1F1B,
@@ -186,9 +205,11 @@ def report(plan: PipelinePlan) -> dict:
         return {"schedule": "none", "bubble": 0.0, "stash_depth": 0, "stash": "none"}
     kept = "stage inputs" if plan.remat == "full" else "residuals"
     if plan.schedule == "1f1b_per_stage":
-        table = schedule_1f1b_per_stage(plan.stages, plan.microbatches)
+        balanced = balanced_slots(plan, layers)
+        table = schedule_1f1b_per_stage(plan.stages, plan.microbatches, balanced)
         depth = max(held_per_stage(table) if plan.remat == "full" else in_flight(table))  # inputs from arrival; residuals from the forward
-        return {"schedule": plan.schedule, "bubble": bubble_fraction(table), "stash_depth": depth, "stash": kept}
+        name = "balanced 1f1b_per_stage" if balanced else plan.schedule
+        return {"schedule": name, "bubble": bubble_fraction(table), "stash_depth": depth, "stash": kept}
     if plan.schedule == "1f1b":
         table = schedule_1f1b(plan.stages, plan.microbatches, plan.repeats)
         name = "interleaved 1f1b" if plan.repeats > 1 else "1f1b"

@@ -13,8 +13,12 @@ most S sets of a chunk's pullback residuals, Megatron's own bound. The embedding
 the loss run between the `shard_map`s, where `stage` is automatic: the vocabulary stays split
 over the stages as in the lockstep pipelines, under conditions every device evaluates alike
 (the table's first and last columns). The cost: a slot lasts as long as the slowest stage's
-half, a backward, where a lockstep tick is one forward plus one backward. Interleaving
-(`repeats` > 1) and context parallelism are not supported.
+work, a backward, where a lockstep tick is one forward plus one backward. Keeping residuals
+with an even number of layers per stage, slots are balanced (`balanced_slots`): each backward
+runs in two parts in consecutive slots, the chunk's later half of layers then its earlier half
+(each with its own residuals and `Pullbacks`; the cotangent between them stays on the device),
+so a slot is about one forward everywhere and F + B takes three, lockstep 1F1B's time.
+Interleaving (`repeats` > 1) and context parallelism are not supported.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from sharding.mesh import ShardingError
 from sharding.pipeline import (
     PipelinePlan,
     Step,
+    balanced_slots,
     check,
     schedule_1f1b_per_stage,
     split_microbatches,
@@ -39,7 +44,9 @@ from sharding.pipeline_1f1b import Pullbacks, owning_backward
 from sharding.remat import remat
 from sharding.rules import active_mesh, constrain, constrain_leading
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+# A slot's half: a forward, or a backward (`Step.part`: the whole chunk's, its later layers',
+# its earlier layers'); BACKWARD + part.
+IDLE, FORWARD, BACKWARD, LATER, EARLIER = 0, 1, 2, 3, 4
 
 
 def f32_of(tree):
@@ -68,15 +75,16 @@ class _Rings:
 
 
 def slot_arrays(table: Sequence[Sequence[Step]], keep_residuals: bool = False) -> tuple[dict[str, np.ndarray], int, int]:
-    """`schedule_1f1b_per_stage`'s table as [slots, stages] arrays: `half` (IDLE, FORWARD,
-    BACKWARD), `microbatch`, `store` (the inbox slot where the activation arriving this slot is
-    kept; -1: none arrives, or it is used at once and not needed again), `read` (the inbox slot
-    the half reads its stage input from; -1: the activation that arrived this slot), and with
-    `keep_residuals`, `keep` (the residual slot a forward fills) and `use` (the one its backward
-    reads); then the inbox's and the residual stash's depths. Recomputing, an input stays in the
-    inbox until its backward; keeping residuals, until its forward, and the forward's residuals
-    until the backward. Stage 0 embeds its microbatch again rather than keep it. A slot's reads
-    free their slots before its arrival takes the lowest free one."""
+    """`schedule_1f1b_per_stage`'s table as [slots, stages] arrays: `half` (IDLE, FORWARD, or
+    BACKWARD + the backward's part), `microbatch`, `store` (the inbox slot where the activation
+    arriving this slot is kept; -1: none arrives, or it is used at once and not needed again),
+    `read` (the inbox slot the half reads its stage input from; -1: the activation that arrived
+    this slot), and with `keep_residuals`, `keep` (the residual slot a forward fills) and `use`
+    (the one its backward reads); then the inbox's and the residual stash's depths. Recomputing,
+    an input stays in the inbox until its backward; keeping residuals, until its forward, and
+    the forward's residuals until the backward's last part. Stage 0 embeds its microbatch again
+    rather than keep it. A slot's reads free their slots before its arrival takes the lowest
+    free one."""
     slots, stages = len(table), len(table[0])
     names = ("half", "microbatch", "store", "read", "keep", "use")
     out = {k: np.full((slots, stages), IDLE if k == "half" else 0 if k == "microbatch" else -1, np.int32) for k in names}
@@ -86,13 +94,18 @@ def slot_arrays(table: Sequence[Sequence[Step]], keep_residuals: bool = False) -
             arriving = table[t - 1][s - 1].forward if t > 0 and s > 0 else None
             fresh = arriving is not None and step.forward is not None and arriving.microbatch == step.forward.microbatch
             if step.backward is not None:
-                m = step.backward.microbatch
-                out["half"][t, s], out["microbatch"][t, s] = BACKWARD, m
+                m, part, previous = step.backward.microbatch, step.part, table[t - 1]
+                if part and not keep_residuals:
+                    raise AssertionError("a backward in parts applies stashed residuals: keep_residuals")
+                out["half"][t, s], out["microbatch"][t, s] = BACKWARD + part, m
                 if keep_residuals:
-                    out["use"][t, s] = residuals.release(s, m)
+                    out["use"][t, s] = residuals.held[s][m] if part == 1 else residuals.release(s, m)
                 elif s > 0:
                     out["read"][t, s] = inbox.release(s, m)
-                if s < stages - 1 and table[t - 1][s + 1].backward != step.backward._replace(chunk=s + 1):
+                # Its cotangent is the one the previous slot made: this stage's later layers' for
+                # the earlier layers, else the next stage's last part (the head's on the last stage).
+                made, want = (previous[s], 1) if part == 2 else (previous[s + 1] if s < stages - 1 else None, 2 if part else 0)
+                if made is not None and (made.backward is None or made.backward.microbatch != m or made.part != want):
                     raise AssertionError(f"stage {s}'s backward of microbatch {m} at slot {t} lacks its cotangent")
             if step.forward is not None:
                 m = step.forward.microbatch
@@ -120,16 +133,31 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     if mesh is None or mesh.shape.get("stage") != s:
         raise ShardingError(f"pipeline.schedule=1f1b_per_stage runs under a mesh whose `stage` axis has the plan's {s} stages")
     check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule="1f1b_per_stage", context=mesh.shape.get("context", 1))
-    keep_residuals, tick_fn, pullbacks = plan.remat != "full", remat(stage_fn, plan.remat), Pullbacks()
-    arrays, inbox_depth, stash_depth = slot_arrays(schedule_1f1b_per_stage(s, m), keep_residuals)
+    layers = jax.tree.leaves(params)[0].shape[0]
+    keep_residuals, tick_fn = plan.remat != "full", remat(stage_fn, plan.remat)
+    balanced = balanced_slots(plan, layers)
+    arrays, inbox_depth, stash_depth = slot_arrays(schedule_1f1b_per_stage(s, m, balanced), keep_residuals)
+    # The chunk's layers as the forward runs them and the backward's parts take them: all of
+    # them, or (balanced) its earlier and its later half, sub-chunks 2s and 2s + 1 of the model.
+    half = layers // s // 2
+    pieces = [lambda t: t] if not balanced else [lambda t: jax.tree.map(lambda a: a[:half], t), lambda t: jax.tree.map(lambda a: a[half:], t)]
+    pullbacks = [Pullbacks() for _ in pieces]
     per_stage, whole = PartitionSpec("stage"), PartitionSpec()
     state_axes = ("stages", *x_axes)
     f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
 
-    def forward_saving(chunk, chunk_probes, x, stage):
-        """The stage's forward, and the residuals its backward needs (as `plan.remat` keeps them)."""
-        y, pull = jax.vjp(lambda c, p, x: tick_fn(c, p, x, stage), chunk, chunk_probes, x)
-        return y, pullbacks.split(pull, (chunk, chunk_probes))
+    def forward_saving(j, chunk, chunk_probes, x, stage):
+        """Piece j's forward, and the residuals its backward needs (as `plan.remat` keeps them)."""
+        own = pieces[j](chunk), pieces[j](chunk_probes)
+        y, pull = jax.vjp(lambda c, p, x: tick_fn(c, p, x, stage * len(pieces) + j), *own, x)
+        return y, pullbacks[j].split(pull, own)
+
+    def whole_chunk(j, grads, like, fill):
+        """Piece j's gradients (or statistics) in a chunk-shaped float32 tree, `fill` elsewhere."""
+        if not balanced:
+            return f32_of(grads)
+        other = f32(pieces[1 - j](like), fill)
+        return jax.tree.map(lambda g, o: jnp.concatenate([g.astype(jnp.float32), o][:: 1 - 2 * j]), grads, other)
 
     def stage_work(state, sums, chunk, chunk_probes, row, embedded, seed_dy):
         """One slot on one stage (inside the `shard_map`, `stage` manual): its half of the table,
@@ -139,12 +167,14 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         stage = jax.lax.axis_index("stage")
         first, last = stage == 0, stage == s - 1
         state, row = jax.tree.map(lambda a: a[0], (state, row))
-        constants = ()
+        constants = [()] * len(pieces)
         if keep_residuals:  # residuals that depend on no input (a mask): computed here, not stashed
-            _, example = forward_saving(chunk, chunk_probes, embedded, stage)  # dead code but for those
-            constants = [r for r, constant in zip(example, pullbacks.constant) if constant]
-        nothing = {"y": jnp.zeros_like(embedded), "dx": jnp.zeros_like(embedded), "dchunk": f32(chunk),
-                   "dprobes": f32(chunk_probes, -jnp.inf), "residuals": [jnp.zeros_like(r[0]) for r in state["stash"]]}
+            x = embedded
+            for j in range(len(pieces)):  # dead code but for those
+                x, example = forward_saving(j, chunk, chunk_probes, x, stage)
+                constants[j] = [r for r, constant in zip(example, pullbacks[j].constant) if constant]
+        nothing = {"y": jnp.zeros_like(embedded), "dx": jnp.zeros_like(embedded), "mid": jnp.zeros_like(embedded), "dchunk": f32(chunk),
+                   "dprobes": f32(chunk_probes, -jnp.inf), "residuals": [[jnp.zeros_like(r[0]) for r in rings] for rings in state["stash"]]}
 
         def stage_input(c, row, embedded):  # stage 0's is its embedded microbatch
             waiting = c["inbox"][jnp.maximum(row["read"], 0)]
@@ -154,27 +184,43 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
             x = stage_input(c, row, embedded)
             if not keep_residuals:
                 return {**nothing, "y": stage_fn(chunk, chunk_probes, x, stage)}
-            y, residuals = forward_saving(chunk, chunk_probes, x, stage)
-            return {**nothing, "y": y, "residuals": pullbacks.stashed(residuals)}
+            residuals = []
+            for j in range(len(pieces)):
+                x, saved = forward_saving(j, chunk, chunk_probes, x, stage)
+                residuals.append(pullbacks[j].stashed(saved))
+            return {**nothing, "y": x, "residuals": residuals}
 
-        def backward(c, row, embedded, seed_dy, chunk, chunk_probes):
-            cotangent = jnp.where(last, seed_dy, c["recv_dx"])  # the last stage's from the head
-            if keep_residuals:
-                saved = [ring[jnp.maximum(row["use"], 0)] for ring in c["stash"]]
-                pull = pullbacks.join(pullbacks.merge(saved, constants), (chunk, chunk_probes))
-            else:  # recompute the chunk from its input
-                pull = jax.vjp(lambda c, p, x: stage_fn(c, p, x, stage), chunk, chunk_probes, stage_input(c, row, embedded))[1]
-            dchunk, dprobes, dx = pull(cotangent)
-            return {**nothing, "dx": dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes)}
+        def backward(j, dx_key):
+            """The backward of piece j (of the whole chunk when there is one piece)."""
 
-        pick = jnp.where(row["half"] == FORWARD, 1, jnp.where(row["half"] == BACKWARD, 2, 0))
-        out = jax.lax.switch(pick, [lambda *_: nothing, forward, backward], state, row, embedded, seed_dy, chunk, chunk_probes)
+            def run(c, row, embedded, seed_dy, chunk, chunk_probes):
+                own = pieces[j](chunk), pieces[j](chunk_probes)
+                if j < len(pieces) - 1:  # the earlier layers: the later layers' cotangent, made the slot before
+                    cotangent = c["mid"]
+                else:  # the last stage's from the head
+                    cotangent = jnp.where(last, seed_dy, c["recv_dx"])
+                if keep_residuals:
+                    saved = [ring[jnp.maximum(row["use"], 0)] for ring in c["stash"][j]]
+                    pull = pullbacks[j].join(pullbacks[j].merge(saved, constants[j]), own)
+                else:  # recompute the chunk from its input
+                    pull = jax.vjp(lambda c, p, x: stage_fn(c, p, x, stage), *own, stage_input(c, row, embedded))[1]
+                dchunk, dprobes, dx = pull(cotangent)
+                return {**nothing, dx_key: dx, "dchunk": whole_chunk(j, dchunk, chunk, 0.0),
+                        "dprobes": whole_chunk(j, dprobes, chunk_probes, -jnp.inf)}
+
+            return run
+
+        halves = [lambda *_: nothing, forward, backward(0, "dx")]
+        if balanced:  # BACKWARD + 1: the later layers (the cotangent kept for the next slot), + 2: the earlier
+            halves += [backward(1, "mid"), backward(0, "dx")]
+        out = jax.lax.switch(row["half"], halves, state, row, embedded, seed_dy, chunk, chunk_probes)
         c = dict(state)
         sums = jax.tree.map(jnp.add, sums[0], out["dchunk"]), jax.tree.map(jnp.maximum, sums[1], out["dprobes"])
         keep = lambda ring, slot, x: jnp.where(slot >= 0, ring.at[jnp.maximum(slot, 0)].set(x), ring)  # noqa: E731
-        c["stash"] = [keep(ring, row["keep"], r) for ring, r in zip(c["stash"], out["residuals"])]
+        c["stash"] = [[keep(ring, row["keep"], r) for ring, r in zip(rings, made)] for rings, made in zip(c["stash"], out["residuals"])]
         # The activation that arrived this slot waits (after this slot's reads freed their slots).
         c["inbox"] = keep(c["inbox"], row["store"], c["recv_x"])
+        c["mid"] = out["mid"]
         c["recv_x"] = jax.lax.ppermute(out["y"], "stage", [(i, i + 1) for i in range(s - 1)])
         c["recv_dx"] = jax.lax.ppermute(out["dx"], "stage", [(i + 1, i) for i in range(s - 1)])
         return (*jax.tree.map(lambda a: a[None], (c, out["y"], out["dx"])), sums)
@@ -185,16 +231,20 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
         stacked = lambda shape, dtype: constrain_leading(jnp.zeros((s, *shape), dtype), "stages", "pipeline per-stage state")  # noqa: E731
         stash = []
-        if keep_residuals:  # a ring per residual array that varies, its shapes from one stage's forward
+        if keep_residuals:  # per piece, a ring per residual array that varies, its shapes from one stage's forward
             def residuals(chunk, chunk_probes, x):
-                pullbacks.mark_constants(lambda c, p, x: forward_saving(c, p, x, 0), chunk, chunk_probes, x)
-                return [r[None] for r in pullbacks.stashed(forward_saving(chunk, chunk_probes, x, 0)[1])]
+                out = []
+                for j in range(len(pieces)):
+                    pullbacks[j].mark_constants(lambda c, p, x: forward_saving(j, c, p, x, 0), chunk, chunk_probes, x)  # noqa: B023
+                    x, saved = forward_saving(j, chunk, chunk_probes, x, 0)
+                    out.append([r[None] for r in pullbacks[j].stashed(saved)])
+                return out
             shapes = jax.eval_shape(jax.shard_map(residuals, mesh=mesh, axis_names={"stage"}, check_vma=False,
                                                   in_specs=(per_stage, per_stage, whole), out_specs=per_stage),
                                     params, probes, jnp.zeros(x_like.shape, x_like.dtype))
-            stash = [stacked((stash_depth, *a.shape[1:]), a.dtype) for a in shapes]
+            stash = [[stacked((stash_depth, *a.shape[1:]), a.dtype) for a in piece] for piece in shapes]
         state = {"inbox": stacked((max(inbox_depth, 1), *x_like.shape), x_like.dtype), "stash": stash,
-                 "recv_x": stacked(x_like.shape, x_like.dtype), "recv_dx": stacked(x_like.shape, x_like.dtype)}
+                 **{k: stacked(x_like.shape, x_like.dtype) for k in ("recv_x", "recv_dx", "mid")}}
         placed = lambda tree, axes, fill=0.0: None if tree is None else jax.tree.map(  # noqa: E731  sums placed as the arrays
             lambda a, ax: constrain(jnp.full(a.shape, fill, jnp.float32), tuple(ax), "pipeline gradient sums"), tree, axes)
         sums = placed(params, params_axes), placed(probes, probes_axes, -jnp.inf)
@@ -220,7 +270,8 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
 
             no_head = lambda: (jnp.zeros((), jnp.float32), f32(loss_params), c["seed_dy"])  # noqa: E731
             loss, dloss, seed_dy = jax.lax.cond(last["half"] == FORWARD, head, no_head)
-            dembed = jax.lax.cond(first["half"] == BACKWARD, lambda: f32_of(embed_pull(dx[0])[0]), lambda: f32(embed_params))
+            gives_dx = (first["half"] == BACKWARD) | (first["half"] == EARLIER)  # stage 0's input cotangent
+            dembed = jax.lax.cond(gives_dx, lambda: f32_of(embed_pull(dx[0])[0]), lambda: f32(embed_params))
             add = lambda total, d: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, d)  # noqa: E731
             return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": c["loss"] + loss, "dloss": add(c["dloss"], dloss),
                     "dembed": add(c["dembed"], dembed)}, None

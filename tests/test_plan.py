@@ -53,8 +53,9 @@ def test_every_listed_layout_divides_the_model_and_the_batch(small):
     assert not [lay for lay in listed if lay.tensor == 8]
     meshes = {(tuple(lay.mesh.values()), lay.sequence_parallel): lay for lay in listed}
     sample = random.Random(0).sample(sorted(meshes.values(), key=str), 10)
-    sample += [next(lay for lay in listed if lay.schedule == "1f1b"), next(lay for lay in listed if lay.repeats > 1),
-               next(lay for lay in listed if lay.context > 1)]
+    sample += [next(lay for lay in listed if lay.schedule == schedule) for schedule in ("1f1b", "1f1b_per_stage")]
+    sample += [next(lay for lay in listed if lay.repeats > 1), next(lay for lay in listed if lay.context > 1)]
+    assert not [lay for lay in listed if lay.schedule == "1f1b_per_stage" and (lay.repeats > 1 or lay.context > 1)]  # refused
     for lay in sample:  # setup raises on any dimension or batch the mesh does not divide
         setup(apply_overrides(config, lay.overrides()), nominal_vocab_size(config.data), jax.devices()[:8])
 
@@ -101,6 +102,27 @@ def test_published_runs_are_predicted_within_20_percent():
         assert abs(result["error"]) < 0.2, result
     # The one constant is what the fit gives back (the file is not hand-edited).
     assert calibrate.fit_efficiency(cost.calibration()) == pytest.approx(cost.calibration()["matmul_efficiency"], rel=1e-3)
+
+
+@pytest.mark.parametrize("stages, pipeline_remat, remat, stretch", [
+    (4, "none", "dots", 4 / 3), (4, "full", "dots", 3 / 2),  # one layer per stage: whole backwards
+    (2, "none", "dots", 1), (2, "none", "full", 9 / 8),  # two: balanced slots, the backward in halves
+])
+def test_per_stage_1f1b_slots_last_their_longest_work_and_keep_less(small, stages, pipeline_remat, remat, stretch):
+    """Both 1F1B schedules idle (S - 1)/(M + S - 1) of the time, but per-stage slots each last
+    their longest piece of work on any stage: a backward (2 forwards keeping residuals, 3
+    recomputing), so each microbatch takes 2B per stage instead of F + B; in balanced slots half
+    a backward, 3 max(F, B / 2) (equal to F + B when B = 2F, as with `dots`; the recompute
+    `full` adds makes it 4.5 forwards against 4). It keeps S sets where lockstep keeps 2S - 1."""
+    _, run = small
+    microbatches = 2 * stages  # the per-replica batch: 16 sequences over 8 // stages FSDP devices
+    lockstep, per_stage = (Cost(run, Layout(stage=stages, fsdp=8 // stages, remat=remat, microbatches=microbatches, schedule=schedule,
+                                            pipeline_remat=pipeline_remat), H100) for schedule in ("1f1b", "1f1b_per_stage"))
+    assert per_stage.microbatch == 1 and per_stage.bubble_fraction() == lockstep.bubble_fraction()
+    assert per_stage.bubble_fraction() == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    busy = lambda c: c.step_time["compute"] + c.step_time["bubble"]  # noqa: E731
+    assert busy(per_stage) == pytest.approx(stretch * busy(lockstep))
+    assert per_stage.memory["temporaries"] < lockstep.memory["temporaries"]
 
 
 def test_with_maxtext_remat_the_planner_picks_maxtexts_layout(capsys):
