@@ -42,10 +42,12 @@ GRIDS = {  # recipe, devices, config overrides
         for schedule, repeats in (("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b", 2), ("1f1b_per_stage", 1))
         for m in (4, 8, 16, 32)
     ],
-    # 1F1B recomputing each tick (pipeline.remat full) or keeping its residuals (none).
+    # 1F1B recomputing each tick (pipeline.remat full) or keeping its residuals (none; per-stage:
+    # balanced slots, llama_1b's 4 layers per stage halve).
     "pipeline_residuals": [
         ("llama_1b", 8, {"mesh.data": 1, "mesh.stage": 4, "mesh.fsdp": 2, "train.batch_size": 4 * m, "pipeline.microbatches": m,
-                         "pipeline.schedule": "1f1b", "pipeline.remat": kept})
+                         "pipeline.schedule": schedule, "pipeline.remat": kept})
+        for schedule in ("1f1b", "1f1b_per_stage")
         for kept in ("full", "none")
         for m in (8, 32)
     ],
