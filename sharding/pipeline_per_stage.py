@@ -216,7 +216,10 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         out = jax.lax.switch(row["half"], halves, state, row, embedded, seed_dy, chunk, chunk_probes)
         c = dict(state)
         sums = jax.tree.map(jnp.add, sums[0], out["dchunk"]), jax.tree.map(jnp.maximum, sums[1], out["dprobes"])
-        keep = lambda ring, slot, x: jnp.where(slot >= 0, ring.at[jnp.maximum(slot, 0)].set(x), ring)  # noqa: E731
+        def keep(ring, slot, x):  # one entry read and written (in place), not the ring selected whole
+            at = jnp.maximum(slot, 0)
+            return ring.at[at].set(jnp.where(slot >= 0, x, ring[at]))
+
         c["stash"] = [[keep(ring, row["keep"], r) for ring, r in zip(rings, made)] for rings, made in zip(c["stash"], out["residuals"])]
         # The activation that arrived this slot waits (after this slot's reads freed their slots).
         c["inbox"] = keep(c["inbox"], row["store"], c["recv_x"])
