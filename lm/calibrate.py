@@ -57,7 +57,7 @@ LAYOUTS = (
     Layout(stage=2, fsdp=4, remat="dots_no_batch", microbatches=4, schedule="1f1b", pipeline_remat="none"),
     Layout(stage=4, fsdp=2, remat="full", microbatches=8, schedule="1f1b", pipeline_remat="none"),
     Layout(stage=2, tensor=2, data=2, remat="dots", microbatches=4, schedule="1f1b", repeats=2, pipeline_remat="none"),
-    Layout(stage=4, fsdp=2, remat="full", microbatches=8, schedule="1f1b_per_stage"),
+    Layout(stage=2, fsdp=4, remat="full", microbatches=4, schedule="1f1b_per_stage"),
     Layout(stage=2, fsdp=4, remat="dots_no_batch", microbatches=4, schedule="1f1b_per_stage", pipeline_remat="none"),
     Layout(data=2, context=2, tensor=2, remat="full"),
     Layout(fsdp=2, tensor=4, remat="dots_no_batch"),
