@@ -44,9 +44,9 @@ from sharding.pipeline_1f1b import Pullbacks, owning_backward
 from sharding.remat import remat
 from sharding.rules import active_mesh, constrain, constrain_leading
 
-# A slot's half: a forward, or a backward (`Step.part`: the whole chunk's, its later layers',
-# its earlier layers'); BACKWARD + part.
-IDLE, FORWARD, BACKWARD, LATER, EARLIER = 0, 1, 2, 3, 4
+# A slot's work: a forward, or a backward piece (BACKWARD + `Step.part`: the whole chunk's, its
+# later layers', its earlier layers', the forward again).
+IDLE, FORWARD, BACKWARD, LATER, EARLIER, AGAIN = 0, 1, 2, 3, 4, 5
 
 
 def f32_of(tree):
@@ -161,12 +161,18 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         y, pull = jax.vjp(lambda c, p, x: fn(c, p, x, stage * len(pieces) + j), *own, x)
         return y, pullbacks[j].split(pull, own)
 
-    def whole_chunk(j, grads, like, fill):
-        """Piece j's gradients (or statistics) in a chunk-shaped float32 tree, `fill` elsewhere."""
+    def add_piece(row, sums, dchunk, dprobes):
+        """A slot's gradients and statistics into the chunk's sums: all of it, or in balanced
+        slots the piece it ran (the later half of the layers, or the earlier; in place)."""
         if not balanced:
-            return f32_of(grads)
-        other = f32(pieces[1 - j](like), fill)
-        return jax.tree.map(lambda g, o: jnp.concatenate([g.astype(jnp.float32), o][:: 1 - 2 * j]), grads, other)
+            return jax.tree.map(jnp.add, sums[0], dchunk), jax.tree.map(jnp.maximum, sums[1], dprobes)
+        start = jnp.where(row["half"] == LATER, half, 0)
+
+        def into(combine):
+            return lambda total, d: jax.lax.dynamic_update_slice_in_dim(
+                total, combine(jax.lax.dynamic_slice_in_dim(total, start, half), d), start, 0)
+
+        return jax.tree.map(into(jnp.add), sums[0], dchunk), jax.tree.map(into(jnp.maximum), sums[1], dprobes)
 
     def stage_work(state, sums, chunk, chunk_probes, row, embedded, seed_dy):
         """One slot on one stage (inside the `shard_map`, `stage` manual): its half of the table,
@@ -182,8 +188,9 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
             for j in range(len(pieces)):  # dead code but for those
                 x, example = forward_saving(j, chunk, chunk_probes, x, stage)
                 constants[j] = [r for r, constant in zip(example, pullbacks[j].constant) if constant]
-        nothing = {"y": jnp.zeros_like(embedded), "dx": jnp.zeros_like(embedded), "mid": jnp.zeros_like(embedded), "dchunk": f32(chunk),
-                   "dprobes": f32(chunk_probes, -jnp.inf), "residuals": [[jnp.zeros_like(r[0]) for r in rings] for rings in state["stash"]]}
+        nothing = {"y": jnp.zeros_like(embedded), "dx": jnp.zeros_like(embedded), "mid": jnp.zeros_like(embedded),
+                   "dchunk": f32(pieces[0](chunk)), "dprobes": f32(pieces[0](chunk_probes), -jnp.inf),  # a piece's
+                   "residuals": [[jnp.zeros_like(r[0]) for r in rings] for rings in state["stash"]]}
 
         def stage_input(c, row, embedded):  # stage 0's is its embedded microbatch
             waiting = c["inbox"][jnp.maximum(row["read"], 0)]
@@ -215,8 +222,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
                 else:  # recompute the chunk from its input
                     pull = jax.vjp(lambda c, p, x: stage_fn(c, p, x, stage), *own, stage_input(c, row, embedded))[1]
                 dchunk, dprobes, dx = pull(cotangent)
-                return {**nothing, dx_key: dx, "dchunk": whole_chunk(j, dchunk, chunk, 0.0),
-                        "dprobes": whole_chunk(j, dprobes, chunk_probes, -jnp.inf)}
+                return {**nothing, dx_key: dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes)}
 
             return run
 
@@ -227,7 +233,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
                 halves.append(lambda *a: {**forward(*a, keeping=True), "y": nothing["y"]})
         out = jax.lax.switch(row["half"], halves, state, row, embedded, seed_dy, chunk, chunk_probes)
         c = dict(state)
-        sums = jax.tree.map(jnp.add, sums[0], out["dchunk"]), jax.tree.map(jnp.maximum, sums[1], out["dprobes"])
+        sums = add_piece(row, sums, out["dchunk"], out["dprobes"])
         def keep(ring, slot, x):  # one entry read and written (in place), not the ring selected whole
             at = jnp.maximum(slot, 0)
             return ring.at[at].set(jnp.where(slot >= 0, x, ring[at]))
