@@ -213,9 +213,7 @@ class Cost:
     def bubble_fraction(self) -> float:
         """The idle share of the pipeline's work slots (0 without one)."""
         lay = self.layout
-        if lay.stage == 1:
-            return 0.0
-        return pipeline_report(lay.stage, lay.microbatches, lay.schedule, lay.repeats, lay.pipeline_remat, self.run.model.num_layers)["bubble"]
+        return pipeline_report(lay.stage, lay.microbatches, lay.schedule, lay.repeats)["bubble"] if lay.stage > 1 else 0.0
 
     @cached_property
     def step_time(self) -> dict:
@@ -232,19 +230,12 @@ class Cost:
             block_forward, attention_forward = self._forward_flops()
             forward = run.batch * run.seq_len / lay.gpus * (block_forward / block_peak + attention_forward / other_peak)
             layers = flops["block"] / block_peak + flops["attention"] / other_peak
-            # Its slots run one piece of work on every stage in step (one SPMD program), so a slot
-            # lasts the longest: each microbatch's F + B takes 2 max(F, B); in balanced slots
-            # (the backward in halves, after the forward again when recomputing) n pieces of
-            # about a forward each, over the table's own bubble.
+            # Its slots run one piece of work, a forward or a backward, on every stage in step (one
+            # SPMD program), so a slot lasts the longest: each microbatch's F + B takes 2 max(F, B),
+            # or in balanced slots (the backward in two parts) 3 max(F, B / 2).
             plan = PipelinePlan(lay.stage, lay.microbatches, 1, lay.pipeline_remat, lay.schedule)
-            backward = layers - forward
-            if not balanced_slots(plan, m.num_layers):
-                pieces = [forward, backward]
-            elif lay.pipeline_remat == "full":
-                pieces = [forward, forward, (backward - forward) / 2, (backward - forward) / 2]
-            else:
-                pieces = [forward, backward / 2, backward / 2]
-            bubble = (compute + bubble) * len(pieces) * max(pieces) / layers - compute
+            backward, parts = layers - forward, 2 if balanced_slots(plan, m.num_layers) else 1
+            bubble = (compute + bubble) * (1 + parts) * max(forward, backward / parts) / layers - compute
         e = run.compute_bytes
         layer_weights = run.layer_params / lay.tensor * e
         per_layer_compute = (flops["block"] / block_peak + flops["attention"] / other_peak) / efficiency / (self.layers * self.passes)

@@ -67,9 +67,8 @@ def schedule(stages: int, microbatches: int, repeats: int = 1) -> list[list[Work
 
 class Step(NamedTuple):
     """What a stage does at a tick of a 1F1B table: one forward and one backward (each a `Work`,
-    or None when that half idles); `part` says which piece of the backward it is: 0 all of it;
-    in balanced per-stage slots 1 the later half of the chunk's layers, 2 the earlier half, 3
-    the forward again, keeping residuals for those (when the pipeline recomputes)."""
+    or None when that half idles); `part` says which layers of the chunk the backward covers:
+    0 all, 1 the later half, 2 the earlier half (balanced per-stage slots)."""
 
     forward: Work | None
     backward: Work | None
@@ -106,7 +105,7 @@ def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list
     return [[Step(work(t - s, s, False), work(t - back + s, s, True)) for s in range(stages)] for t in range(ticks)]
 
 
-def schedule_1f1b_per_stage(stages: int, microbatches: int, balanced: bool = False, recompute: bool = False) -> list[list[Step]]:
+def schedule_1f1b_per_stage(stages: int, microbatches: int, balanced: bool = False) -> list[list[Step]]:
     """Megatron-LM's 1F1B in slots where each stage runs one half (a forward or a backward) of
     its own: stage s runs S - 1 - s warm-up forwards, then a forward and a backward in turn, then
     the remaining backwards, each at the first slot after its input is there (the previous
@@ -116,11 +115,9 @@ def schedule_1f1b_per_stage(stages: int, microbatches: int, balanced: bool = Fal
     may wait at its stage (held with those in flight). `balanced`: each backward runs as two
     parts in consecutive slots, the chunk's later layers' then its earlier layers' (`Step.part`
     1, 2), each about a forward's work, so every slot is: 3(M + S - 1) slots, the same bubble
-    and bound; with `recompute`, a third part first runs the forward again from the kept input
-    (3), in any slot before the cotangent arrives, so it fills bubble slots: fewer than
-    4(M + S - 1). `pipeline_per_stage` runs these tables."""
+    and bound. `pipeline_per_stage` runs these tables."""
     check(stages, microbatches, 1)
-    parts = ((3, 1, 2) if recompute else (1, 2)) if balanced else (0,)
+    parts = (1, 2) if balanced else (0,)
     order = []  # per stage, its work in Megatron's order: (part, microbatch), part None for a forward
     for s in range(stages):
         warm = min(stages - 1 - s, microbatches)
@@ -133,10 +130,10 @@ def schedule_1f1b_per_stage(stages: int, microbatches: int, balanced: bool = Fal
         for s, (part, k) in ((s, order[s][at[s]]) for s in range(stages) if at[s] < len(order[s])):
             if part is None:
                 needs = (None, k, s - 1)
-            elif part in (2, 3):  # after the later half; after the forward (earlier in this stage's order)
-                needs = (1, k, s) if part == 2 else (None, k, s)
-            else:  # the cotangent: the next stage's last part, the head's after the last stage's forward
-                needs = (parts[-1], k, s + 1) if s < stages - 1 else (parts[0] if part == 1 and recompute else None, k, s)
+            elif part == 2:
+                needs = (1, k, s)
+            else:
+                needs = (parts[-1], k, s + 1) if s < stages - 1 else (None, k, s)
             if needs[2] < 0 or done.get(needs, len(table)) < len(table):  # not done yet: get() gives this slot
                 row[s] = Step(Work(k, s), None) if part is None else Step(None, Work(k, s), part)
                 done[(part, k, s)], at[s] = len(table), at[s] + 1
@@ -151,7 +148,7 @@ def in_flight(table: Sequence[Sequence[Step]]) -> list[int]:
     held, most = [0] * len(table[0]), [0] * len(table[0])
     for row in table:
         for s, step in enumerate(row):
-            held[s] += (step.forward is not None) - (step.backward is not None and step.part in (0, 2))
+            held[s] += (step.forward is not None) - (step.backward is not None and step.part != 1)
             most[s] = max(most[s], held[s])
     return most
 
@@ -165,7 +162,7 @@ def held_per_stage(table: Sequence[Sequence[Step]]) -> list[int]:
     for s in range(1, len(table[0])):
         held = 0
         for t, row in enumerate(table):
-            held -= row[s].backward is not None and row[s].part in (0, 2)
+            held -= row[s].backward is not None and row[s].part != 1
             held += t > 0 and table[t - 1][s - 1].forward is not None
             most[s] = max(most[s], held)
     return most
@@ -193,9 +190,9 @@ def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
 
 
 def balanced_slots(plan: PipelinePlan, layers: int) -> bool:
-    """Whether the per-stage 1F1B runs `balanced` slots: when each stage's `layers` (0: not
-    known) halve."""
-    return plan.schedule == "1f1b_per_stage" and layers > 0 and layers % (2 * plan.stages) == 0
+    """Whether the per-stage 1F1B runs `balanced` slots: when it keeps residuals (its backward
+    is then two forwards' work) and each stage's `layers` (0: not known) halve."""
+    return plan.schedule == "1f1b_per_stage" and plan.remat != "full" and layers > 0 and layers % (2 * plan.stages) == 0
 
 
 def report(plan: PipelinePlan, layers: int = 0) -> dict:
@@ -209,7 +206,7 @@ def report(plan: PipelinePlan, layers: int = 0) -> dict:
     kept = "stage inputs" if plan.remat == "full" else "residuals"
     if plan.schedule == "1f1b_per_stage":
         balanced = balanced_slots(plan, layers)
-        table = schedule_1f1b_per_stage(plan.stages, plan.microbatches, balanced, recompute=plan.remat == "full")
+        table = schedule_1f1b_per_stage(plan.stages, plan.microbatches, balanced)
         depth = max(held_per_stage(table) if plan.remat == "full" else in_flight(table))  # inputs from arrival; residuals from the forward
         name = "balanced 1f1b_per_stage" if balanced else plan.schedule
         return {"schedule": name, "bubble": bubble_fraction(table), "stash_depth": depth, "stash": kept}

@@ -16,9 +16,10 @@ over the stages as in the lockstep pipelines, under conditions every device eval
 work, a backward, where a lockstep tick is one forward plus one backward. Keeping residuals
 with an even number of layers per stage, slots are balanced (`balanced_slots`): each backward
 runs in two parts in consecutive slots, the chunk's later half of layers then its earlier half
-(each with its own residuals and `Pullbacks`; the cotangent between them stays on the device),
-so a slot is about one forward everywhere and F + B takes three, lockstep 1F1B's time.
-Interleaving (`repeats` > 1) and context parallelism are not supported.
+(each with its own residuals and `Pullbacks`; the cotangent between them stays on the device,
+the gradients go into their half of the sums), so a slot is about one forward everywhere and
+F + B takes three, lockstep 1F1B's time. Interleaving (`repeats` > 1) and context parallelism
+are not supported.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from sharding.remat import remat
 from sharding.rules import active_mesh, constrain, constrain_leading
 
 # A slot's work: a forward, or a backward piece (BACKWARD + `Step.part`: the whole chunk's, its
-# later layers', its earlier layers', the forward again).
-IDLE, FORWARD, BACKWARD, LATER, EARLIER, AGAIN = 0, 1, 2, 3, 4, 5
+# later layers', its earlier layers').
+IDLE, FORWARD, BACKWARD, LATER, EARLIER = 0, 1, 2, 3, 4
 
 
 def f32_of(tree):
@@ -81,9 +82,8 @@ def slot_arrays(table: Sequence[Sequence[Step]], keep_residuals: bool = False) -
     `read` (the inbox slot the half reads its stage input from; -1: the activation that arrived
     this slot), and with `keep_residuals`, `keep` (the residual slot a forward fills) and `use`
     (the one its backward reads); then the inbox's and the residual stash's depths. Recomputing,
-    an input stays in the inbox until its backward (its last part), the residuals of a forward
-    run again until that last part; keeping residuals, until its forward, and the forward's
-    residuals until the backward's last part. Stage 0 embeds its microbatch again
+    an input stays in the inbox until its backward; keeping residuals, until its forward, and
+    the forward's residuals until the backward's last part. Stage 0 embeds its microbatch again
     rather than keep it. A slot's reads free their slots before its arrival takes the lowest
     free one."""
     slots, stages = len(table), len(table[0])
@@ -96,23 +96,17 @@ def slot_arrays(table: Sequence[Sequence[Step]], keep_residuals: bool = False) -
             fresh = arriving is not None and step.forward is not None and arriving.microbatch == step.forward.microbatch
             if step.backward is not None:
                 m, part, previous = step.backward.microbatch, step.part, table[t - 1]
+                if part and not keep_residuals:
+                    raise AssertionError("a backward in parts applies stashed residuals: keep_residuals")
                 out["half"][t, s], out["microbatch"][t, s] = BACKWARD + part, m
-                if part == 3:  # the forward again, from the input kept, keeping its residuals
-                    if keep_residuals:
-                        raise AssertionError("keeping residuals, a backward does not run the forward again")
-                    out["read"][t, s], out["keep"][t, s] = inbox.held[s][m] if s > 0 else -1, residuals.take(s, m)
-                elif part or keep_residuals:
-                    if m not in residuals.held[s]:
-                        raise AssertionError(f"stage {s}'s backward of microbatch {m} at slot {t} has no residuals kept")
+                if keep_residuals:
                     out["use"][t, s] = residuals.held[s][m] if part == 1 else residuals.release(s, m)
-                    if part == 2 and not keep_residuals and s > 0:
-                        inbox.release(s, m)
                 elif s > 0:
                     out["read"][t, s] = inbox.release(s, m)
                 # Its cotangent is the one the previous slot made: this stage's later layers' for
                 # the earlier layers, else the next stage's last part (the head's on the last stage).
                 made, want = (previous[s], 1) if part == 2 else (previous[s + 1] if s < stages - 1 else None, 2 if part else 0)
-                if part != 3 and made is not None and (made.backward is None or made.backward.microbatch != m or made.part != want):
+                if made is not None and (made.backward is None or made.backward.microbatch != m or made.part != want):
                     raise AssertionError(f"stage {s}'s backward of microbatch {m} at slot {t} lacks its cotangent")
             if step.forward is not None:
                 m = step.forward.microbatch
@@ -143,8 +137,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     layers = jax.tree.leaves(params)[0].shape[0]
     keep_residuals, tick_fn = plan.remat != "full", remat(stage_fn, plan.remat)
     balanced = balanced_slots(plan, layers)
-    arrays, inbox_depth, stash_depth = slot_arrays(schedule_1f1b_per_stage(s, m, balanced, not keep_residuals), keep_residuals)
-    saves = keep_residuals or balanced  # some work stashes residuals: the forward, or the forward again
+    arrays, inbox_depth, stash_depth = slot_arrays(schedule_1f1b_per_stage(s, m, balanced), keep_residuals)
     # The chunk's layers as the forward runs them and the backward's parts take them: all of
     # them, or (balanced) its earlier and its later half, sub-chunks 2s and 2s + 1 of the model.
     half = layers // s // 2
@@ -155,10 +148,9 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
 
     def forward_saving(j, chunk, chunk_probes, x, stage):
-        """Piece j's forward, and the residuals its backward needs (as `plan.remat` keeps them;
-        run again for a backward, as the layers' own remat does)."""
-        own, fn = (pieces[j](chunk), pieces[j](chunk_probes)), tick_fn if keep_residuals else stage_fn
-        y, pull = jax.vjp(lambda c, p, x: fn(c, p, x, stage * len(pieces) + j), *own, x)
+        """Piece j's forward, and the residuals its backward needs (as `plan.remat` keeps them)."""
+        own = pieces[j](chunk), pieces[j](chunk_probes)
+        y, pull = jax.vjp(lambda c, p, x: tick_fn(c, p, x, stage * len(pieces) + j), *own, x)
         return y, pullbacks[j].split(pull, own)
 
     def add_piece(row, sums, dchunk, dprobes):
@@ -183,7 +175,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         first, last = stage == 0, stage == s - 1
         state, row = jax.tree.map(lambda a: a[0], (state, row))
         constants = [()] * len(pieces)
-        if saves:  # residuals that depend on no input (a mask): computed here, not stashed
+        if keep_residuals:  # residuals that depend on no input (a mask): computed here, not stashed
             x = embedded
             for j in range(len(pieces)):  # dead code but for those
                 x, example = forward_saving(j, chunk, chunk_probes, x, stage)
@@ -196,10 +188,9 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
             waiting = c["inbox"][jnp.maximum(row["read"], 0)]
             return jnp.where(first, embedded, jnp.where(row["read"] < 0, c["recv_x"], waiting))
 
-        def forward(c, row, embedded, seed_dy, chunk, chunk_probes, keeping=keep_residuals):
-            """The chunk's forward (`keeping` its residuals, as the forward run again does)."""
+        def forward(c, row, embedded, seed_dy, chunk, chunk_probes):
             x = stage_input(c, row, embedded)
-            if not keeping:
+            if not keep_residuals:
                 return {**nothing, "y": stage_fn(chunk, chunk_probes, x, stage)}
             residuals = []
             for j in range(len(pieces)):
@@ -216,7 +207,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
                     cotangent = c["mid"]
                 else:  # the last stage's from the head
                     cotangent = jnp.where(last, seed_dy, c["recv_dx"])
-                if saves:
+                if keep_residuals:
                     saved = [ring[jnp.maximum(row["use"], 0)] for ring in c["stash"][j]]
                     pull = pullbacks[j].join(pullbacks[j].merge(saved, constants[j]), own)
                 else:  # recompute the chunk from its input
@@ -227,10 +218,8 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
             return run
 
         halves = [lambda *_: nothing, forward, backward(0, "dx")]
-        if balanced:  # BACKWARD + 1: the later layers (the cotangent kept for the next slot), + 2: the earlier,
-            halves += [backward(1, "mid"), backward(0, "dx")]  # + 3: the forward again (its output not sent)
-            if not keep_residuals:
-                halves.append(lambda *a: {**forward(*a, keeping=True), "y": nothing["y"]})
+        if balanced:  # BACKWARD + 1: the later layers (the cotangent kept for the next slot), + 2: the earlier
+            halves += [backward(1, "mid"), backward(0, "dx")]
         out = jax.lax.switch(row["half"], halves, state, row, embedded, seed_dy, chunk, chunk_probes)
         c = dict(state)
         sums = add_piece(row, sums, out["dchunk"], out["dprobes"])
@@ -252,7 +241,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
         stacked = lambda shape, dtype: constrain_leading(jnp.zeros((s, *shape), dtype), "stages", "pipeline per-stage state")  # noqa: E731
         stash = []
-        if saves:  # per piece, a ring per residual array that varies, its shapes from one stage's forward
+        if keep_residuals:  # per piece, a ring per residual array that varies, its shapes from one stage's forward
             def residuals(chunk, chunk_probes, x):
                 out = []
                 for j in range(len(pieces)):

@@ -1,6 +1,7 @@
 """The per-stage 1F1B pipeline (`pipeline.schedule=1f1b_per_stage`): Megatron-LM's table, at most
 S microbatches kept per stage, each stage running its own half of a slot; equal to one device."""
 
+import dataclasses
 import re
 
 import jax
@@ -82,58 +83,46 @@ def test_per_stage_table_is_megatrons_1f1b_with_at_most_s_in_flight(stages, micr
         "stash": "stage inputs"}
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["residuals", "recompute"])
 @pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 8), (8, 20)])
-def test_balanced_slots_run_each_backward_in_pieces_of_about_one_forward(stages, microbatches, recompute):
-    """A backward is two forwards' work from kept residuals: it runs as two parts (the chunk's
-    later layers, then its earlier ones) in consecutive slots, so every slot holds about one
-    forward's work and F + B takes three slots per stage, lockstep 1F1B's time, with Megatron's
-    bound S - s in flight. Recomputing, a third part runs the forward again first, in any slot
-    before the cotangent comes: four pieces of a forward each, fewer than 4(M + S - 1) slots
-    (the forwards run again fill bubble slots), one set of residuals kept per stage."""
-    table = schedule_1f1b_per_stage(stages, microbatches, balanced=True, recompute=recompute)
-    pieces, bubble = 4 if recompute else 3, (stages - 1) / (microbatches + stages - 1)
-    if recompute:
-        assert len(table) < pieces * (microbatches + stages - 1) and bubble_fraction(table) < bubble
-    else:
-        assert len(table) == pieces * (microbatches + stages - 1) and bubble_fraction(table) == pytest.approx(bubble)
-    at = {}  # (microbatch, stage, 0 forward / 1 later layers / 2 earlier layers / 3 forward again) -> slot
+def test_balanced_slots_split_each_backward_into_two_forwards_worth(stages, microbatches):
+    """Keeping residuals, a backward is two forwards' work: run as two parts (the chunk's later
+    layers, then its earlier ones) in consecutive slots, every slot holds about one forward's
+    work, and a microbatch's F + B takes three slots per stage, lockstep 1F1B's time, with
+    Megatron's bound S - s in flight."""
+    table = schedule_1f1b_per_stage(stages, microbatches, balanced=True)
+    assert len(table) == 3 * (microbatches + stages - 1)
+    at = {}  # (microbatch, stage, 0 forward / 1 later layers / 2 earlier layers) -> slot
     for t, row in enumerate(table):
         for s, step in enumerate(row):
             assert step.forward is None or step.backward is None
             if step.forward is not None:
                 at[(step.forward.microbatch, s, 0)] = t
             if step.backward is not None:
-                assert step.part in ((1, 2, 3) if recompute else (1, 2)) and (step.backward.microbatch, s, step.part) not in at
+                assert step.part in (1, 2) and (step.backward.microbatch, s, step.part) not in at
                 at[(step.backward.microbatch, s, step.part)] = t
-    assert len(at) == pieces * stages * microbatches
+    assert len(at) == 3 * stages * microbatches
     for m in range(microbatches):
         for s in range(stages):
-            before = at[(m, s, 3)] if recompute else at[(m, s, 0)]
-            assert at[(m, s, 2)] == at[(m, s, 1)] + 1 > before + 1 and before >= at[(m, s, 0)]  # the parts back to back, after the forward
+            assert at[(m, s, 2)] == at[(m, s, 1)] + 1 > at[(m, s, 0)] + 1  # the parts back to back, after the forward
             if s > 0:
                 assert at[(m, s, 0)] > at[(m, s - 1, 0)]
                 assert at[(m, s - 1, 1)] == at[(m, s, 2)] + 1  # each cotangent used the slot after it is made
-        assert at[(m, stages - 1, 1)] == before + 1 and before <= at[(m, stages - 1, 0)] + 1
+        assert at[(m, stages - 1, 1)] == at[(m, stages - 1, 0)] + 1
     assert in_flight(table) == [min(microbatches, stages - s) for s in range(stages)]
-    arrays, inbox, stash = slot_arrays(table, keep_residuals=not recompute)
-    assert stash == (1 if recompute else min(microbatches, stages))
-    assert inbox == max(held_per_stage(table)) if recompute else inbox <= 1  # without: an input waits only in the warm-up
-    for (m, s, part), t in at.items():  # both parts read the residuals kept for them, untouched meanwhile
-        if part in (1, 2):
-            maker = at[(m, s, 3 if recompute else 0)]
-            kept = arrays["keep"][maker, s]
+    assert bubble_fraction(table) == pytest.approx((stages - 1) / (microbatches + stages - 1))
+    arrays, inbox, stash = slot_arrays(table, keep_residuals=True)
+    assert stash == min(microbatches, stages) and inbox <= 1  # an input waits at most during the warm-up
+    for (m, s, part), t in at.items():  # both parts read the residuals their forward kept, untouched meanwhile
+        if part:
+            kept = arrays["keep"][at[(m, s, 0)], s]
             assert arrays["half"][t, s] == BACKWARD + part and arrays["use"][t, s] == kept
-            assert kept not in arrays["keep"][maker + 1:t, s]
-        if part == 3 and s > 0:  # the forward again reads the input kept since it arrived
-            arrived = at[(m, s - 1, 0)] + 1
-            assert arrays["read"][t, s] == arrays["store"][arrived, s] not in arrays["store"][arrived + 1:t, s]
-    with pytest.raises(AssertionError, match="no residuals kept" if not recompute else "does not run the forward again"):
-        slot_arrays(table, keep_residuals=recompute)  # each table for its own mode
-    plan = PipelinePlan(stages, microbatches, 1, "full" if recompute else "none", "1f1b_per_stage")
+            assert kept not in arrays["keep"][at[(m, s, 0)] + 1:t, s]
+    with pytest.raises(AssertionError, match="stashed residuals"):
+        slot_arrays(table)  # recomputing has no parts
+    plan = PipelinePlan(stages, microbatches, 1, "none", "1f1b_per_stage")
     assert report(plan, layers=2 * stages)["schedule"] == "balanced 1f1b_per_stage"
-    assert report(plan, layers=2 * stages)["bubble"] == pytest.approx(bubble_fraction(table))
     assert report(plan, layers=stages)["schedule"] == "1f1b_per_stage"  # one layer per stage: no halves
+    assert report(dataclasses.replace(plan, remat="full"), layers=2 * stages)["schedule"] == "1f1b_per_stage"
 
 
 @pytest.mark.parametrize(
@@ -143,9 +132,8 @@ def test_balanced_slots_run_each_backward_in_pieces_of_about_one_forward(stages,
         ({"stage": 4}, {"pipeline__microbatches": 8}),
         ({"stage": 2, "data": 2, "tensor": 2}, {"train__grad_accum": 2, "sharding__sequence_parallel": True, "model__remat": "dots"}),
         ({"stage": 2, "fsdp": 4}, {"pipeline__microbatches": 4}),
-        # Balanced slots where each stage's layers halve (2 here), else whole backwards (1 per
-        # stage). The stash keeps the forward's residuals (what pipeline.remat keeps) instead of
-        # recomputing:
+        # The stash keeps the forward's residuals (what pipeline.remat keeps) instead of recomputing:
+        # in balanced slots where each stage's layers halve (2 here), else whole (1 per stage).
         ({"stage": 4}, {"pipeline__microbatches": 8, "pipeline__remat": "none"}),
         ({"stage": 2}, {"pipeline__microbatches": 4, "pipeline__remat": "none", "model__remat": "none"}),
         ({"stage": 2, "data": 2, "tensor": 2}, {"train__grad_accum": 2, "sharding__sequence_parallel": True, "model__remat": "full",
@@ -158,8 +146,7 @@ def test_per_stage_training_matches_one_device(one_device_deep, mesh, extra):  #
     hlo = trains_like_one_device(one_device_deep, small_config({"data": -1, **mesh}, **DEEP, **PER_STAGE, **extra), loss_rel=1e-5)
     assert " conditional(" in hlo and "collective-permute" in hlo  # each stage its own half; stages hand on
     halves = {len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)}
-    # Idle, forward, backward; balanced (two layers per stage): its halves, and recomputing, the forward again.
-    assert max(halves) == (3 if mesh["stage"] == 4 else 5 if extra.get("pipeline__remat") else 6)
+    assert max(halves) == (5 if mesh.get("stage") == 2 and extra.get("pipeline__remat") else 3)  # idle, forward, backward (in parts)
     assert not constant_collectives(hlo)
     assert not full_vocabulary_buffers(hlo)  # the head and loss run outside the shard_map, split over the stages
 
