@@ -89,7 +89,7 @@ def fit_memory(devices, platform: str, system: System) -> dict:
             terms = Cost(cost.run_of(config), layout, system, platform).memory_terms()
             rows.append([terms[k] for k in cost.MEMORY_TERMS] + [1.0])
             measured.append(compiled_temp_bytes(config, devices))
-            names.append(f"{model['model.embed_dim']}/{layout.name()}")
+            names.append(f"{model['model.embed_dim']}/{layout.name(model['model.num_layers'])}")
     x, y = np.asarray(rows), np.asarray(measured, float)
     # Relative errors are what matter (small and large layouts alike): each row divided by its
     # measurement; columns scaled to be comparable.

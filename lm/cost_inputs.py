@@ -13,6 +13,7 @@ import numpy as np
 
 from lm.metrics import PEAK_FLOPS, matmul_params
 from lm.model import ModelConfig
+from sharding.pipeline import PipelinePlan, balanced_slots
 
 TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
 MESH_AXES = ("data", "stage", "context", "fsdp", "tensor")
@@ -54,7 +55,8 @@ class Layout:
                     "pipeline.remat": self.pipeline_remat}
         return out
 
-    def name(self) -> str:
+    def name(self, layers: int = 0) -> str:
+        """A short description; with the model's `layers`, a balanced per-stage 1F1B says so."""
         mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "one device"
         parts = [mesh, f"remat={self.remat}"]
         if self.sequence_parallel:
@@ -63,6 +65,8 @@ class Layout:
             parts.append(f"accum={self.grad_accum}")
         if self.stage > 1:
             kind = self.schedule if self.repeats == 1 else {"gpipe": "circular", "1f1b": "interleaved 1f1b"}[self.schedule]
+            plan = PipelinePlan(self.stage, self.microbatches, self.repeats, self.pipeline_remat, self.schedule)
+            kind = f"balanced {kind}" if balanced_slots(plan, layers) else kind
             parts.append(f"{kind} M={self.microbatches}" + (f" R={self.repeats}" if self.repeats > 1 else ""))
             if self.pipeline_remat != "full":
                 parts.append(f"pipeline remat={self.pipeline_remat}")

@@ -163,7 +163,7 @@ def smallest_fit(run: Run, gpus: int, system: System, device_memory: int, remats
 def entry(c: Cost) -> dict:
     """One ranked layout as the JSON line gives it."""
     return {
-        "layout": c.layout.name(),
+        "layout": c.layout.name(c.run.model.num_layers),
         "overrides": c.layout.overrides(),
         "memory_bytes": c.memory,
         "step_time_s": c.step_time,
@@ -181,7 +181,7 @@ def verify(config, costs: list[Cost], devices: list, platform: str) -> list[dict
         compiled = summary["compiled_train_step_per_device"]
         state = summary["per_device"]["params_bytes"] + summary["per_device"]["opt_state_bytes"]
         out.append({
-            "layout": c.layout.name(),
+            "layout": c.layout.name(c.run.model.num_layers),
             "predicted_bytes": Cost(c.run, c.layout, c.system, platform).memory,
             "compiled_state_bytes": state,
             "compiled_temp_bytes": compiled["temp_bytes"],
@@ -195,7 +195,7 @@ def describe(result: Plan, top: int) -> str:
     lines = [f"{'tokens/s/GPU':>12} {'step s':>7} {'GiB/GPU':>8} {'temps':>7}  layout"]
     for c in result.ranked[:top]:
         m = c.memory
-        lines.append(f"{c.tokens_per_s_per_gpu():12.0f} {c.step_time['total']:7.3f} {gib(m['total']):>8} {gib(m['temporaries'])}  {c.layout.name()}")
+        lines.append(f"{c.tokens_per_s_per_gpu():12.0f} {c.step_time['total']:7.3f} {gib(m['total']):>8} {gib(m['temporaries'])}  {c.layout.name(c.run.model.num_layers)}")
     reasons = ", ".join(f"{n} {why}" for why, n in result.dropped.most_common()) or "none"
     lines.append(f"{len(result.ranked)} of {result.evaluated} layouts fit {result.device_memory / 2**30:.1f} GiB; dropped: {reasons}")
     return "\n".join(lines)

@@ -123,6 +123,9 @@ def test_per_stage_1f1b_slots_last_their_longest_work_and_keep_less(small, stage
     busy = lambda c: c.step_time["compute"] + c.step_time["bubble"]  # noqa: E731
     assert busy(per_stage) == pytest.approx(stretch * busy(lockstep))
     assert per_stage.memory["temporaries"] < lockstep.memory["temporaries"]
+    balanced = stages == 2 and pipeline_remat == "none"  # two layers per stage halve; residuals kept
+    assert per_stage.layout.name(run.model.num_layers).endswith(f"{'balanced ' * balanced}1f1b_per_stage M={microbatches}"
+                                                                 + ", pipeline remat=none" * (pipeline_remat == "none"))
 
 
 def test_with_maxtext_remat_the_planner_picks_maxtexts_layout(capsys):
