@@ -36,7 +36,7 @@ from lm.metrics import (
     peak_memory_bytes,
 )
 from lm.program import setup
-from sharding.pipeline import report as pipeline_report
+from sharding.schedules import report as pipeline_report
 
 
 def _corpus_batches(config, workdir: Path):

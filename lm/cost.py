@@ -34,7 +34,7 @@ from lm.cost_inputs import (
     System,
     run_of,
 )
-from sharding.pipeline import PipelinePlan, balanced_slots, report
+from sharding.schedules import PipelinePlan, balanced_slots, report
 
 __all__ = ["MESH_AXES", "MEMORY_TERMS", "TARGETS_DIR", "Cost", "Layout", "Run", "StateLeaf", "System", "calibration", "run_of"]
 MEMORY_TERMS = ("grads", "saved", "layer", "weights", "logits")
@@ -50,9 +50,9 @@ def device_group(sizes: tuple[int, ...], axes: tuple[str, ...], gpus_per_host: i
 
 
 @functools.cache
-def pipeline_report(stages: int, microbatches: int, schedule: str, repeats: int = 1, remat: str = "full", layers: int = 0) -> dict:
-    """`sharding.pipeline.report` of a plan (bubble, stash depth), remembered."""
-    return report(PipelinePlan(stages, microbatches, repeats, remat, schedule), layers)
+def pipeline_report(plan: PipelinePlan, layers: int) -> dict:
+    """`sharding.schedules.report` of a plan (bubble, stash depth), remembered."""
+    return report(plan, layers)
 
 
 def calibration() -> dict:
@@ -124,8 +124,7 @@ class Cost:
         lay, kept = self.layout, self._kept_bytes()
         saved = self.layers * kept[lay.remat] * self.local_tokens
         if lay.stage > 1:
-            stash = pipeline_report(lay.stage, lay.microbatches, lay.schedule, lay.repeats, lay.pipeline_remat,
-                                    self.run.model.num_layers)["stash_depth"]
+            stash = pipeline_report(lay.plan, self.run.model.num_layers)["stash_depth"]
             if self._recomputes_ticks:  # every stage input the schedule keeps, plus one tick's layers on recompute
                 saved += stash * kept["full"] * self.local_tokens
             else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash),
@@ -213,7 +212,7 @@ class Cost:
     def bubble_fraction(self) -> float:
         """The idle share of the pipeline's work slots (0 without one)."""
         lay = self.layout
-        return pipeline_report(lay.stage, lay.microbatches, lay.schedule, lay.repeats)["bubble"] if lay.stage > 1 else 0.0
+        return pipeline_report(lay.plan, self.run.model.num_layers)["bubble"] if lay.stage > 1 else 0.0
 
     @cached_property
     def step_time(self) -> dict:
@@ -233,8 +232,7 @@ class Cost:
             # Its slots run one piece of work, a forward or a backward, on every stage in step (one
             # SPMD program), so a slot lasts the longest: each microbatch's F + B takes 2 max(F, B),
             # or in balanced slots (the backward in two parts) 3 max(F, B / 2).
-            plan = PipelinePlan(lay.stage, lay.microbatches, 1, lay.pipeline_remat, lay.schedule)
-            backward, parts = layers - forward, 2 if balanced_slots(plan, m.num_layers) else 1
+            backward, parts = layers - forward, 2 if balanced_slots(lay.plan, m.num_layers) else 1
             bubble = (compute + bubble) * (1 + parts) * max(forward, backward / parts) / layers - compute
         e = run.compute_bytes
         layer_weights = run.layer_params / lay.tensor * e

@@ -13,7 +13,7 @@ import numpy as np
 
 from lm.metrics import PEAK_FLOPS, matmul_params
 from lm.model import ModelConfig
-from sharding.pipeline import PipelinePlan, balanced_slots
+from sharding.schedules import PipelinePlan, balanced_slots
 
 TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
 MESH_AXES = ("data", "stage", "context", "fsdp", "tensor")
@@ -43,6 +43,11 @@ class Layout:
         return self.data * self.stage * self.context * self.fsdp * self.tensor
 
     @property
+    def plan(self) -> PipelinePlan:
+        """The pipeline plan this layout runs (with `stage` > 1)."""
+        return PipelinePlan(self.stage, self.microbatches, self.repeats, self.pipeline_remat, self.schedule)
+
+    @property
     def mesh(self) -> dict:
         return {a: getattr(self, a) for a in MESH_AXES}
 
@@ -65,8 +70,7 @@ class Layout:
             parts.append(f"accum={self.grad_accum}")
         if self.stage > 1:
             kind = self.schedule if self.repeats == 1 else {"gpipe": "circular", "1f1b": "interleaved 1f1b"}[self.schedule]
-            plan = PipelinePlan(self.stage, self.microbatches, self.repeats, self.pipeline_remat, self.schedule)
-            kind = f"balanced {kind}" if balanced_slots(plan, layers) else kind
+            kind = f"balanced {kind}" if balanced_slots(self.plan, layers) else kind
             parts.append(f"{kind} M={self.microbatches}" + (f" R={self.repeats}" if self.repeats > 1 else ""))
             if self.pipeline_remat != "full":
                 parts.append(f"pipeline remat={self.pipeline_remat}")

@@ -28,7 +28,7 @@ from lm.config import UserError
 from lm.model import Transformer
 from lm.program import ModelLayout, placed
 from lm.spec import RunSpec
-from sharding.pipeline import PipelinePlan
+from sharding.schedules import PipelinePlan
 
 
 def load(workdir: str | Path, step: int | None = None):

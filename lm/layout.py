@@ -22,7 +22,7 @@ from lm.cli import Parser
 from lm.config import UserError
 from lm.program import setup
 from sharding import report
-from sharding.pipeline import report as pipeline_report
+from sharding.schedules import report as pipeline_report
 
 
 def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None = None, target: str | None = None) -> tuple[list[report.Row], dict]:

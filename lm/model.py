@@ -2,7 +2,7 @@
 
 `ModelConfig` says what the model *is* (its architecture, and how its layers are run: remat,
 scan, attention kernel); the dtype policy (`lm.precision`) and the pipeline plan
-(`sharding.pipeline.PipelinePlan`) are given to `Transformer` beside it. The layers are stacked
+(`sharding.schedules.PipelinePlan`) are given to `Transformer` beside it. The layers are stacked
 along a leading `layers` axis and run by `lax.scan`: one compiled block whatever the depth. The
 blocks themselves are in `lm.layers`. Shape suffixes as there; `n` is the number of layers.
 """
@@ -27,10 +27,11 @@ from lm.layers import (
 )
 from lm.precision import Policy
 from sharding import constrain
-from sharding.pipeline import PipelinePlan, pipeline
+from sharding.pipeline import pipeline
 from sharding.pipeline_1f1b import pipeline_1f1b
 from sharding.pipeline_per_stage import pipeline_per_stage
 from sharding.remat import remat
+from sharding.schedules import PipelinePlan
 
 
 @dataclasses.dataclass(frozen=True)

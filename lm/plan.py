@@ -93,7 +93,7 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[L
                     # GPipe recomputes its ticks; 1F1B recomputes them or keeps their residuals.
                     for schedule, pipeline_remat in SCHEDULES:
                         if schedule == "1f1b_per_stage" and mesh["context"] > 1:
-                            continue  # refused by sharding.pipeline.check: not a layout this config allows
+                            continue  # refused by sharding.schedules.check: not a layout this config allows
                         piped = dataclasses.replace(layout, microbatches=microbatches, schedule=schedule, pipeline_remat=pipeline_remat)
                         yield piped
                         if circular and schedule != "1f1b_per_stage":  # circular GPipe, interleaved 1F1B

@@ -11,7 +11,7 @@ from lm.config import UserError, checked
 from lm.loss_scale import LossScaling
 from lm.model import ModelConfig
 from lm.precision import Policy
-from sharding.pipeline import PipelinePlan
+from sharding.schedules import PipelinePlan
 
 
 @dataclasses.dataclass(frozen=True)

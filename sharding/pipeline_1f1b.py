@@ -1,7 +1,7 @@
 """1F1B pipeline parallelism as one SPMD program that runs its own backward pass.
 
-The table is `sharding.pipeline.schedule_1f1b` (interleaved with `repeats` > 1); `pipeline_1f1b`
-steps through it, one scan per phase (`sharding.pipeline.phases`) so that ticks where no stage
+The table is `sharding.schedules.schedule_1f1b` (interleaved with `repeats` > 1); `pipeline_1f1b`
+steps through it, one scan per phase (`sharding.schedules.phases`) so that ticks where no stage
 runs a forward (or a backward) do not compute one: the step time of GPipe (circular with
 repeats). Where GPipe (`sharding.pipeline.pipeline`, differentiated by autodiff) keeps every
 microbatch's stage inputs, this keeps the table's in-flight count per stage, whatever the
@@ -19,18 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from sharding.pipeline import (
-    PipelinePlan,
-    Step,
-    check,
-    phases,
-    schedule_1f1b,
-    split_microbatches,
-    stage_chunks,
-    with_ends,
-)
+from sharding.pipeline import split_microbatches, stage_chunks, with_ends
 from sharding.remat import remat
 from sharding.rules import constrain, constrain_leading
+from sharding.schedules import PipelinePlan, Step, check, phases, schedule_1f1b
 
 
 def stash_slots(table: Sequence[Sequence[Step]]) -> tuple[np.ndarray, np.ndarray, int]:

@@ -32,18 +32,17 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sharding.mesh import ShardingError
-from sharding.pipeline import (
+from sharding.pipeline import split_microbatches, with_ends
+from sharding.pipeline_1f1b import Pullbacks, owning_backward
+from sharding.remat import remat
+from sharding.rules import active_mesh, constrain, constrain_leading
+from sharding.schedules import (
     PipelinePlan,
     Step,
     balanced_slots,
     check,
     schedule_1f1b_per_stage,
-    split_microbatches,
-    with_ends,
 )
-from sharding.pipeline_1f1b import Pullbacks, owning_backward
-from sharding.remat import remat
-from sharding.rules import active_mesh, constrain, constrain_leading
 
 # A slot's work: a forward, or a backward piece (BACKWARD + `Step.part`: the whole chunk's, its
 # later layers', its earlier layers').

@@ -13,7 +13,8 @@ from lm.checkpoint import Checkpointer
 from lm.program import setup
 from lm.train import train
 from sharding import ShardingError
-from sharding.pipeline import (
+from sharding.pipeline_1f1b import Pullbacks, stash_slots
+from sharding.schedules import (
     PipelinePlan,
     bubble_fraction,
     in_flight,
@@ -22,7 +23,6 @@ from sharding.pipeline import (
     schedule,
     schedule_1f1b,
 )
-from sharding.pipeline_1f1b import Pullbacks, stash_slots
 
 DEEP = dict(model__num_layers=4)
 

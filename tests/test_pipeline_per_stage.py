@@ -20,7 +20,8 @@ from test_pipeline import (
 
 from lm.program import setup
 from sharding import ShardingError
-from sharding.pipeline import (
+from sharding.pipeline_per_stage import BACKWARD, FORWARD, slot_arrays
+from sharding.schedules import (
     PipelinePlan,
     bubble_fraction,
     held_per_stage,
@@ -28,7 +29,6 @@ from sharding.pipeline import (
     report,
     schedule_1f1b_per_stage,
 )
-from sharding.pipeline_per_stage import BACKWARD, FORWARD, slot_arrays
 
 PER_STAGE = dict(pipeline__schedule="1f1b_per_stage")
 
