@@ -18,8 +18,10 @@ with an even number of layers per stage, slots are balanced (`balanced_slots`): 
 runs in two parts in consecutive slots, the chunk's later half of layers then its earlier half
 (each with its own residuals and `Pullbacks`; the cotangent between them stays on the device,
 the gradients go into their half of the sums), so a slot is about one forward everywhere and
-F + B takes three, lockstep 1F1B's time. Interleaving (`repeats` > 1) and context parallelism
-are not supported.
+F + B takes three, lockstep 1F1B's time. Interleaving (`repeats` > 1) is refused: there lockstep
+1F1B already keeps Megatron-LM's interleaved count ((R + 1)S - 1 - 2s chunk inputs at stage s,
+its warm-up plus one) with the same bubble, so per-stage slots would only add their fixed cost.
+Context parallelism is refused too (its collectives would sit in one stage's branch).
 """
 
 from __future__ import annotations

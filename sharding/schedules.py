@@ -69,7 +69,9 @@ def schedule_1f1b(stages: int, microbatches: int, repeats: int = 1) -> list[list
     last stage's output to stage 0 for the next repeat, and stage 0's cotangent to the last
     stage), so every input arrives the tick it is used and a chunk input stays at its stage
     (2R - 2r)S - 1 - 2s ticks: at most (R + 1)S - 1 - 2s in flight at stage s (`in_flight`),
-    whatever M (GPipe keeps all RM).
+    whatever M (GPipe keeps all RM). Interleaved, that is Megatron-LM's own count (its
+    2(S - 1 - s) + (R - 1)S warm-up forwards, plus one), so per-stage slots would keep no less;
+    with R = 1 it is 2(S - s) - 1 against Megatron's S - s (`schedule_1f1b_per_stage`).
     RM + RS + S - 1 ticks in three phases (`phases`): RS with forwards only, RM + S - 1 - RS
     with both, RS with backwards only; a program that runs only the halves some stage works in
     takes (RM + S - 1) chunk forward + backward times, the circular schedule's, with its bubble
@@ -221,7 +223,7 @@ def check(stages: int, microbatches: int, repeats: int, layers: int | None = Non
     if schedule == "1f1b_per_stage" and repeats > 1:
         raise ShardingError(
             f"pipeline.schedule=1f1b_per_stage does not interleave; use pipeline.repeats=1 (got {repeats}), "
-            "or pipeline.schedule=1f1b for interleaved 1F1B"
+            "or pipeline.schedule=1f1b for interleaved 1F1B (which already keeps Megatron-LM's interleaved count)"
         )
     if schedule == "1f1b_per_stage" and context > 1:  # its attention's collective-permutes would sit in one stage's branch
         raise ShardingError(f"pipeline.schedule=1f1b_per_stage does not run with context parallelism (mesh.context={context}); "
