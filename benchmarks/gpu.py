@@ -84,7 +84,7 @@ def device_info(out: Path) -> dict:
 def stored_target_check(device, info: dict) -> dict:
     """The stored target description the deviceless compiles use (H200 for an H200, else H100)
     field by field against what this device reports (None where it reports nothing)."""
-    from lm import targets  # (only sets XLA:CPU environment variables at import)
+    from lm import targets  # (importing lm only sets environment variables)
 
     name = "h200" if "H200" in device.device_kind else "h100"
     text = targets.target_config(name)
@@ -165,7 +165,7 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown case(s) {', '.join(unknown)}; the cases are {', '.join(name for name, _, _ in chosen)}")
         chosen = [case for case in chosen if case[0] in wanted]
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the largest-batch search wants the device
+    import lm  # noqa: F401  (JAX's GPU memory pool at lm.GPU_MEMORY_FRACTION, for this process and its children)
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "meshlm_jax_cache"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

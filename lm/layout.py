@@ -16,7 +16,7 @@ import json
 import jax
 import numpy as np
 
-from lm import cli, hlo, inputs, targets
+from lm import GPU_MEMORY_FRACTION, cli, hlo, inputs, targets
 from lm import data as lm_data
 from lm.cli import Parser
 from lm.config import UserError
@@ -65,7 +65,8 @@ def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None
         summary["hlo"] = hlo.summary(text)
         if target:
             summary.update(target=target, device_memory_bytes=targets.memory_bytes(target))
-            summary["fits"] = compiled.get("peak_estimate_bytes", 0) <= summary["device_memory_bytes"]
+            # Against the pool JAX runs meshlm in, not the whole device.
+            summary["fits"] = compiled.get("peak_estimate_bytes", 0) <= GPU_MEMORY_FRACTION * summary["device_memory_bytes"]
     return report.rows(state.params, program.layout.logical_axes), summary
 
 
@@ -89,7 +90,8 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
         lines += [f"  {name.removesuffix('_bytes'):<18} {fmt(b)}" for name, b in compiled.items() if b is not None]
     if "target" in summary:
         verdict = "fits" if summary["fits"] else "does NOT fit"
-        lines.append(f"target {summary['target']}: {fmt(summary['device_memory_bytes'])} per device; the step {verdict}")
+        pool = f"JAX's pool: {GPU_MEMORY_FRACTION:.0%}, {fmt(int(GPU_MEMORY_FRACTION * summary['device_memory_bytes']))}"
+        lines.append(f"target {summary['target']}: {fmt(summary['device_memory_bytes'])} per device ({pool}); the step {verdict}")
     if summary.get("hlo", {}).get("gemm_operand_types"):
         lines.append("GEMMs (operand types -> result): " + ", ".join(f"{k}: {n}" for k, n in summary["hlo"]["gemm_operand_types"].items()))
         lines.append("collectives: " + (", ".join(f"{k}: {n}" for k, n in summary["hlo"]["collectives"].items()) or "none"))

@@ -2,8 +2,14 @@
 lands in its JSON, so a session's few GPU minutes go to measuring, not to debugging the kit."""
 
 import json
+import os
+import subprocess
+import sys
 
-from conftest import run_module
+from conftest import ROOT, run_module
+
+import lm
+from lm import plan
 
 
 def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
@@ -37,3 +43,22 @@ def test_the_gpu_kit_names_its_cases_when_asked_for_an_unknown_one(tmp_path):
     result = run_module("benchmarks.gpu", f"--out={tmp_path}", "--cases=bf16_cudnn_b8,bf16_fast")
     assert result.returncode == 2 and "unknown case(s) bf16_fast; the cases are bf16_cudnn_b8, bf16_xla_b8" in result.stderr
     assert not (tmp_path / "gpu.json").exists()
+
+
+
+def test_gpu_runs_get_a_memory_pool_above_what_the_planner_admits():
+    """JAX's own default pool (75% of a GPU) is smaller than the share `lm.plan` lets a layout
+    fill: importing meshlm sets the pool (read back through the function jaxlib's GPU client takes
+    its options from; no GPU needed), unless the user chose one under either of its two names."""
+    probe = ("import lm, os; from jaxlib import xla_client; "
+             "print(xla_client.generate_pjrt_gpu_plugin_options().get('memory_fraction'), os.environ.get('XLA_CLIENT_MEM_FRACTION'))")
+
+    def pool(**chosen):
+        env = {k: v for k, v in os.environ.items() if not k.endswith("MEM_FRACTION")}
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**env, **chosen}, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
+
+    assert pool() == [str(lm.GPU_MEMORY_FRACTION)] * 2 and lm.GPU_MEMORY_FRACTION > plan.MEMORY_FRACTION
+    assert pool(XLA_PYTHON_CLIENT_MEM_FRACTION="0.6") == ["0.6", "None"]  # the deprecated name, left alone
+    assert pool(XLA_CLIENT_MEM_FRACTION="0.5") == ["0.5", "0.5"]
