@@ -8,7 +8,8 @@ schedule (`SCHEDULES`, with two chunks per stage where the layers allow), for th
 global batch), predicts each one's memory per GPU and step time with
 `lm.cost`, and prints the K fastest that fit (by predicted tokens/s per GPU), why the others
 were dropped, and a JSON line last. `--verify` compiles the top K's train steps for the target
-(deviceless, `lm.targets`) and prints XLA's memory per device beside the prediction.
+(deviceless, `lm.targets`) and prints XLA's memory per device beside the prediction, and
+whether it is within the pool JAX gives a run (`lm.GPU_MEMORY_FRACTION` of the GPU).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-from lm import cli, cost, targets
+from lm import GPU_MEMORY_FRACTION, cli, cost, targets
 from lm.cli import Parser
 from lm.config import UserError, apply_overrides
 from lm.cost import Cost, Layout, Run, System
@@ -247,8 +248,12 @@ def main(argv: list[str]) -> None:
     }
     if args.verify:
         checked = verify(args.config, result.ranked[: args.top], devices, "gpu")
+        pool = GPU_MEMORY_FRACTION * (args.memory_gib * 2**30 or targets.memory_bytes(args.target))  # what a run gets
         for v in checked:
-            print(f"verify {v['layout']}: predicted {v['predicted_bytes']['total'] / 2**30:.2f} GiB, XLA {v['compiled_peak_bytes'] / 2**30:.2f} GiB")
+            v["fits"] = v["compiled_peak_bytes"] <= pool
+            verdict = "within" if v["fits"] else "OVER"
+            print(f"verify {v['layout']}: predicted {v['predicted_bytes']['total'] / 2**30:.2f} GiB, XLA {v['compiled_peak_bytes'] / 2**30:.2f} GiB "
+                  f"({verdict} JAX's {pool / 2**30:.2f} GiB pool)")
         summary["verify"] = checked
     summary["wall_s"] = time.perf_counter() - started
     print(json.dumps(summary))
