@@ -25,7 +25,7 @@ $(VENV)/gpu-compiler/.done: $(VENV)/.base
 	  "jax-cuda12-pjrt==$$($(PY) -c 'import jax; print(jax.__version__)')" \
 	  nvidia-cudnn-cu12==9.28.0.42 nvidia-cublas-cu12==12.9.3.13 nvidia-cuda-nvrtc-cu12==12.9.86 \
 	  || echo "note: the GPU compiler plugin could not be installed; GPU compile checks will be skipped"
-	touch $@
+	mkdir -p $(@D) && touch $@
 
 gpu-compiler: $(VENV)/gpu-compiler/.done
 
