@@ -233,7 +233,8 @@ def main(argv: list[str]) -> None:
     run = cost.run_of(args.config)
     if not 0 < args.memory_fraction <= 1:
         raise UserError(f"--memory_fraction={args.memory_fraction} must be in (0, 1]")
-    memory = int((args.memory_gib * 2**30 or targets.memory_bytes(args.target)) * args.memory_fraction)
+    device_memory = args.memory_gib * 2**30 or targets.memory_bytes(args.target)
+    memory = int(device_memory * args.memory_fraction)
     result = plan(run, args.gpus, system, memory, args.gpus // hosts, remats)
     if not result.ranked:
         found = smallest_fit(run, args.gpus, system, memory, remats)
@@ -248,7 +249,7 @@ def main(argv: list[str]) -> None:
     }
     if args.verify:
         checked = verify(args.config, result.ranked[: args.top], devices, "gpu")
-        pool = GPU_MEMORY_FRACTION * (args.memory_gib * 2**30 or targets.memory_bytes(args.target))  # what a run gets
+        pool = GPU_MEMORY_FRACTION * device_memory  # what a run gets
         for v in checked:
             v["fits"] = v["compiled_peak_bytes"] <= pool
             verdict = "within" if v["fits"] else "OVER"

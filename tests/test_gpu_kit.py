@@ -45,7 +45,6 @@ def test_the_gpu_kit_names_its_cases_when_asked_for_an_unknown_one(tmp_path):
     assert not (tmp_path / "gpu.json").exists()
 
 
-
 def test_gpu_runs_get_a_memory_pool_above_what_the_planner_admits():
     """JAX's own default pool (75% of a GPU) is smaller than the share `lm.plan` lets a layout
     fill: importing meshlm sets the pool (read back through the function jaxlib's GPU client takes
