@@ -1,6 +1,7 @@
 """Pipeline parallelism over 'stage': the schedule as data, and training equal to one device."""
 
 import re
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,20 @@ def fp8_states(mesh: dict, devices=None, steps: int = 5, **kw):
     return states, np.asarray(jax.device_get(losses))
 
 
+def assert_first_step_fp8_state_equal(state, ref):
+    """The forward's roles (x, w) bitwise; the output gradients' (g) to float32's last bits. Those
+    differ by an ulp or two between the programs from the first backward on, which the pipeline
+    cannot change: XLA:CPU lowers the stage-vmapped dots to YNNPACK kernels for other operand
+    layouts than the one-device program's (seen: `--xla_cpu_experimental_ynn_fusion_type=`
+    makes a vmapped layer's gradients bitwise equal to the plain one's) and fuses the softmax
+    backward differently; GPipe's head adds the whole batch in one dot."""
+    is_site = lambda x: isinstance(x, Mapping) and "scale" in x  # noqa: E731
+    for site, ref_site in zip(jax.tree.leaves(state, is_leaf=is_site), jax.tree.leaves(ref, is_leaf=is_site), strict=True):
+        np.testing.assert_array_equal(site["amax_history"][..., :2, :], ref_site["amax_history"][..., :2, :])
+        np.testing.assert_array_equal(site["scale"][..., :2], ref_site["scale"][..., :2])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), state, ref)
+
+
 @pytest.fixture(scope="module")
 def fp8_one_device():
     return fp8_states({}, jax.devices()[:1])
@@ -188,8 +203,9 @@ def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(fp8_on
     ref_states, ref_losses = fp8_one_device
     states, losses = fp8_states({"data": -1, "stage": 2}, **extra)
     # A step's amaxes are the maxima over the microbatches the stages ran: the first step's state
-    # equals the one-device run's (summed over ticks, autodiff's way, it is 2x: 2 microbatches).
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), states[0], ref_states[0])
+    # equals the one-device run's (summed over ticks, autodiff's way, it is 2x: 2 microbatches),
+    # bitwise for the forward's roles (inputs, weights).
+    assert_first_step_fp8_state_equal(states[0], ref_states[0])
     # Later steps drift apart (fp8 rounding magnifies float32's last-bit differences between
     # the pipelined and the one-device gradient sums), the training does not. An amax downstream
     # of e5m2 gradients moves by up to one e5m2 step (2 mantissa bits: 25%) when one of them
