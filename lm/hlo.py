@@ -2,7 +2,7 @@
 
 `gemms` lists every matrix multiply (a `dot` inside a GEMM fusion, or a cuBLAS / cuBLASLt call)
 with its operand, accumulation and result element types; `custom_calls` and `collectives` count
-what a program calls and communicates. Used by the GPU readiness checks
+what a program calls and communicates, `overlapped_collectives` which of those run beside compute. Used by the GPU readiness checks
 (`tests/test_gpu_compile.py`) and `lm.layout --target`'s report.
 """
 
@@ -82,6 +82,7 @@ def summary(hlo: str) -> dict:
         "gemm_operand_types": dict(Counter(f"{g.lhs} x {g.rhs} -> {g.out}" + (f" (accumulating {g.accumulation})" if g.accumulation != g.out else "") for g in gemms(hlo))),
         "custom_calls": dict(custom_calls(hlo)),
         "collectives": dict(collectives(hlo)),
+        "collectives_overlapped": dict(overlapped_collectives(hlo)),
     }
 
 
@@ -100,6 +101,34 @@ def custom_calls(hlo: str) -> Counter:
 def collectives(hlo: str) -> Counter:
     """How many of each collective the program runs (async `-start` forms counted once)."""
     return Counter(m for m in re.findall(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", hlo))
+
+
+_ASYNC_START = re.compile(r"%([\w.\-]+)\s*=.*?\s(" + "|".join(COLLECTIVES) + r")-start\(")
+_ASYNC_DONE = re.compile(r"\s(?:" + "|".join(COLLECTIVES) + r")-done\(%([\w.\-]+)")
+# The long kernels a collective can hide behind: GEMMs (cuBLAS, cuBLASLt, GEMM fusions) and cuDNN
+# calls (attention), not the short elementwise fusions around them.
+_HEAVY_KERNEL = re.compile(r'custom_call_target="__(?:cublas|cudnn)|kind=kCustom.*(?:gemm|triton)|\s(?:dot|convolution)\(')
+
+
+def overlapped_collectives(hlo: str) -> Counter:
+    """Per collective, how many asynchronous ones have a GEMM or cuDNN call scheduled between
+    their start and done: the ones the latency-hiding scheduler overlaps with compute. In a scheduled module each computation's text is its order of execution, so a
+    synchronous collective, or a start with its done next to it, is exposed. (Counted per
+    instruction: one in a loop body runs once per iteration.)"""
+    overlapped = Counter()
+    for _, _, body in _computations(hlo):
+        in_flight = {}  # start's name -> [collective, kernels seen since]
+        for line in body:
+            if start := _ASYNC_START.search(line):
+                in_flight[start.group(1)] = [start.group(2), 0]
+            elif done := _ASYNC_DONE.search(line):
+                op, kernels = in_flight.pop(done.group(1), ("", 0))
+                if op and kernels:
+                    overlapped[op] += 1
+            elif _HEAVY_KERNEL.search(line):
+                for pending in in_flight.values():
+                    pending[1] += 1
+    return overlapped
 
 
 def collective_buffers(hlo: str, op: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -94,7 +94,9 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
         lines.append(f"target {summary['target']}: {fmt(summary['device_memory_bytes'])} per device ({pool}); the step {verdict}")
     if summary.get("hlo", {}).get("gemm_operand_types"):
         lines.append("GEMMs (operand types -> result): " + ", ".join(f"{k}: {n}" for k, n in summary["hlo"]["gemm_operand_types"].items()))
-        lines.append("collectives: " + (", ".join(f"{k}: {n}" for k, n in summary["hlo"]["collectives"].items()) or "none"))
+        overlapped = summary["hlo"]["collectives_overlapped"]
+        lines.append("collectives (of them overlapped with compute): "
+                     + (", ".join(f"{k}: {n} ({overlapped.get(k, 0)})" for k, n in summary["hlo"]["collectives"].items()) or "none"))
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+from lm import GPU_MEMORY_FRACTION
 from lm.config import UserError
 
 TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
@@ -91,12 +92,19 @@ def devices(name: str, count: int, hosts: int = 1) -> list:
 # Compiler options for programs compiled for NVIDIA GPUs (passed per jit, never process-wide).
 # From NVIDIA's JAX GPU performance guide and MaxText's GPU recipes: the latency-hiding scheduler
 # overlaps collectives (FSDP all-gathers, reduce-scatters) with compute; the thresholds let XLA
-# combine the many small per-parameter collectives into few large ones.
+# combine the many small per-parameter collectives into few large ones. XLA:GPU schedules for
+# 80% of the device's memory, and runs the collectives of a program above that with nothing
+# beside them; the slop factor gives it JAX's pool instead (`lm.GPU_MEMORY_FRACTION`). Measured
+# on llama_70b over 128 H100s (PERFORMANCE.md): MaxText's layout (70 GiB) had 6 of its 19
+# all-gathers beside a GEMM, now 10 (72 GiB); the planner's first choice (67 GiB) 1 of its 37
+# collectives, now 9.
+XLA_SCHEDULING_FRACTION = 0.8  # of the device's memory: XLA:GPU's default (GetSchedulerMemoryLimit)
 GPU_COMPILER_OPTIONS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 67108864,
     "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
+    "xla_gpu_memory_limit_slop_factor": int(100 * GPU_MEMORY_FRACTION / XLA_SCHEDULING_FRACTION),
 }
 
 
