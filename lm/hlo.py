@@ -2,8 +2,9 @@
 
 `gemms` lists every matrix multiply (a `dot` inside a GEMM fusion, or a cuBLAS / cuBLASLt call)
 with its operand, accumulation and result element types; `custom_calls` and `collectives` count
-what a program calls and communicates, `overlapped_collectives` which of those run beside compute. Used by the GPU readiness checks
-(`tests/test_gpu_compile.py`) and `lm.layout --target`'s report.
+what a program calls and communicates, `overlapped_collectives` which collectives the schedule
+runs beside compute. Used by the GPU readiness checks (`tests/test_gpu_compile.py`),
+`lm.layout --target`'s report and `lm.plan --verify`.
 """
 
 from __future__ import annotations
@@ -112,9 +113,10 @@ _HEAVY_KERNEL = re.compile(r'custom_call_target="__(?:cublas|cudnn)|kind=kCustom
 
 def overlapped_collectives(hlo: str) -> Counter:
     """Per collective, how many asynchronous ones have a GEMM or cuDNN call scheduled between
-    their start and done: the ones the latency-hiding scheduler overlaps with compute. In a scheduled module each computation's text is its order of execution, so a
-    synchronous collective, or a start with its done next to it, is exposed. (Counted per
-    instruction: one in a loop body runs once per iteration.)"""
+    their start and done: the ones the latency-hiding scheduler overlaps with compute. In a
+    scheduled module each computation's text is its order of execution, so a synchronous
+    collective, or a start with its done next to it, is exposed. (Counted per instruction: one
+    in a loop body runs once per iteration.)"""
     overlapped = Counter()
     for _, _, body in _computations(hlo):
         in_flight = {}  # start's name -> [collective, kernels seen since]
