@@ -92,13 +92,14 @@ def devices(name: str, count: int, hosts: int = 1) -> list:
 # Compiler options for programs compiled for NVIDIA GPUs (passed per jit, never process-wide).
 # From NVIDIA's JAX GPU performance guide and MaxText's GPU recipes: the latency-hiding scheduler
 # overlaps collectives (FSDP all-gathers, reduce-scatters) with compute; the thresholds let XLA
-# combine the many small per-parameter collectives into few large ones. XLA:GPU schedules for
-# 80% of the device's memory, and runs the collectives of a program above that with nothing
-# beside them; the slop factor gives it JAX's pool instead (`lm.GPU_MEMORY_FRACTION`). Measured
-# on llama_70b over 128 H100s (PERFORMANCE.md): MaxText's layout (70 GiB) had 6 of its 19
-# all-gathers beside a GEMM, now 10 (72 GiB); the planner's first choice (67 GiB) 1 of its 37
-# collectives, now 9.
-XLA_SCHEDULING_FRACTION = 0.8  # of the device's memory: XLA:GPU's default (GetSchedulerMemoryLimit)
+# combine the many small per-parameter collectives into few large ones. XLA:GPU schedules a
+# step's temporaries into (80% of the device - its inputs and outputs) x slop factor / 100, the
+# factor 95 by default (60.4 GiB of an H100), and runs the collectives of a step above that with
+# nothing beside them; a factor of 100 x JAX's pool / 80% keeps the whole step within that pool
+# (`lm.GPU_MEMORY_FRACTION`) and lets the scheduler use it. Measured on llama_70b over 128 H100s
+# (PERFORMANCE.md): MaxText's layout (70 GiB) had 6 of its 19 all-gathers beside a GEMM, now 10
+# (72 GiB); the planner's first choice (67 GiB) 1 of its 37 collectives, now 9.
+XLA_SCHEDULING_FRACTION = 0.8  # of the device's memory: XLA:GPU's base (GetSchedulerMemoryLimit)
 GPU_COMPILER_OPTIONS = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
