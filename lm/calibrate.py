@@ -63,6 +63,14 @@ LAYOUTS = (
     Layout(fsdp=2, tensor=4, remat="dots_no_batch"),
     Layout(tensor=8, sequence_parallel=True, remat="dots_no_batch"),
     Layout(fsdp=2, tensor=4, sequence_parallel=True, remat="full"),
+    # Many passes of one or two sequences each: what the smallest-memory layouts are.
+    Layout(fsdp=2, tensor=4, remat="full", grad_accum=8),
+    Layout(fsdp=2, tensor=4, sequence_parallel=True, remat="full", grad_accum=8),
+    Layout(data=4, tensor=2, remat="dots_no_batch", grad_accum=4),
+    Layout(fsdp=8, remat="dots_no_batch", grad_accum=2),
+    Layout(stage=2, tensor=4, remat="full", microbatches=16, schedule="1f1b"),
+    Layout(stage=2, tensor=4, sequence_parallel=True, remat="full", microbatches=16, schedule="1f1b_per_stage"),
+    Layout(stage=2, tensor=2, data=2, remat="full", microbatches=8, schedule="gpipe"),
 )
 
 

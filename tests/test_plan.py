@@ -22,10 +22,10 @@ from lm.program import setup
 SMALL = dict(model__num_layers=4, model__embed_dim=512, model__num_heads=8, model__num_kv_heads=4, model__mlp_dim=1024,
              model__scan_layers=True, data__tokenizer="bpe", data__vocab_size=16384, train__seq_len=256, train__batch_size=16,
              precision__compute_dtype="bfloat16")
-# The memory model's stated accuracy: lm.calibrate's fits on the deviceless H100 compile are
-# within 27% for temporaries (most within 12%); with the exact state, totals within 15%.
-TEMPORARIES_TOLERANCE = 0.3
-TOTAL_TOLERANCE = 0.15
+# The memory model's stated accuracy on this model's smallest layouts (temporaries, totals):
+# on the deviceless H100 compile within 17% and 8% (five of the six within 5% and 2.3%); on the
+# CPU compile, whose einsum attention and fusions the terms fit worse, within 30% and 15%.
+TOLERANCES = {"gpu": (0.2, 0.1), "cpu": (0.3, 0.15)}
 H100 = System.load("h100")
 
 
@@ -78,12 +78,13 @@ def test_memory_predictions_match_the_compiler_and_rejections_do_not_fit(small):
     rejected = [c for c in every if Cost(run, c.layout, system, platform).memory["total"] > 1.25 * limit]
     rejected = sorted(rejected, key=lambda c: Cost(run, c.layout, system, platform).memory["total"])[:2]
     assert 4 <= len(admitted) <= 8 and len(rejected) == 2
+    temporaries_tolerance, total_tolerance = TOLERANCES[platform]
     for c in admitted:
         (checked,) = lm_plan.verify(config, [c], devices, platform)
         predicted = checked["predicted_bytes"]
         assert predicted["params"] + predicted["opt_state"] - checked["compiled_state_bytes"] < 64, checked  # step, fp8: scalars
-        assert abs(predicted["temporaries"] / checked["compiled_temp_bytes"] - 1) < TEMPORARIES_TOLERANCE, checked
-        assert abs(predicted["total"] / checked["compiled_peak_bytes"] - 1) < TOTAL_TOLERANCE, checked
+        assert abs(predicted["temporaries"] / checked["compiled_temp_bytes"] - 1) < temporaries_tolerance, checked
+        assert abs(predicted["total"] / checked["compiled_peak_bytes"] - 1) < total_tolerance, checked
     for c in rejected:
         (checked,) = lm_plan.verify(config, [c], devices, platform)
         assert checked["compiled_peak_bytes"] > limit, checked
