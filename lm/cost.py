@@ -3,10 +3,9 @@
 Memory per device: the state (parameters, optimizer state, fp8 state) exactly, from the sharding
 rules and the abstract state's shapes, as `lm.layout` reports it; the step's temporaries as a
 sum of modelled terms (gradients and their accumulator, the activations each remat policy keeps,
-one layer's working set, the weights' compute-dtype copies, the logits, the embedding and head
-gathered under FSDP), each weighted by a coefficient fitted once
-to XLA's memory analysis of small compiles (`lm.calibrate --memory`). Its inputs (Layout,
-System, Run) are `lm.cost_inputs`.
+one layer's working set, the weights' compute-dtype copies, the logits, the head's table whole
+under FSDP), each weighted by a coefficient fitted once to XLA's memory analysis of small
+compiles (`lm.calibrate --memory`). Its inputs (Layout, System, Run) are `lm.cost_inputs`.
 
 Step time: FLOPs (`lm.metrics.flops_per_token`, plus what remat recomputes) at one calibrated
 share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
