@@ -181,12 +181,14 @@ def verify(config, costs: list[Cost], devices: list, platform: str) -> list[dict
         _, summary = compile_layout(apply_overrides(config, c.layout.overrides()), devices)
         compiled = summary["compiled_train_step_per_device"]
         state = summary["per_device"]["params_bytes"] + summary["per_device"]["opt_state_bytes"]
+        predicted = Cost(c.run, c.layout, c.system, platform).memory
         out.append({
             "layout": c.layout.name(c.run.model.num_layers),
-            "predicted_bytes": Cost(c.run, c.layout, c.system, platform).memory,
+            "predicted_bytes": predicted,
             "compiled_state_bytes": state,
             "compiled_temp_bytes": compiled["temp_bytes"],
             "compiled_peak_bytes": compiled["peak_estimate_bytes"],
+            "memory_error": predicted["total"] / compiled["peak_estimate_bytes"] - 1,  # the model's, per device
             # The cost model hides FSDP's collectives behind compute: what XLA's schedule hides.
             "collectives": summary["hlo"]["collectives"],
             "collectives_overlapped": summary["hlo"]["collectives_overlapped"],
@@ -257,7 +259,7 @@ def main(argv: list[str]) -> None:
             v["fits"] = v["compiled_peak_bytes"] <= pool
             verdict = "within" if v["fits"] else "OVER"
             print(f"verify {v['layout']}: predicted {v['predicted_bytes']['total'] / 2**30:.2f} GiB, XLA {v['compiled_peak_bytes'] / 2**30:.2f} GiB "
-                  f"({verdict} JAX's {pool / 2**30:.2f} GiB pool)")
+                  f"(model {100 * v['memory_error']:+.1f}%; {verdict} JAX's {pool / 2**30:.2f} GiB pool)")
             print("  collectives beside compute in XLA's schedule: "
                   + ", ".join(f"{op} {v['collectives_overlapped'].get(op, 0)} of {n}" for op, n in v["collectives"].items()))
         summary["verify"] = checked
