@@ -186,17 +186,16 @@ def fp8_states(mesh: dict, devices=None, steps: int = 5, forced_from: list | Non
     rng = np.random.default_rng(0)
     shape = (c.train.batch_size, c.train.seq_len + 1)
     batches = [program.global_batch(rng.integers(0, VOCAB, shape, dtype=np.int32)) for _ in range(steps)]
-    state, run = program.init_state(0), Fp8Run([], [], [])
+    state, fp8, losses, starts, forced = program.init_state(0), [], [], [], None
     for batch in batches:
-        run.starts.append(jax.device_get(state))
+        starts.append(jax.device_get(state))
         state, metrics = program.train_step(state, batch)
-        run.fp8.append(jax.device_get(state.fp8))
-        run.losses.append(metrics["loss"])
-    run.losses = np.asarray(jax.device_get(run.losses))
+        fp8.append(jax.device_get(state.fp8))
+        losses.append(metrics["loss"])
     if forced_from is not None:
         step = lambda start, batch: program.train_step(jax.device_put(start, program.state_shardings), batch)[0].fp8  # noqa: E731
-        run.forced = [jax.device_get(step(start, batch)) for start, batch in zip(forced_from, batches, strict=True)]
-    return run
+        forced = [jax.device_get(step(start, batch)) for start, batch in zip(forced_from, batches, strict=True)]
+    return Fp8Run(fp8, np.asarray(jax.device_get(losses)), starts, forced)
 
 
 def assert_fp8_step_equal(state, ref, gradient_outliers: int = 0):
@@ -217,7 +216,7 @@ def assert_fp8_step_equal(state, ref, gradient_outliers: int = 0):
         np.testing.assert_array_equal(site["amax_history"][..., forward, :], ref_site["amax_history"][..., forward, :])
         np.testing.assert_array_equal(site["scale"][..., forward], ref_site["scale"][..., forward])
         gradients.append(relative(site["amax_history"][..., g, :], ref_site["amax_history"][..., g, :]).ravel())
-        np.testing.assert_allclose(site["scale"][..., g], ref_site["scale"][..., g], rtol=0.25)
+        np.testing.assert_allclose(site["scale"][..., g], ref_site["scale"][..., g], rtol=0.25 if gradient_outliers else 1e-6)
     gradients = np.concatenate(gradients)
     assert (gradients > 1e-6).sum() <= gradient_outliers and gradients.max() < 0.25, np.sort(gradients)[-3:]
 
