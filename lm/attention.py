@@ -75,6 +75,24 @@ def attention_kernel(requested: str, q_bthk: jax.Array, decoding: bool = False) 
     return "xla" if decoding or cudnn_missing(backend, q_bthk.dtype, q_bthk.shape[-1]) else "cudnn"
 
 
+@jax.custom_jvp
+def softmax(logits: jax.Array) -> jax.Array:
+    """`jax.nn.softmax` over the last axis, differentiated as y * (dx - sum(y * dx)): with no
+    division in the backward, XLA compiles it alike in every program (its simplifier turns a
+    division by a broadcast sum into a multiplication in some and not in others, an ulp apart),
+    which makes pipelined gradients bitwise the one-device run's. (JAX's own softmax does this
+    under `jax_softmax_custom_jvp`, off by default.)"""
+    unnormalized = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))
+    return unnormalized / unnormalized.sum(-1, keepdims=True)
+
+
+@softmax.defjvp
+def _softmax_jvp(primals, tangents):
+    (logits,), (dlogits,) = primals, tangents
+    y = softmax(logits)
+    return y, y * (dlogits - (y * dlogits).sum(-1, keepdims=True))
+
+
 def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0, decoding: bool = False) -> jax.Array:
     """Softmax attention with grouped-query heads; `mask_bts` None means causal (within a sliding
     `window` of keys when it is > 0); `decoding`: the queries continue a KV cache.
@@ -109,6 +127,6 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
     if mask_bts is None:
         mask_bts = causal_mask(jnp.arange(t)[None], jnp.arange(k_bsgk.shape[1])[None], window)
     logits = jnp.where(mask_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = softmax(logits)
     out = policy.matmul("bgrts,bsgk->btgrk", probs, v_bsgk)
     return out.reshape(b, t, h, k)
