@@ -156,11 +156,10 @@ class Cost:
         return m.vocab_size * m.embed_dim / (lay.stage * lay.tensor) * self.run.param_bytes
 
     def _logits_bytes(self) -> float:
-        """The float32 logits alive at once, split over `stage` x `tensor` (the vocabulary rule):
-        the replica batch's under GPipe (the head runs after the pipeline), else a microbatch's."""
+        """The float32 logits alive at once, split over `stage` x `tensor` (the vocabulary rule): a
+        microbatch's (every pipeline runs the head one microbatch at a time)."""
         lay, vocab = self.layout, self.run.model.vocab_size
-        tokens = self.local_tokens * (lay.microbatches if lay.schedule == "gpipe" else 1)
-        return tokens * vocab / (lay.stage * lay.tensor) * 4
+        return self.local_tokens * vocab / (lay.stage * lay.tensor) * 4
 
     def _weight_copies(self) -> float:
         """The blocks' weights in the compute dtype (every local shard cast), plus under FSDP a

@@ -27,7 +27,7 @@ from lm.layers import (
 )
 from lm.precision import Policy
 from sharding import constrain
-from sharding.pipeline import pipeline
+from sharding.pipeline import pipeline, pipeline_loss
 from sharding.pipeline_1f1b import pipeline_1f1b
 from sharding.pipeline_per_stage import pipeline_per_stage
 from sharding.remat import remat
@@ -172,10 +172,12 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"), "logits")
 
     def pipelined_loss(self, loss_fn, tokens_bt, targets_bt, positions_bt=None, loss_scale=1.0) -> jax.Array:
-        """`loss_fn(logits, targets)` averaged over the microbatches of the 1F1B pipeline, which
-        embeds each microbatch on its first stage, applies the head and loss on its last and
-        computes its own gradients (`sharding.pipeline_1f1b`), its backward run at `loss_scale`
-        (differentiate `loss * loss_scale`)."""
+        """`loss_fn(logits, targets)` averaged over the pipeline's microbatches. The 1F1B pipelines
+        embed each microbatch on their first stage, apply the head and loss on their last and
+        compute their own gradients (`sharding.pipeline_1f1b`, `sharding.pipeline_per_stage`);
+        GPipe / circular apply them after the pipeline, one microbatch at a time
+        (`sharding.pipeline.pipeline_loss`). The backward runs at `loss_scale` (differentiate
+        `loss * loss_scale`)."""
         stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
         norm_graph, norm_state = nnx.split(self.final_norm)
 
@@ -187,7 +189,7 @@ class Transformer(nnx.Module):
             positions = None if positions_bt is None else positions_bt[: tokens_mb.shape[0]]
             return self._embed(tokens_mb, positions, tables)
 
-        run = pipeline_per_stage if self.pipeline.schedule == "1f1b_per_stage" else pipeline_1f1b
+        run = {"gpipe": pipeline_loss, "1f1b": pipeline_1f1b, "1f1b_per_stage": pipeline_per_stage}[self.pipeline.schedule]
         return run(
             stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
             loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,

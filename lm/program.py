@@ -187,10 +187,10 @@ class Program:
     def _loss(self, params, batch, fp8=None, probes=None, loss_scale=1.0) -> jax.Array:
         """Mean cross entropy of a batch (see `model_inputs`); the mean does not depend on the
         tokens' order, so nothing is undone after a reorder. `loss_scale`: what the loss will be
-        multiplied by before differentiation (the 1F1B pipeline runs its backward with it)."""
+        multiplied by before differentiation (the pipelines run their backward with it)."""
         inputs, targets_bt = self.model_inputs(batch)
         model = self.layout.model(params, fp8, probes)
-        if self.spec.pipeline.schedule != "gpipe":  # 1F1B: the head and loss inside the pipeline
+        if self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe":  # the head and loss per microbatch
             return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale)
         logits, _ = model(**inputs)
         return cross_entropy(logits, targets_bt)

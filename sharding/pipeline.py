@@ -11,7 +11,10 @@ stages - 1` ticks; at each tick every stage applies its current chunk to the mic
 stage on (`jnp.roll` along the stage axis, compiled to a collective-permute). A microbatch's
 output of the last stage returns to stage 0 for the next repeat (circular / interleaved), or is
 the result after the last. Gradients come from autodiff through the scan; each tick's stage
-computation can be rematerialised.
+computation can be rematerialised. With a loss (`pipeline_loss`, what training runs), the head
+and loss follow one microbatch at a time (`microbatch_loss`), so only a microbatch's logits are
+ever alive, and the head's gradients add up per microbatch as gradient accumulation's do.
+`owning_backward` is the custom VJP this and the 1F1B programs compute their gradients under.
 
 GPipe is `repeats=1`, with bubble `(S-1)/(M+S-1)`; `repeats=R` gives `(S-1)/(R*M+S-1)`.
 """
@@ -96,14 +99,16 @@ def _per_tick(chunks, ticks: dict[str, np.ndarray], repeats: int):
     return spread(chunks)
 
 
-def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | None], plan: PipelinePlan, probes=None, probes_axes=None):
+def pipeline_microbatches(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | None], plan: PipelinePlan,
+                          probes=None, probes_axes=None):
     """`stage_fn(chunk_params, chunk_probes, x_mb, chunk) -> y_mb` applied to every microbatch of
     `x` through all chunks; `chunk` (traced) is which one: layers `chunk * layers_per_chunk ...`.
 
     `params`: pytree of stacked layer parameters (leading axis: layers); `params_axes`: the same
-    tree of logical-axis tuples; `x`: `[batch, ...]` with logical axes `x_axes`. Returns `[batch,
-    ...]`, the same as applying all layers in order to `x`. The scan steps through the rows of
-    `schedule(...)`, the same table the tests check and the notebook draws. `probes` (stacked
+    tree of logical-axis tuples; `x`: `[batch, ...]` with logical axes `x_axes`. Returns its
+    microbatches `[M, batch / M, ...]` (`split_microbatches`), each the same as applying all
+    layers in order to it. The scan steps through the rows of `schedule(...)`, the same table the
+    tests check and the notebook draws. `probes` (stacked
     like `params`, or None): zero inputs whose gradients are statistics, such as fp8 amaxes;
     every tick gets its own, and their gradients combine by maximum over the ticks that did
     real work (autodiff would sum them over microbatches and add the bubble's).
@@ -144,4 +149,79 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
     held = constrain(jnp.zeros((s, *x_m.shape[1:]), x.dtype), state_axes, "pipeline stage inputs")
     outputs = jnp.zeros_like(x_m)
     (_, outputs), _ = jax.lax.scan(tick, (held, outputs), rows)
-    return merge_microbatches(outputs)
+    return outputs
+
+
+def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | None], plan: PipelinePlan, probes=None, probes_axes=None):
+    """The stacked layers applied to `x` by GPipe / circular (`pipeline_microbatches`), the
+    microbatches merged back into `[batch, ...]`."""
+    return merge_microbatches(pipeline_microbatches(stage_fn, params, params_axes, x, x_axes, plan, probes, probes_axes))
+
+
+def pipeline_loss(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, embed_fn: Callable, embed_params, inputs,
+                  loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None], batch_axes: Sequence[str | None],
+                  probes=None, probes_axes=None, seed=1.0):
+    """GPipe / circular with the arguments of `pipeline_1f1b`: the mean over microbatches of
+    `loss_fn(loss_params, y_mb, targets_mb)`, `y_mb` the layers applied to `embed_fn(embed_params,
+    inputs)`'s microbatch. The head and loss run after the pipeline one microbatch at a time
+    (`microbatch_loss`), as on the 1F1B pipelines' last stage."""
+    x = embed_fn(embed_params, inputs)
+    y_m = pipeline_microbatches(stage_fn, params, params_axes, x, x_axes, plan, probes, probes_axes)
+    targets_m = split_microbatches(targets, plan.microbatches, batch_axes, "pipeline targets")
+    return microbatch_loss(loss_fn, loss_params, y_m, targets_m, seed, x_axes)
+
+
+def microbatch_loss(loss_fn: Callable, loss_params, y_m, targets_m, seed=1.0, y_axes: Sequence[str | None] | None = None):
+    """The mean over microbatches of `loss_fn(loss_params, y_mb, targets_mb)` (`y_m`,
+    `targets_m`: microbatches on the leading axis), one microbatch at a time: a scan that also
+    differentiates each microbatch's loss as it goes (at cotangent `seed / M`, `owning_backward`),
+    so one microbatch's logits exist at once, forward or backward, nothing is recomputed, and
+    `loss_params`' gradients add up microbatch by microbatch in float32, as gradient
+    accumulation adds them."""
+    m = y_m.shape[0]
+
+    def run(loss_params, y_m, seed, targets_m):
+        def one(carry, microbatch):
+            total, grads = carry
+            y_mb, targets_mb = microbatch
+            loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, targets_mb), loss_params, y_mb)
+            dloss_params, dy_mb = pull((seed / m).astype(loss.dtype))
+            grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, dloss_params)
+            return (total + loss / m, grads), dy_mb
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), loss_params))
+        (loss, grads), dy_m = jax.lax.scan(one, zeros, (y_m, targets_m))
+        if y_axes is not None:
+            dy_m = constrain(dy_m, (None, *y_axes), "pipeline output cotangents")
+        return loss, (jax.tree.map(lambda g, p: g.astype(p.dtype), grads, loss_params), dy_m)
+
+    return owning_backward(run, (loss_params, y_m), seed, (targets_m,))
+
+
+def owning_backward(run: Callable, differentiable: tuple, seed, integers: tuple = (), statistics: Sequence[int] = ()):
+    """`run(*differentiable, seed, *integers)[0]`, a loss, as a function JAX differentiates
+    through what `run` found along with it: `(loss, gradients)`, one per `differentiable`
+    argument, all taken at cotangent `seed`. A custom VJP whose backward scales them by the
+    loss's cotangent over `seed` (a float16 loss scale goes into `seed`, so the activations'
+    cotangents are scaled where they would overflow or underflow, as under autodiff); those at
+    positions `statistics` (amaxes) are returned as they are."""
+    n = len(differentiable)
+
+    @jax.custom_vjp
+    def owned(*args):
+        return run(*args)[0]
+
+    def forward_rule(*args):
+        loss, found = run(*args)
+        return loss, (found, args[n:])
+
+    def backward_rule(residuals, g):
+        found, (seed, *integer_args) = residuals
+        ratio = g / seed  # 1 when the loss is differentiated with the seed's own scale
+        scale = lambda tree: jax.tree.map(lambda a: (a * ratio).astype(a.dtype), tree)  # noqa: E731
+        grads = tuple(f if i in statistics else scale(f) for i, f in enumerate(found))
+        none = tuple(jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), a) for a in integer_args)
+        return *grads, jnp.zeros_like(seed), *none
+
+    owned.defvjp(forward_rule, backward_rule)
+    return owned(*differentiable, jnp.asarray(seed, jnp.float32), *integers)

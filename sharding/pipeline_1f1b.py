@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from sharding.pipeline import split_microbatches, stage_chunks, with_ends
+from sharding.pipeline import owning_backward, split_microbatches, stage_chunks, with_ends
 from sharding.remat import remat
 from sharding.rules import constrain, constrain_leading
 from sharding.schedules import PipelinePlan, Step, check, phases, schedule_1f1b
@@ -248,30 +248,4 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         found = like(swap(c["grads"]), params), stats, like(c["embed_grads"], embed_params), like(c["loss_grads"], loss_params)
         return c["loss"], found
 
-    return owning_backward(run, params, probes, embed_params, loss_params, seed, inputs, targets)
-
-
-def owning_backward(run: Callable, params, probes, embed_params, loss_params, seed, inputs, targets):
-    """`run(...)[0]` (a pipeline's loss) as a function JAX differentiates through what `run`
-    found (`(loss, (dparams, probe statistics, dembed, dloss_params))`, all taken at cotangent
-    `seed`): a custom VJP whose backward scales them by the loss's cotangent over `seed` (a
-    float16 loss scale goes into `seed`, so the activations' cotangents are scaled where they
-    would overflow or underflow, as under autodiff). Statistics are not scaled."""
-
-    @jax.custom_vjp
-    def pipelined(params, probes, embed_params, loss_params, seed, inputs, targets):
-        return run(params, probes, embed_params, loss_params, seed, inputs, targets)[0]
-
-    def forward_rule(*args):
-        loss, found = run(*args)
-        return loss, (found, args[-3:])
-
-    def backward_rule(residuals, g):
-        (dparams, stats, dembed, dloss_params), (seed, *integer_args) = residuals
-        ratio = g / seed  # 1 when the loss is differentiated with the seed's own scale
-        scale = lambda tree: jax.tree.map(lambda a: (a * ratio).astype(a.dtype), tree)  # noqa: E731
-        none = tuple(jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), a) for a in integer_args)
-        return scale(dparams), stats, scale(dembed), scale(dloss_params), jnp.zeros_like(seed), *none
-
-    pipelined.defvjp(forward_rule, backward_rule)
-    return pipelined(params, probes, embed_params, loss_params, jnp.asarray(seed, jnp.float32), inputs, targets)
+    return owning_backward(run, (params, probes, embed_params, loss_params), seed, (inputs, targets), statistics=(1,))

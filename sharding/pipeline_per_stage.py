@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sharding.mesh import ShardingError
-from sharding.pipeline import split_microbatches, with_ends
-from sharding.pipeline_1f1b import Pullbacks, owning_backward
+from sharding.pipeline import owning_backward, split_microbatches, with_ends
+from sharding.pipeline_1f1b import Pullbacks
 from sharding.remat import remat
 from sharding.rules import active_mesh, constrain, constrain_leading
 from sharding.schedules import (
@@ -295,4 +295,4 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         stats = None if probes is None else like(stats, probes)
         return c["loss"], (like(dparams, params), stats, like(c["dembed"], embed_params), like(c["dloss"], loss_params))
 
-    return owning_backward(run, params, probes, embed_params, loss_params, seed, inputs, targets)
+    return owning_backward(run, (params, probes, embed_params, loss_params), seed, (inputs, targets), statistics=(1,))

@@ -150,8 +150,9 @@ def test_no_stage_holds_full_vocabulary_logits_unless_the_rules_say_so():
         return program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
 
     assert not full_vocabulary_buffers(compiled())
-    # The detector: with the vocabulary over `tensor` alone, every stage computes the whole head.
-    assert full_vocabulary_buffers(compiled(sharding__rules="(('vocab', 'tensor'),)")) == {"f32[4,32,256]"}
+    # The detector: with the vocabulary over `tensor` alone, every stage computes the whole head,
+    # one microbatch (2 of the replica's 4 sequences) at a time.
+    assert full_vocabulary_buffers(compiled(sharding__rules="(('vocab', 'tensor'),)")) == {"f32[2,32,256]"}
 
 
 def test_checkpoint_from_a_pipelined_mesh_restores_on_one_device(tmp_path, small_corpus):
@@ -265,10 +266,10 @@ def fp8_one_device_in_two_microbatches():
     return fp8_states({}, jax.devices()[:1], train__grad_accum=2, **WHOLE_VOCABULARY)
 
 
-@pytest.mark.parametrize("extra", [{"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
+@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
                                    {"pipeline__schedule": "1f1b_per_stage"}],
-                         ids=["1f1b", "interleaved-1f1b", "per-stage-1f1b"])
-def test_fp8_state_under_1f1b_is_bitwise_the_one_device_runs_at_each_of_5_steps(fp8_one_device_in_two_microbatches, extra):
+                         ids=["gpipe", "circular", "1f1b", "interleaved-1f1b", "per-stage-1f1b"])
+def test_fp8_state_under_every_schedule_is_bitwise_the_one_device_runs_at_each_of_5_steps(fp8_one_device_in_two_microbatches, extra):
     """Run freely for 5 steps on `{stage: 2}`, the 1F1B pipelines leave the fp8 state (every
     site's amax histories and scales, all three roles) and the losses bitwise equal to one
     device's after every step. The reference adds the same two microbatches' gradients
