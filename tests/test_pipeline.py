@@ -270,13 +270,13 @@ def fp8_one_device_in_two_microbatches():
                                    {"pipeline__schedule": "1f1b_per_stage"}],
                          ids=["gpipe", "circular", "1f1b", "interleaved-1f1b", "per-stage-1f1b"])
 def test_fp8_state_under_every_schedule_is_bitwise_the_one_device_runs_at_each_of_5_steps(fp8_one_device_in_two_microbatches, extra):
-    """Run freely for 5 steps on `{stage: 2}`, the 1F1B pipelines leave the fp8 state (every
-    site's amax histories and scales, all three roles) and the losses bitwise equal to one
-    device's after every step. The reference adds the same two microbatches' gradients
+    """Run freely for 5 steps on `{stage: 2}`, every pipeline leaves the fp8 state (every site's
+    amax histories and scales, all three roles) and the losses bitwise equal to one device's
+    after every step. The reference adds the same two microbatches' gradients
     (`train.grad_accum=2`), and the vocabulary stays whole, since split over the stages the
-    loss's logsumexp adds in another order by design. (GPipe is not bitwise: its head runs on
-    the whole batch at once, so its weight gradient sums in another order; seen: equal for 3
-    steps. `lm.attention.softmax` made the rest possible.)"""
+    loss's logsumexp adds in another order by design. (Two things made it possible:
+    `lm.attention.softmax`, and GPipe's head run per microbatch, `microbatch_loss`; with its
+    head on the whole batch, its weight gradient summed in another order: equal for 3 steps.)"""
     ref = fp8_one_device_in_two_microbatches
     run = fp8_states({"stage": 2}, jax.devices()[:2], **WHOLE_VOCABULARY, **extra)
     for state, ref_state in zip(run.fp8, ref.fp8, strict=True):
