@@ -9,6 +9,8 @@ blocks themselves are in `lm.layers`. Shape suffixes as there; `n` is the number
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 
 import jax
@@ -171,13 +173,14 @@ class Transformer(nnx.Module):
             logits = jnp.where(jnp.arange(cfg.vocab_size) < cfg.used_vocab, logits, jnp.finfo(jnp.float32).min)
         return constrain(logits, ("batch", "length", "vocab"), "logits")
 
-    def pipelined_loss(self, loss_fn, tokens_bt, targets_bt, positions_bt=None, loss_scale=1.0) -> jax.Array:
+    def pipelined_loss(self, loss_fn, tokens_bt, targets_bt, positions_bt=None, loss_scale=1.0, differentiated=True) -> jax.Array:
         """`loss_fn(logits, targets)` averaged over the pipeline's microbatches. The 1F1B pipelines
         embed each microbatch on their first stage, apply the head and loss on their last and
         compute their own gradients (`sharding.pipeline_1f1b`, `sharding.pipeline_per_stage`);
         GPipe / circular apply them after the pipeline, one microbatch at a time
         (`sharding.pipeline.pipeline_loss`). The backward runs at `loss_scale` (differentiate
-        `loss * loss_scale`)."""
+        `loss * loss_scale`). `differentiated=False` (evaluation): GPipe's forward under every
+        schedule, no backward computed."""
         stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
         norm_graph, norm_state = nnx.split(self.final_norm)
 
@@ -189,7 +192,10 @@ class Transformer(nnx.Module):
             positions = None if positions_bt is None else positions_bt[: tokens_mb.shape[0]]
             return self._embed(tokens_mb, positions, tables)
 
-        run = {"gpipe": pipeline_loss, "1f1b": pipeline_1f1b, "1f1b_per_stage": pipeline_per_stage}[self.pipeline.schedule]
+        if not differentiated:
+            run = functools.partial(pipeline_loss, differentiated=False)
+        else:
+            run = {"gpipe": pipeline_loss, "1f1b": pipeline_1f1b, "1f1b_per_stage": pipeline_per_stage}[self.pipeline.schedule]
         return run(
             stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
             loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,

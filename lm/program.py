@@ -149,7 +149,7 @@ class Program:
             donate_argnums=0,
         )
         self.eval_step = jit(
-            lambda state, tokens: self._loss(state.params, tokens, state.fp8),
+            lambda state, tokens: self._loss(state.params, tokens, state.fp8, differentiated=False),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=replicated,
         )
@@ -184,14 +184,15 @@ class Program:
             targets_bt = sharding.reorder(targets_bt, self.sequence_order)
         return inputs, constrain(targets_bt, ("batch", "length"), "targets")
 
-    def _loss(self, params, batch, fp8=None, probes=None, loss_scale=1.0) -> jax.Array:
+    def _loss(self, params, batch, fp8=None, probes=None, loss_scale=1.0, differentiated=True) -> jax.Array:
         """Mean cross entropy of a batch (see `model_inputs`); the mean does not depend on the
         tokens' order, so nothing is undone after a reorder. `loss_scale`: what the loss will be
-        multiplied by before differentiation (the pipelines run their backward with it)."""
+        multiplied by before differentiation (the pipelines run their backward with it);
+        `differentiated=False` (evaluation): the pipelines run their forward alone."""
         inputs, targets_bt = self.model_inputs(batch)
         model = self.layout.model(params, fp8, probes)
         if self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe":  # the head and loss per microbatch
-            return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale)
+            return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated)
         logits, _ = model(**inputs)
         return cross_entropy(logits, targets_bt)
 

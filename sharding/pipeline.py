@@ -160,14 +160,19 @@ def pipeline(stage_fn: Callable, params, params_axes, x, x_axes: Sequence[str | 
 
 def pipeline_loss(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, embed_fn: Callable, embed_params, inputs,
                   loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None], batch_axes: Sequence[str | None],
-                  probes=None, probes_axes=None, seed=1.0):
+                  probes=None, probes_axes=None, seed=1.0, differentiated: bool = True):
     """GPipe / circular with the arguments of `pipeline_1f1b`: the mean over microbatches of
     `loss_fn(loss_params, y_mb, targets_mb)`, `y_mb` the layers applied to `embed_fn(embed_params,
     inputs)`'s microbatch. The head and loss run after the pipeline one microbatch at a time
-    (`microbatch_loss`), as on the 1F1B pipelines' last stage."""
+    (`microbatch_loss`), as on the 1F1B pipelines' last stage. `differentiated=False`
+    (evaluation, under any schedule: the chunks are laid out alike): the forward alone, nothing
+    kept for a backward."""
     x = embed_fn(embed_params, inputs)
     y_m = pipeline_microbatches(stage_fn, params, params_axes, x, x_axes, plan, probes, probes_axes)
     targets_m = split_microbatches(targets, plan.microbatches, batch_axes, "pipeline targets")
+    if not differentiated:
+        mean = lambda total, mb: (total + loss_fn(loss_params, *mb) / plan.microbatches, None)  # noqa: E731
+        return jax.lax.scan(mean, jnp.zeros((), jnp.float32), (y_m, targets_m))[0]
     return microbatch_loss(loss_fn, loss_params, y_m, targets_m, seed, x_axes)
 
 
