@@ -9,9 +9,8 @@ blocks themselves are in `lm.layers`. Shape suffixes as there; `n` is the number
 
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
