@@ -66,6 +66,8 @@ LAYOUTS = (
     # Many passes of one or two sequences each: what the smallest-memory layouts are.
     Layout(fsdp=2, tensor=4, remat="full", grad_accum=8),
     Layout(fsdp=2, tensor=4, sequence_parallel=True, remat="full", grad_accum=8),
+    Layout(data=2, tensor=4, remat="full", grad_accum=8),  # gradients whole on each device, added in place
+    Layout(data=2, tensor=4, sequence_parallel=True, remat="full", grad_accum=8),
     Layout(data=4, tensor=2, remat="dots_no_batch", grad_accum=4),
     Layout(fsdp=8, remat="dots_no_batch", grad_accum=2),
     Layout(stage=2, tensor=4, remat="full", microbatches=16, schedule="1f1b"),
