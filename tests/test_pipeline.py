@@ -224,9 +224,9 @@ def assert_fp8_step_equal(state, ref, gradient_outliers: int = 0):
     run of the whole batch the gradients differ in the last bits from the first backward on:
     that run sums each weight gradient over the batch in one dot, the pipeline adds its
     microbatches' (and splits the loss's logsumexp over the stages). Against one device adding
-    the same microbatches, with the vocabulary whole, 1F1B is bitwise (the test below). Where
-    such a difference rounds an e5m2 value the other way, an amax downstream of it moves by
-    more."""
+    the same microbatches, with the vocabulary whole, every schedule is bitwise (the test
+    below). Where such a difference rounds an e5m2 value the other way, an amax downstream of
+    it moves by more."""
     is_site = lambda x: isinstance(x, Mapping) and "scale" in x  # noqa: E731
     forward, g = [ROLES.index("x"), ROLES.index("w")], ROLES.index("g")
     relative = lambda a, b: np.abs(a - b) / np.maximum(np.abs(b), np.finfo(np.float32).tiny)  # noqa: E731
