@@ -73,6 +73,11 @@ LAYOUTS = (
     Layout(stage=2, tensor=4, remat="full", microbatches=16, schedule="1f1b"),
     Layout(stage=2, tensor=4, sequence_parallel=True, remat="full", microbatches=16, schedule="1f1b_per_stage"),
     Layout(stage=2, tensor=2, data=2, remat="full", microbatches=8, schedule="gpipe"),
+    # ZeRO-1: the optimizer state, and the gradients the update takes, spread over the replicas.
+    Layout(data=8, remat="full", optimizer_over_data=True),
+    Layout(data=2, fsdp=4, remat="dots", optimizer_over_data=True),
+    Layout(data=4, tensor=2, remat="dots_no_batch", grad_accum=4, optimizer_over_data=True),
+    Layout(stage=2, tensor=2, data=2, remat="full", microbatches=4, schedule="1f1b", optimizer_over_data=True),
 )
 
 

@@ -81,7 +81,9 @@ def default_config() -> ml_collections.ConfigDict:
         # repeats 1, no context parallelism)
         schedule="gpipe",
     )
-    c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False)
+    # optimizer_over_data: ZeRO-1, the optimizer state spread over the `data` replicas too
+    # (sharding.zero): its memory / data, gradients reduce-scattered, parameters all-gathered.
+    c.sharding = dict(rules=config_dict.placeholder(tuple), sequence_parallel=False, optimizer_over_data=False)
     c.precision = dict(
         param_dtype="float32",  # master weights
         compute_dtype="float32",  # float32 | bfloat16 | float16 (matmul inputs and activations)

@@ -78,10 +78,15 @@ class Cost:
 
     @cached_property
     def state_bytes(self) -> dict:
-        mesh = self.layout.mesh
-        out = {"params": 0, "opt_state": 0, "other": 0}
+        """Per device: the state's parameters, optimizer state and the rest (`other`), and the
+        gradients as the update takes them (`grads`: the parameters' placement, or with ZeRO-1
+        the optimizer state's)."""
+        mesh, spread = self.layout.mesh, self.layout.optimizer_over_data
+        out = {"params": 0, "opt_state": 0, "other": 0, "grads": 0}
         for leaf in self.run.state:
-            out[leaf.kind] += leaf.device_bytes(mesh)
+            out[leaf.kind] += leaf.device_bytes(mesh, spread and leaf.kind == "opt_state")
+            if leaf.kind == "params":
+                out["grads"] += leaf.device_bytes(mesh, spread)
         return out
 
     def _kept_bytes(self, sequence_parallel: bool | None = None) -> dict:
@@ -130,13 +135,15 @@ class Cost:
             else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash),
                 # and the set a forward has just made or a backward is using, apart from the ring
                 saved *= (stash + 1) / lay.repeats
-        grads = self.state_bytes["params"]
+        # The gradients as the update takes them (spread over the replicas with ZeRO-1). Several
+        # passes per step (accumulation, pipeline microbatches): a float32 accumulator too. With
+        # ZeRO-1, XLA carries the update's placement back into the accumulation loop (each pass's
+        # gradients reduce-scattered, the accumulator spread), but not into a pipeline's loop.
+        grads = self.state_bytes["grads"]
+        accumulator = grads if lay.stage == 1 else self.state_bytes["params"]
         return {
             "grads": grads,
-            # Several passes per step (accumulation, pipeline microbatches): a float32 accumulator
-            # too, its own term: XLA adds some gradients into it in place, so it costs less than
-            # the other copies (coefficients 1.25 against 1.38 on the H100 fit).
-            "accumulator": grads if self.passes > 1 else 0.0,
+            "accumulator": accumulator if self.passes > 1 else 0.0,
             "saved": saved,
             # One block's intermediates, alive in its backward; the compiled working set does not
             # shrink with sequence parallelism (measured: tensor 8 with and without it).
@@ -261,8 +268,12 @@ class Cost:
         tp_per_layer = reductions * self._ring(("tensor",), activation, "reduce")
         kv = self.microbatch * run.seq_len * 2 * m.num_kv_heads * m.head_dim / lay.tensor * e
         cp_per_layer = 3 * self._ring(("context",), kv)
-        grads = self.state_bytes["params"]
-        data = self._ring(("data",), grads, "reduce")
+        # The gradients' all-reduce over the replicas; with ZeRO-1 a reduce-scatter and the new
+        # parameters' all-gather: in a ring, the same bytes. Gradients already split over fsdp
+        # XLA all-reduces over the replicas and then slices (its H100 compile): the gather is extra.
+        data = self._ring(("data",), self.state_bytes["params"], "reduce")
+        if lay.optimizer_over_data and lay.fsdp * lay.context > 1:
+            data += self._ring(("data",), self.state_bytes["params"])
         pipeline = 0.0
         if lay.stage > 1:
             _, cross = self._group(("stage",))

@@ -14,6 +14,7 @@ import numpy as np
 from lm.metrics import PEAK_FLOPS, matmul_params
 from lm.model import ModelConfig
 from sharding.schedules import PipelinePlan, balanced_slots
+from sharding.zero import spread_axes
 
 TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
 MESH_AXES = ("data", "stage", "context", "fsdp", "tensor")
@@ -37,6 +38,7 @@ class Layout:
     schedule: str = "none"  # none | gpipe | 1f1b | 1f1b_per_stage
     repeats: int = 1  # layer chunks per stage (gpipe with repeats > 1: circular; 1f1b: interleaved)
     pipeline_remat: str = "full"  # what a tick keeps: full recomputes it; 1f1b with none keeps what `remat` keeps
+    optimizer_over_data: bool = False  # ZeRO-1: the optimizer state spread over `data` too (sharding.zero)
 
     @property
     def gpus(self) -> int:
@@ -55,6 +57,8 @@ class Layout:
         """The config keys (`--config.KEY=VALUE`) that select this layout."""
         out = {f"mesh.{a}": n for a, n in self.mesh.items()}
         out |= {"sharding.sequence_parallel": self.sequence_parallel, "model.remat": self.remat, "train.grad_accum": self.grad_accum}
+        if self.optimizer_over_data:
+            out["sharding.optimizer_over_data"] = True
         if self.stage > 1:
             out |= {"pipeline.microbatches": self.microbatches, "pipeline.schedule": self.schedule, "pipeline.repeats": self.repeats,
                     "pipeline.remat": self.pipeline_remat}
@@ -66,6 +70,8 @@ class Layout:
         parts = [mesh, f"remat={self.remat}"]
         if self.sequence_parallel:
             parts.append("SP")
+        if self.optimizer_over_data:
+            parts.append("ZeRO-1")
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
         if self.stage > 1:
@@ -110,8 +116,10 @@ class StateLeaf:
     axes: tuple[tuple[str, ...], ...]
     kind: str  # params | opt_state | other
 
-    def device_bytes(self, mesh: dict) -> int:
-        return self.itemsize * math.prod(n // math.prod(mesh[a] for a in axes) for n, axes in zip(self.shape, self.axes))
+    def device_bytes(self, mesh: dict, spread: bool = False) -> int:
+        """Bytes on each device of `mesh` (sizes by axis); `spread`: also over `data`, as ZeRO-1 places it."""
+        placed = spread_axes(self.shape, self.axes, mesh) if spread else self.axes
+        return self.itemsize * math.prod(n // math.prod(mesh[a] for a in axes) for n, axes in zip(self.shape, placed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +149,7 @@ def run_of(config) -> Run:
     from lm import config as lm_config
     from lm import data as lm_data
     from lm.program import setup
-    from sharding.rules import path_name
+    from sharding.rules import path_name, spec_axes
 
     one = lm_config.apply_overrides(config, {f"mesh.{a}": 1 for a in MESH_AXES})
     program = setup(one, lm_data.nominal_vocab_size(config.data), jax.devices("cpu")[:1])
@@ -153,8 +161,7 @@ def run_of(config) -> Run:
         ("other", (state.step, state.fp8, state.loss_scale), (program.state_shardings.step, program.state_shardings.fp8, program.state_shardings.loss_scale)),
     ):
         for (path, leaf), named in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(shardings)):
-            spec = tuple(named.spec) + (None,) * (len(leaf.shape) - len(named.spec))
-            axes = tuple(() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec)
+            axes = spec_axes(named.spec, len(leaf.shape))
             leaves.append(StateLeaf(f"{kind}/{path_name(path)}", tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, axes, kind))
     policy = program.policy
     return Run(

@@ -20,7 +20,7 @@ from lm import GPU_MEMORY_FRACTION, cli, hlo, inputs, targets
 from lm import data as lm_data
 from lm.cli import Parser
 from lm.config import UserError
-from lm.program import setup
+from lm.program import placed, setup
 from sharding import report
 from sharding.schedules import report as pipeline_report
 
@@ -40,7 +40,8 @@ def layout(config, devices=None, compile_step: bool = True, save_hlo: str | None
         "param_bytes_total": report.total_bytes(state.params),
         "per_device": {
             "params_bytes": params,
-            "grads_bytes": params,  # gradients take the parameters' shapes, dtypes and shardings
+            # As the update takes them: the parameters' placement, or with ZeRO-1 the optimizer state's.
+            "grads_bytes": report.device_bytes(placed(state.params, program.grad_shardings)),
             "opt_state_bytes": report.device_bytes(state.opt_state),
         },
     }

@@ -3,7 +3,8 @@
     python -m lm.plan --config=configs/llama_70b.py --gpus=1024 --target=h100 --top=5 [--verify]
 
 Enumerates the layouts the config allows (mesh sizes for data / stage / context / fsdp /
-tensor, sequence parallelism, remat policy, gradient accumulation or pipeline microbatches and
+tensor, with the optimizer state over the data replicas (ZeRO-1) where data > 1 without FSDP,
+sequence parallelism, remat policy, gradient accumulation or pipeline microbatches and
 schedule (`SCHEDULES`, with two chunks per stage where the layers allow), for the config's
 global batch), predicts each one's memory per GPU and step time with
 `lm.cost`, and prints the K fastest that fit (by predicted tokens/s per GPU), why the others
@@ -71,7 +72,10 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[L
     """Every candidate layout, or (layout, why it cannot run) for the ones the run cannot take."""
     for sizes in meshes(gpus):
         mesh = dict(zip(cost.MESH_AXES, sizes))
-        base = Layout(**mesh)
+        # Replicas spread the optimizer state (ZeRO-1) where that costs no traffic: without FSDP
+        # (under it XLA all-reduces the gradients over the replicas, then gathers the parameters).
+        zero = mesh["data"] > 1 and mesh["fsdp"] * mesh["context"] == 1
+        base = Layout(**mesh, optimizer_over_data=zero)
         problem = mesh_problem(run, mesh, gpus_per_host)
         if problem:
             yield base, problem

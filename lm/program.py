@@ -118,8 +118,15 @@ class Program:
         self.abstract_state = jax.eval_shape(lambda: self._init(0))
         replicated = NamedSharding(mesh, PartitionSpec())
         sharding.check_rules(self.rules, mesh)  # also the rules no parameter uses
+        # The gradients' and optimizer state's placement: the parameters', or with ZeRO-1 spread
+        # over the data replicas as well (the update then runs on each replica's share).
+        self.grad_shardings = layout.param_shardings
+        if c.sharding.optimizer_over_data:
+            self.grad_shardings = jax.tree.map(
+                lambda s, leaf: sharding.spread_sharding(s, leaf.shape), layout.param_shardings, self.abstract_state.params
+            )
         opt_shardings = optax.tree_map_params(
-            self.tx, lambda _, s: s, self.abstract_state.opt_state, layout.param_shardings, transform_non_params=lambda _: replicated
+            self.tx, lambda _, s: s, self.abstract_state.opt_state, self.grad_shardings, transform_non_params=lambda _: replicated
         )
         loss_scale = self.abstract_state.loss_scale
         self.state_shardings = TrainState(
@@ -236,6 +243,8 @@ class Program:
         loss, grads, stats = self._grads(state.params, batch, state.fp8, applied_scale)
         if self.loss_scaling.kind != "none":
             grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+        if self.config.sharding.optimizer_over_data:  # reduce-scattered over the replicas, not all-reduced
+            grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
         if self.faults.nonfinite_steps:  # fault injection (tests): these steps' loss and gradients are NaN
             poison = jnp.where(jnp.isin(step, jnp.asarray(self.faults.nonfinite_steps)), jnp.nan, 1.0)
             loss, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (loss, grads))
@@ -256,9 +265,12 @@ class Program:
             metrics["loss_scale"] = scale
         if self.policy.observe:
             metrics["matmul_stats"] = stats
+        params = optax.apply_updates(state.params, updates)
+        if self.config.sharding.optimizer_over_data:  # each replica's updated share, all-gathered
+            params = jax.lax.with_sharding_constraint(params, self.layout.param_shardings)
         new_state = TrainState(
             step=step,
-            params=optax.apply_updates(state.params, updates),
+            params=params,
             opt_state=opt_state,
             fp8=fp8,
             loss_scale=self.loss_scaling.update(state.loss_scale, opt_state.last_finite),

@@ -36,6 +36,7 @@ from sharding.rules import (
     split_ways,
     tree_shardings,
 )
+from sharding.zero import spread_axes, spread_sharding
 
 __all__ = [
     "DEFAULT_RULES",
@@ -66,6 +67,8 @@ __all__ = [
     "reorder",
     "rule_axes",
     "split_ways",
+    "spread_axes",
+    "spread_sharding",
     "state_shardings",
     "tree_shardings",
 ]

@@ -93,6 +93,16 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
     return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
 
 
+def spec_axes(spec: PartitionSpec, rank: int) -> tuple[tuple[str, ...], ...]:
+    """The mesh axes of each of an array's `rank` dimensions under `spec` (() where replicated)."""
+    return tuple(_as_tuple(a) for a in (*spec, *(None,) * (rank - len(spec))))
+
+
+def axes_spec(axes: Sequence[Sequence[str]]) -> PartitionSpec:
+    """The PartitionSpec of per-dimension mesh axes (`spec_axes`' inverse)."""
+    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else tuple(a) for a in axes))
+
+
 def logical_to_spec(
     logical_axes: Sequence[str | None],
     rules: Rules = DEFAULT_RULES,

@@ -121,6 +121,11 @@ def test_fsdp_gathers_weights_per_layer_and_reduce_scatters_gradients(h100s):
     # one flat buffer) and scatters nothing.
     data = compiled(h100s, {"data": 8}, model__num_layers=4)
     assert not hlo.collective_shapes(data, "reduce-scatter") and largest(data) > 4 * 128 * 256
+    # ZeRO-1 over the same replicas: the gradients reduce-scattered (no large all-reduce left),
+    # each replica's updated share of the parameters all-gathered.
+    zero = compiled(h100s, {"data": 8}, model__num_layers=4, sharding__optimizer_over_data=True)
+    assert hlo.collective_shapes(zero, "reduce-scatter") and hlo.collective_shapes(zero, "all-gather")
+    assert largest(zero) <= 64
 
 
 def test_tensor_parallel_loss_never_gathers_the_logits(h100s):

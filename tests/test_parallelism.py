@@ -6,11 +6,13 @@ import re
 import jax
 import numpy as np
 import pytest
-from conftest import VOCAB, run_steps, small_config
+from conftest import VOCAB, fast_config, run_steps, small_config
 
 import sharding
+from lm.checkpoint import Checkpointer
 from lm.hlo import collective_shapes
 from lm.program import setup
+from lm.train import train
 from sharding import report
 
 
@@ -19,19 +21,24 @@ def one_device():
     return run_steps(small_config({}), jax.devices()[:1])
 
 
+ZERO1 = {"sharding__optimizer_over_data": True}
+
+
 @pytest.mark.parametrize(
-    "mesh, sequence_parallel",
+    "mesh, options",
     [
-        ({"data": 8}, False),
-        ({"fsdp": 8}, False),
-        ({"data": 2, "tensor": 4}, False),
-        ({"data": 2, "fsdp": 2, "tensor": 2}, False),
-        ({"fsdp": 4, "tensor": 2}, True),
+        ({"data": 8}, {}),
+        ({"fsdp": 8}, {}),
+        ({"data": 2, "tensor": 4}, {}),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, {}),
+        ({"fsdp": 4, "tensor": 2}, {"sharding__sequence_parallel": True}),
+        ({"data": 8}, ZERO1),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, {**ZERO1, "sharding__sequence_parallel": True, "train__grad_accum": 2}),
     ],
-    ids=["data8", "fsdp8", "data2-tensor4", "data2-fsdp2-tensor2", "fsdp4-tensor2-sp"],
+    ids=["data8", "fsdp8", "data2-tensor4", "data2-fsdp2-tensor2", "fsdp4-tensor2-sp", "data8-zero1", "data2-fsdp2-tensor2-sp-accum2-zero1"],
 )
-def test_sharded_training_matches_one_device(one_device, mesh, sequence_parallel):
-    losses, params = run_steps(small_config(mesh, sharding__sequence_parallel=sequence_parallel))
+def test_sharded_training_matches_one_device(one_device, mesh, options):
+    losses, params = run_steps(small_config(mesh, **options))
     ref_losses, ref_params = one_device
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] != losses[0]  # the parameters did move
@@ -47,6 +54,43 @@ def test_fsdp_holds_an_eighth_of_parameters_and_optimizer_state_per_device():
         assert report.addressable_bytes(held, device) <= total / 8 * 1.01
     # and the shards add up to at least the whole: nothing was dropped from the count
     assert sum(report.addressable_bytes(held, d) for d in trainer.mesh.devices.flat) >= total
+
+
+def test_zero1_spreads_the_optimizer_state_over_the_replicas_and_keeps_the_parameters_whole():
+    """ZeRO-1 on {data 4, tensor 2}: each device holds a quarter of the optimizer state it holds
+    without it (scalars aside) and the same parameters, which the step all-gathers after each
+    replica updated its share (on GPUs the gradients are reduce-scattered: test_gpu_compile)."""
+    held = {}
+    for zero in (False, True):
+        c = small_config({"data": 4, "tensor": 2}, sharding__optimizer_over_data=zero)
+        state = setup(c, VOCAB).init_state(0)
+        device = jax.devices()[0]
+        held[zero] = {k: report.addressable_bytes(getattr(state, k), device) for k in ("params", "opt_state")}
+        gathered = collective_shapes(compiled_hlo(c), "all-gather")
+        assert ((64, 128) in gathered) == zero, gathered  # an MLP weight (tensor-split), whole over `data`
+    assert held[True]["params"] == held[False]["params"]
+    assert held[False]["opt_state"] / 4 <= held[True]["opt_state"] <= held[False]["opt_state"] / 4 + 64
+
+
+def test_a_zero1_checkpoint_restores_on_one_device_equal(tmp_path, small_corpus):
+    zero = dict(mesh__data=4, sharding__optimizer_over_data=True)
+    train(fast_config(small_corpus, train__steps=2, **zero), tmp_path, jax.devices()[:4])
+    ckpt = Checkpointer(tmp_path / "checkpoints")
+    saved = setup(fast_config(small_corpus, **zero), 256, jax.devices()[:4])
+    flat = setup(fast_config(small_corpus, mesh__data=1), 256, jax.devices()[:1])
+    a = jax.device_get(ckpt.restore(saved.abstract_sharded_state(), 2)[0])
+    b = jax.device_get(ckpt.restore(flat.abstract_sharded_state(), 2)[0])
+    assert any("data" in str(s.spec) for s in jax.tree.leaves(saved.state_shardings.opt_state))  # the moments were spread
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_spread_axes_takes_the_largest_dimension_the_replicas_divide():
+    sizes = {"data": 4, "tensor": 2, "fsdp": 2}
+    assert sharding.spread_axes((8, 64, 128), ((), ("fsdp",), ("tensor",)), sizes) == ((), ("fsdp",), ("tensor", "data"))
+    assert sharding.spread_axes((8, 64, 6), ((), (), ("tensor",)), sizes) == ((), ("data",), ("tensor",))
+    assert sharding.spread_axes((6, 2), ((), ()), sizes) == ((), ())  # indivisible: left as it was
+    assert sharding.spread_axes((), (), sizes) == ()  # a scalar
+    assert sharding.spread_axes((8,), ((),), {"data": 1}) == ((),)
 
 
 def compiled_hlo(c) -> str:

@@ -114,11 +114,13 @@ def trains_like_one_device(one_device_deep, c, loss_rel: float = 1e-6) -> str:
         ({"stage": 2, "data": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4, "pipeline__remat": "none"}),
         ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2, "pipeline__remat": "dots",
                                                 "model__remat": "full", "sharding__sequence_parallel": True, "train__grad_accum": 2}),
+        ({"stage": 2, "data": 4}, {"pipeline__schedule": "1f1b", "sharding__optimizer_over_data": True}),  # ZeRO-1
     ],
     ids=["stage2", "stage4", "stage2-repeats2", "stage2-data2-tensor2-accum2", "stage2-fsdp4",
          "1f1b-stage2", "1f1b-stage4", "1f1b-stage2-data2-tensor2-sp-accum2-dots", "1f1b-stage2-fsdp4",
          "interleaved-1f1b-stage2", "interleaved-1f1b-stage2-data2-tensor2-sp",
-         "1f1b-stage4-residuals", "1f1b-stage2-data4-residuals", "interleaved-1f1b-stage2-fsdp2-tensor2-sp-accum2-residuals-dots"],
+         "1f1b-stage4-residuals", "1f1b-stage2-data4-residuals", "interleaved-1f1b-stage2-fsdp2-tensor2-sp-accum2-residuals-dots",
+         "1f1b-stage2-data4-zero1"],
 )
 def test_pipelined_training_matches_one_device(one_device_deep, mesh, extra):
     hlo = trains_like_one_device(one_device_deep, small_config({"data": -1, **mesh}, **DEEP, **extra))

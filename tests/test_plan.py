@@ -39,11 +39,13 @@ def small():
 def test_state_bytes_are_the_sharding_rules_exactly(small):
     config, run = small
     for layout in (Layout(fsdp=8), Layout(fsdp=4, tensor=2), Layout(data=2, stage=2, tensor=2, microbatches=4, schedule="1f1b"),
-                   Layout(context=2, fsdp=2, tensor=2)):
+                   Layout(context=2, fsdp=2, tensor=2), Layout(data=4, tensor=2, optimizer_over_data=True),
+                   Layout(data=2, stage=2, fsdp=2, microbatches=4, schedule="gpipe", optimizer_over_data=True)):
         _, summary = compile_layout(apply_overrides(config, layout.overrides()), jax.devices()[:8], compile_step=False)
         state = Cost(run, layout, H100).state_bytes
         assert state["params"] == summary["per_device"]["params_bytes"], layout
         assert state["opt_state"] == summary["per_device"]["opt_state_bytes"], layout
+        assert state["grads"] == summary["per_device"]["grads_bytes"], layout  # as the update takes them
 
 
 def test_every_listed_layout_divides_the_model_and_the_batch(small):
