@@ -50,6 +50,19 @@ def device_group(sizes: tuple[int, ...], axes: tuple[str, ...], gpus_per_host: i
 
 
 @functools.cache
+def state_bytes(state: tuple[StateLeaf, ...], mesh: tuple[tuple[str, int], ...], spread: bool) -> dict:
+    """`Cost.state_bytes` of a mesh (its (axis, size) pairs), remembered: the planner costs many
+    layouts of one mesh."""
+    sizes = dict(mesh)
+    out = {"params": 0, "opt_state": 0, "other": 0, "grads": 0}
+    for leaf in state:
+        out[leaf.kind] += leaf.device_bytes(sizes, spread and leaf.kind == "opt_state")
+        if leaf.kind == "params":
+            out["grads"] += leaf.device_bytes(sizes, spread)
+    return out
+
+
+@functools.cache
 def pipeline_report(plan: PipelinePlan, layers: int) -> dict:
     """`sharding.schedules.report` of a plan (bubble, stash depth), remembered."""
     return report(plan, layers)
@@ -81,13 +94,7 @@ class Cost:
         """Per device: the state's parameters, optimizer state and the rest (`other`), and the
         gradients as the update takes them (`grads`: the parameters' placement, or with ZeRO-1
         the optimizer state's)."""
-        mesh, spread = self.layout.mesh, self.layout.optimizer_over_data
-        out = {"params": 0, "opt_state": 0, "other": 0, "grads": 0}
-        for leaf in self.run.state:
-            out[leaf.kind] += leaf.device_bytes(mesh, spread and leaf.kind == "opt_state")
-            if leaf.kind == "params":
-                out["grads"] += leaf.device_bytes(mesh, spread)
-        return out
+        return dict(state_bytes(self.run.state, tuple(self.layout.mesh.items()), self.layout.optimizer_over_data))
 
     def _kept_bytes(self, sequence_parallel: bool | None = None) -> dict:
         """Bytes per local token of what one block keeps for its backward pass, by remat policy,
