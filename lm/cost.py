@@ -50,7 +50,7 @@ def device_group(sizes: tuple[int, ...], axes: tuple[str, ...], gpus_per_host: i
 
 
 @functools.cache
-def state_bytes(state: tuple[StateLeaf, ...], mesh: tuple[tuple[str, int], ...], spread: bool) -> dict:
+def mesh_state_bytes(state: tuple[StateLeaf, ...], mesh: tuple[tuple[str, int], ...], spread: bool) -> dict:
     """`Cost.state_bytes` of a mesh (its (axis, size) pairs), remembered: the planner costs many
     layouts of one mesh."""
     sizes = dict(mesh)
@@ -94,7 +94,7 @@ class Cost:
         """Per device: the state's parameters, optimizer state and the rest (`other`), and the
         gradients as the update takes them (`grads`: the parameters' placement, or with ZeRO-1
         the optimizer state's)."""
-        return dict(state_bytes(self.run.state, tuple(self.layout.mesh.items()), self.layout.optimizer_over_data))
+        return dict(mesh_state_bytes(self.run.state, tuple(self.layout.mesh.items()), self.layout.optimizer_over_data))
 
     def _kept_bytes(self, sequence_parallel: bool | None = None) -> dict:
         """Bytes per local token of what one block keeps for its backward pass, by remat policy,

@@ -18,11 +18,10 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
-import sharding.schedules
 from lm import targets
 from lm.attention import check_cudnn
-from lm.config import UserError
 from lm.fp8 import Fp8Meta, Probe, update_fp8
+from lm.mesh_checks import check_batch_split
 from lm.layers import Embedding
 from lm.model import Transformer, segment_positions
 from lm.optim import optimizer, schedule
@@ -297,52 +296,6 @@ class Program:
 def placed(tree, shardings):
     """ShapeDtypeStructs of `tree`'s arrays carrying `shardings`: a restore or compile target."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def check_batch_split(spec: RunSpec, mesh: Mesh) -> None:
-    """UserErrors for a batch or sequence the mesh cannot split as the rules say."""
-    c = spec.config
-    b, accum = c.train.batch_size, c.train.grad_accum
-    dp = sharding.axis_size(mesh, spec.rules, "batch")
-    if b % (dp * accum):
-        axes = " x ".join(sharding.rule_axes(spec.rules, "batch")) or "none"
-        raise UserError(
-            f"train.batch_size={b} is not divisible by the data-parallel size {dp} (mesh {axes})"
-            + (f" times train.grad_accum={accum}" if accum > 1 else "")
-            + f"; use a multiple of {dp * accum} or change the mesh"
-        )
-    seq = sharding.axis_size(mesh, spec.rules, "norm_length")
-    if c.train.seq_len % seq:
-        axes = " x ".join(f"mesh.{a}={mesh.shape[a]}" for a in sharding.rule_axes(spec.rules, "norm_length"))
-        raise UserError(
-            f"sequence parallelism splits the sequence over {axes}, which does not "
-            f"divide train.seq_len={c.train.seq_len}; change one of them"
-        )
-    _check_context(spec, mesh)
-    plan = spec.pipeline
-    if plan.stages > 1:
-        per_replica = b // (dp * accum)
-        sharding.schedules.check(plan.stages, plan.microbatches, plan.repeats, spec.model.num_layers, per_replica, plan.schedule,
-                                mesh.shape["context"])
-    if b % jax.process_count():
-        raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")
-
-
-def _check_context(spec: RunSpec, mesh: Mesh) -> None:
-    """UserErrors for context parallelism the sequence or the rules cannot carry."""
-    shards, seq_len = sharding.axis_size(mesh, spec.rules, "length"), spec.config.train.seq_len
-    if shards > 1 and seq_len % (2 * shards):
-        raise UserError(
-            f"context parallelism splits each sequence over {shards} shards as 2 x {shards} equal chunks "
-            f"(load balance for causal attention), which train.seq_len={seq_len} does not divide; "
-            f"use a multiple of {2 * shards}"
-        )
-    if mesh.shape["context"] > 1 and "context" not in sharding.rule_axes(spec.rules, "length"):
-        raise UserError(
-            f"mesh.context={mesh.shape['context']} but the sharding rules do not split the sequence "
-            "('length') over 'context', so its devices would repeat each other's work; drop "
-            "sharding.rules' 'length' entry or set mesh.context=1"
-        )
 
 
 def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), observe: bool = False) -> Program:

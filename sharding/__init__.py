@@ -3,6 +3,17 @@
 Reusable on its own: imports jax (and flax.nnx metadata helpers) only, never `lm`.
 """
 
+from sharding.constraints import (
+    activate,
+    bind,
+    constrain,
+    jit,
+    manual_axes,
+    move,
+    per_shard,
+    platform,
+    split_ways,
+)
 from sharding.context import (
     causal_pairs_per_shard,
     inverse_order,
@@ -19,21 +30,12 @@ from sharding.mesh import MESH_AXES, MeshConfig, ShardingError, make_mesh
 from sharding.rules import (
     DEFAULT_RULES,
     SEQUENCE_PARALLEL_RULES,
-    activate,
     axis_size,
-    bind,
     check_rules,
-    constrain,
-    jit,
     logical_to_spec,
-    manual_axes,
     merge_rules,
-    move,
     named_sharding,
-    per_shard,
-    platform,
     rule_axes,
-    split_ways,
     tree_shardings,
 )
 from sharding.zero import spread_axes, spread_sharding

@@ -29,7 +29,7 @@ import numpy as np
 
 from sharding.mesh import ShardingError
 from sharding.remat import remat
-from sharding.rules import constrain
+from sharding.constraints import constrain
 from sharding.schedules import PipelinePlan, Work, check, schedule
 
 

@@ -21,7 +21,7 @@ from jax.extend import core as jax_core
 
 from sharding.pipeline import owning_backward, split_microbatches, stage_chunks, with_ends
 from sharding.remat import remat
-from sharding.rules import constrain, constrain_leading
+from sharding.constraints import constrain, constrain_leading
 from sharding.schedules import PipelinePlan, Step, check, phases, schedule_1f1b
 
 

@@ -37,7 +37,7 @@ from sharding.mesh import ShardingError
 from sharding.pipeline import owning_backward, split_microbatches, with_ends
 from sharding.pipeline_1f1b import Pullbacks
 from sharding.remat import remat
-from sharding.rules import active_mesh, constrain, constrain_leading
+from sharding.constraints import active_mesh, constrain, constrain_leading
 from sharding.schedules import (
     PipelinePlan,
     Step,

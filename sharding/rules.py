@@ -7,11 +7,8 @@ than a silent replication, and so is a dimension that its mesh axes do not divid
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -77,7 +74,7 @@ def check_rules(rules: Rules, mesh: Mesh | None = None) -> tuple[tuple[str, Mesh
         if not (mesh_axes is None or isinstance(mesh_axes, str) or all(isinstance(a, str) for a in mesh_axes)):
             raise ShardingError(f"rule {entry!r}: mesh axes must be a name, a tuple of names or None")
         if mesh is not None:
-            missing = [a for a in _as_tuple(mesh_axes) if a not in mesh.axis_names]
+            missing = [a for a in as_axes(mesh_axes) if a not in mesh.axis_names]
             if missing:
                 raise ShardingError(
                     f"rule ({logical!r}, {mesh_axes!r}) names mesh axis {missing[0]!r}, which does "
@@ -87,7 +84,7 @@ def check_rules(rules: Rules, mesh: Mesh | None = None) -> tuple[tuple[str, Mesh
     return tuple(checked)
 
 
-def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
+def as_axes(mesh_axes: MeshAxes) -> tuple[str, ...]:
     if mesh_axes is None:
         return ()
     return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
@@ -95,7 +92,7 @@ def _as_tuple(mesh_axes: MeshAxes) -> tuple[str, ...]:
 
 def spec_axes(spec: PartitionSpec, rank: int) -> tuple[tuple[str, ...], ...]:
     """The mesh axes of each of an array's `rank` dimensions under `spec` (() where replicated)."""
-    return tuple(_as_tuple(a) for a in (*spec, *(None,) * (rank - len(spec))))
+    return tuple(as_axes(a) for a in (*spec, *(None,) * (rank - len(spec))))
 
 
 def axes_spec(axes: Sequence[Sequence[str]]) -> PartitionSpec:
@@ -129,7 +126,7 @@ def logical_to_spec(
                 f"{described}: logical axis {logical!r} has no rule; add ({logical!r}, mesh_axes) "
                 f"to the rules (known: {', '.join(sorted(table))})"
             )
-        mesh_axes = _as_tuple(table[logical])
+        mesh_axes = as_axes(table[logical])
         for axis in mesh_axes:
             if mesh is not None and axis not in mesh.axis_names:
                 raise ShardingError(
@@ -195,158 +192,11 @@ def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec) or (isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x))
 
 
-class _Active(threading.local):
-    stack: list[tuple[Mesh, Rules]] = []
-
-
-_ACTIVE = _Active()
-
-
-@contextlib.contextmanager
-def activate(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
-    """Within this context, `constrain` places activations on `mesh` by `rules` (traced code too)."""
-    _ACTIVE.stack = [*_ACTIVE.stack, (mesh, tuple(rules))]
-    try:
-        yield
-    finally:
-        _ACTIVE.stack = _ACTIVE.stack[:-1]
-
-
-def bind(fn: Callable, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Callable:
-    """`fn` run (and so traced) with `mesh` and `rules` active, whatever context its caller is in."""
-
-    @functools.wraps(fn)
-    def bound(*args, **kwargs):
-        with activate(mesh, rules):
-            return fn(*args, **kwargs)
-
-    return bound
-
-
-def jit(fn: Callable, mesh: Mesh, rules: Rules = DEFAULT_RULES, **jit_kwargs) -> Callable:
-    """`jax.jit(fn, **jit_kwargs)` with the mesh and rules bound into the traced function, so
-    every `constrain` inside it applies wherever it is first traced, lowered or called."""
-    return jax.jit(bind(fn, mesh, rules), **jit_kwargs)
-
-
 def rule_axes(rules: Rules, logical: str) -> tuple[str, ...]:
     """The mesh axes the rules map the logical axis `logical` onto (none: replicated)."""
-    return _as_tuple(dict(rules).get(logical))
+    return as_axes(dict(rules).get(logical))
 
 
 def axis_size(mesh: Mesh, rules: Rules, logical: str) -> int:
     """How many ways the rules split the logical axis `logical` on `mesh` (1: not split)."""
     return math.prod(mesh.shape[a] for a in rule_axes(rules, logical))
-
-
-def active_mesh() -> Mesh | None:
-    """The mesh of the innermost `activate` (None outside one)."""
-    return _ACTIVE.stack[-1][0] if _ACTIVE.stack else None
-
-
-def platform() -> str:
-    """The platform ('cpu', 'gpu', 'tpu') of the mesh in force, else JAX's default backend: what a
-    traced program is compiled for, also when that is a GPU this machine does not have."""
-    if _ACTIVE.stack:
-        return _ACTIVE.stack[-1][0].devices.flat[0].platform
-    return jax.default_backend()
-
-
-def manual_axes() -> set[str]:
-    """The mesh axes a surrounding `jax.shard_map` has made manual (none outside one)."""
-    return set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
-
-
-def _in_force() -> tuple[Mesh, Rules]:
-    """The mesh and rules of the innermost `activate`; inside a `shard_map` that made some mesh
-    axes manual (a pipeline running each stage's own code), the rules without those axes: an
-    array there is already one shard along them, and the partitioner places only the others."""
-    mesh, rules = _ACTIVE.stack[-1]
-    if manual := manual_axes():
-        rules = tuple((logical, tuple(a for a in _as_tuple(axes) if a not in manual) or None) for logical, axes in rules)
-    return mesh, rules
-
-
-def _placement(mesh: Mesh, spec: PartitionSpec) -> NamedSharding | PartitionSpec:
-    """`spec` on `mesh`; inside a partly manual `shard_map`, the bare spec, which applies to the
-    mesh in context there (a NamedSharding on the concrete mesh, whose axes are all automatic, is
-    refused)."""
-    return spec if manual_axes() else NamedSharding(mesh, spec)
-
-
-def constrain(x: jax.Array, logical_axes: Sequence[str | None], name: str = "activation") -> jax.Array:
-    """Constrain an activation's sharding by logical names; a no-op outside `activate`."""
-    if not _ACTIVE.stack:
-        return x
-    mesh, rules = _in_force()
-    return jax.lax.with_sharding_constraint(x, _placement(mesh, logical_to_spec(logical_axes, rules, mesh=mesh, shape=x.shape, name=name)))
-
-
-def constrain_leading(x: jax.Array, logical_axis: str, name: str = "activation") -> jax.Array:
-    """Constrain only `x`'s first dimension (to one logical axis), leaving XLA to place the rest:
-    for buffers stacked from arrays whose own placement the program already decides (the
-    pipeline's stash of backward residuals). A no-op outside `activate`."""
-    if not _ACTIVE.stack:
-        return x
-    mesh, rules = _in_force()
-    leading = logical_to_spec((logical_axis,), rules, mesh=mesh, shape=x.shape[:1], name=name)
-    spec = PartitionSpec(leading[0] if len(leading) else None, *([PartitionSpec.UNCONSTRAINED] * (x.ndim - 1)))
-    return jax.lax.with_sharding_constraint(x, _placement(mesh, spec))
-
-
-def resharding_steps(source: PartitionSpec, target: PartitionSpec) -> list[PartitionSpec]:
-    """The specs an array passes through from `source` to `target`, one mesh axis changing at a
-    time: the axes the target does not use gathered first, then each axis that changes dimension
-    moved on its own (an all-to-all over that axis), then the target (its new splits sliced)."""
-    target_axes = [_as_tuple(a) for a in target]
-    wanted = {a: dim for dim, axes in enumerate(target_axes) for a in axes}
-    steps = [[[a for a in _as_tuple(axes) if a in wanted] for axes in source]]
-    for axis, dim in wanted.items():
-        where = next((d for d, axes in enumerate(steps[-1]) if axis in axes), dim)
-        if where != dim:
-            step = [[a for a in axes if a != axis] for axes in steps[-1]]
-            step[dim] = [a for a in target_axes[dim] if a in step[dim] or a == axis]
-            steps.append(step)
-    specs = [*(PartitionSpec(*(tuple(axes) if axes else None for axes in step)) for step in steps), target]
-    return [spec for i, spec in enumerate(specs) if i == 0 or spec != specs[i - 1]]
-
-
-def move(x: jax.Array, from_axes: Sequence[str | None], to_axes: Sequence[str | None], name: str = "activation") -> jax.Array:
-    """Reshard `x` from logical axes `from_axes` to `to_axes` through `resharding_steps`: XLA's
-    partitioner finds each single-axis move, while asked for several at once (a sequence split
-    over context x tensor to `embed` over context, say) it may only replicate the array whole.
-    A no-op outside `activate`."""
-    if not _ACTIVE.stack:
-        return x
-    mesh, rules = _in_force()
-    source, target = (logical_to_spec(axes, rules, mesh=mesh, shape=x.shape, name=name) for axes in (from_axes, to_axes))
-    for spec in resharding_steps(source, target):
-        x = jax.lax.with_sharding_constraint(x, _placement(mesh, spec))
-    return x
-
-
-def split_ways(logical: str) -> int:
-    """How many ways the mesh and rules in force split the logical axis `logical` (1 outside
-    `activate`)."""
-    return axis_size(*_in_force(), logical) if _ACTIVE.stack else 1
-
-
-def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]) -> Callable:
-    """`fn` run on each device's shards of its arguments (`jax.shard_map`), the arguments and the
-    result placed by logical names under the mesh and rules in force; outside `activate`, `fn`
-    itself. For a kernel that cannot be partitioned as its arguments are split (cuDNN attention
-    takes queries, keys and values split alike; context parallelism splits only the queries), or
-    at all (inside a partly manual `shard_map`: there, over the axes still automatic)."""
-
-    def run(*args):
-        if not _ACTIVE.stack:
-            return fn(*args)
-        mesh, rules = _in_force()
-        specs = tuple(logical_to_spec(axes, rules, mesh=mesh, shape=a.shape) for axes, a in zip(in_axes, args))
-        out_spec = logical_to_spec(out_axes, rules, mesh=mesh)
-        if manual := manual_axes():
-            automatic = set(mesh.axis_names) - manual
-            return jax.shard_map(fn, in_specs=specs, out_specs=out_spec, axis_names=automatic, check_vma=False)(*args)
-        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec)(*args)
-
-    return run

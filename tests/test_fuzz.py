@@ -33,7 +33,7 @@ from lm import data as lm_data
 from lm.cli import Parser
 from lm.config import UserError, default_config
 from lm.prepare import prepare_store
-from lm.program import check_batch_split
+from lm.mesh_checks import check_batch_split
 from lm.recipe import load_file
 from lm.sources import corpus_files
 from lm.spec import RunSpec

@@ -90,11 +90,11 @@ def test_move_reshards_one_mesh_axis_at_a_time(capfd):
     parallelism) and the batch over data, to `embed` over context: the tensor split gathered, then
     context moved on its own; the values unchanged, and XLA replicates nothing whole."""
     source, target = P("data", ("context", "tensor"), None), P("data", None, "context")
-    steps = sharding.rules.resharding_steps(source, target)
+    steps = sharding.constraints.resharding_steps(source, target)
     assert steps == [P("data", "context", None), P("data", None, "context")]
-    assert sharding.rules.resharding_steps(P(("data", "fsdp"), "context"), P("data", ("context", "fsdp"))) == [
+    assert sharding.constraints.resharding_steps(P(("data", "fsdp"), "context"), P("data", ("context", "fsdp"))) == [
         P(("data", "fsdp"), "context"), P("data", ("context", "fsdp"))]  # fsdp moves after context, as the target orders them
-    assert sharding.rules.resharding_steps(P("data", None), P("data", None)) == [P("data", None)]
+    assert sharding.constraints.resharding_steps(P("data", None), P("data", None)) == [P("data", None)]
     mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
     rules = sharding.merge_rules(sharding.DEFAULT_RULES, sharding.SEQUENCE_PARALLEL_RULES)
     x = jax.numpy.arange(8 * 16 * 8, dtype=np.float32).reshape(8, 16, 8)
