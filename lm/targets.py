@@ -5,7 +5,8 @@ The XLA GPU compiler comes as JAX's CUDA plugin (with cuDNN, for its fused atten
 `make gpu-compiler` (run by `make test`) installs it into `.venv/gpu-compiler`, apart from the
 environment's packages, so CPU runs never load it. A process that compiles for a GPU target
 needs MESHLM_GPU_COMPILER=1 before it imports meshlm (`lm/__init__.py` then puts the plugin on
-the path before JAX is imported); `with_compiler` starts a command again that way. On a GPU
+the path before JAX is imported; JAX imported first finds no cuDNN, and `devices` warns that
+attention would then not compile as on a GPU); `with_compiler` starts a command again that way. On a GPU
 host with `pip install -e '.[gpu]'` the plugin is importable already.
 """
 
@@ -15,6 +16,7 @@ import importlib.util
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from lm import GPU_MEMORY_FRACTION
@@ -83,6 +85,15 @@ def devices(name: str, count: int, hosts: int = 1) -> list:
         )
     from jax.experimental import topologies
 
+    from lm.attention import cudnn_available
+
+    if not cudnn_available():  # `model.attention=auto` would then compile XLA's attention, unlike a GPU run
+        warnings.warn(
+            "cuDNN cannot be loaded in this process, so attention compiles as XLA's own (its scores held in "
+            "memory), not as the cuDNN flash attention a GPU run uses: run `make gpu-compiler`, and set "
+            "MESHLM_GPU_COMPILER=1 before anything imports jax",
+            stacklevel=2,
+        )
     topology = topologies.get_topology_desc(
         platform="cuda", topology_name=name, topology=f"1x{hosts}x{count // hosts}", target_config=text
     )

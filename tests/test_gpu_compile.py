@@ -3,7 +3,10 @@ H100s (configs/targets) and its optimized HLO read (lm.hlo). Each detector has a
 control that shows it can fail. Skipped, with the reason, where `make gpu-compiler` has not
 installed the compiler."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -72,6 +75,20 @@ def test_fp8_sites_run_fp8_gemms_forward_and_backward(h100s):
     assert sum(g.lhs.startswith("f8") for g in gemms) >= 3 * 7  # every block matmul, all three GEMMs
     # The detector: without fp8 no GEMM takes fp8 operands.
     assert not [g for g in hlo.gemms(compiled(h100s, {"fsdp": 8})) if "f8" in g.lhs + g.rhs]
+
+
+@pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
+def test_compile_only_devices_warn_when_cudnn_cannot_load():
+    """JAX imported before meshlm finds no cuDNN: attention would compile as XLA's, not as on a
+    GPU (a 7x larger step for llama_1b), so asking for the target's devices says so."""
+    code = ("import sys, warnings; {first}import lm, jax; jax.config.update('jax_platforms', 'cpu'); from lm import targets\n"
+            "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always'); targets.devices('h100', 1)\n"
+            "print([str(x.message) for x in w])")
+    said = {first: subprocess.run([sys.executable, "-c", code.format(first=first)], cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "MESHLM_GPU_COMPILER": "1"}, check=True).stdout
+            for first in ("import jax; ", "")}
+    assert "cuDNN cannot be loaded in this process" in said["import jax; "] and "MESHLM_GPU_COMPILER=1 before" in said["import jax; "]
+    assert said[""].strip() == "[]"
 
 
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
