@@ -8,9 +8,10 @@ sequence parallelism, remat policy, gradient accumulation or pipeline microbatch
 schedule (`SCHEDULES`, with two chunks per stage where the layers allow), for the config's
 global batch), predicts each one's memory per GPU and step time with
 `lm.cost`, and prints the K fastest that fit (by predicted tokens/s per GPU), why the others
-were dropped, and a JSON line last. `--verify` compiles the top K's train steps for the target
-(deviceless, `lm.targets`) and prints XLA's memory per device beside the prediction, and
-whether it is within the pool JAX gives a run (`lm.GPU_MEMORY_FRACTION` of the GPU).
+were dropped, and a JSON line last. `--verify` compiles the train steps for the target
+(deviceless, `lm.targets`) in rank order and prints XLA's memory per device beside the
+prediction, and whether it is within the pool JAX gives a run (`lm.GPU_MEMORY_FRACTION` of the
+GPU); a layout over it is dropped and the next one compiled, until K fit (`verified`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ MAX_BUBBLE = 0.5  # pipelines idling more than this are dropped
 # XLA's (lm.calibrate), and the allocator needs slack.
 MEMORY_FRACTION = 0.9
 MAX_SEARCHED_GPUS = 1 << 16  # how far an impossible request looks for a GPU count that fits
+MAX_VERIFIED = 3  # --verify compiles at most this many layouts per one asked for
 
 
 def divisors(n: int) -> list[int]:
@@ -200,14 +202,34 @@ def verify(config, costs: list[Cost], devices: list, platform: str) -> list[dict
     return out
 
 
-def describe(result: Plan, top: int) -> str:
+def verified(config, ranked: list[Cost], top: int, devices: list, pool: float) -> tuple[list[Cost], list[dict]]:
+    """The first `top` of `ranked` whose compiled step fits `pool` bytes per device, compiling in
+    rank order (at most MAX_VERIFIED x `top` compiles): a layout the memory model put under the
+    limit but XLA does not is dropped, and the next one compiled. Returns them and every check."""
+    fitting, checked = [], []
+    for c in ranked[: MAX_VERIFIED * top]:
+        (check,) = verify(config, [c], devices, "gpu")
+        check["fits"] = check["compiled_peak_bytes"] <= pool
+        checked.append(check)
+        fitting += [c] if check["fits"] else []
+        if len(fitting) == top:
+            break
+    return fitting, checked
+
+
+def fitting(result: Plan) -> int:
+    """How many layouts fit: by the memory model, less those a compile put over the pool."""
+    return len(result.ranked) - result.dropped["over the pool when compiled"]
+
+
+def describe(result: Plan, shown: list[Cost]) -> str:
     gib = lambda b: f"{b / 2**30:7.2f}"  # noqa: E731
     lines = [f"{'tokens/s/GPU':>12} {'step s':>7} {'GiB/GPU':>8} {'temps':>7}  layout"]
-    for c in result.ranked[:top]:
+    for c in shown:
         m = c.memory
         lines.append(f"{c.tokens_per_s_per_gpu():12.0f} {c.step_time['total']:7.3f} {gib(m['total']):>8} {gib(m['temporaries'])}  {c.layout.name(c.run.model.num_layers)}")
     reasons = ", ".join(f"{n} {why}" for why, n in result.dropped.most_common()) or "none"
-    lines.append(f"{len(result.ranked)} of {result.evaluated} layouts fit {result.device_memory / 2**30:.1f} GiB; dropped: {reasons}")
+    lines.append(f"{fitting(result)} of {result.evaluated} layouts fit {result.device_memory / 2**30:.1f} GiB; dropped: {reasons}")
     return "\n".join(lines)
 
 
@@ -251,21 +273,27 @@ def main(argv: list[str]) -> None:
         why = ", ".join(f"{reason} {n}" for reason, n in sorted(result.dropped.items()))
         raise UserError(f"no layout of this config fits {args.gpus} {args.target} GPUs ({memory / 2**30:.1f} GiB each; "
                         f"of {result.evaluated} layouts: {why}){where}")
-    print(describe(result, args.top))
-    summary = {
-        "gpus": args.gpus, "hosts": hosts, "target": args.target, "evaluated": result.evaluated,
-        "fitting": len(result.ranked), "dropped": dict(result.dropped), "top": [entry(c) for c in result.ranked[: args.top]],
-    }
+    shown, checked = result.ranked[: args.top], []
     if args.verify:
-        checked = verify(args.config, result.ranked[: args.top], devices, "gpu")
         pool = GPU_MEMORY_FRACTION * device_memory  # what a run gets
+        shown, checked = verified(args.config, result.ranked, args.top, devices, pool)
         for v in checked:
-            v["fits"] = v["compiled_peak_bytes"] <= pool
-            verdict = "within" if v["fits"] else "OVER"
+            verdict = f"within JAX's {pool / 2**30:.2f} GiB pool" if v["fits"] else f"OVER JAX's {pool / 2**30:.2f} GiB pool: dropped"
             print(f"verify {v['layout']}: predicted {v['predicted_bytes']['total'] / 2**30:.2f} GiB, XLA {v['compiled_peak_bytes'] / 2**30:.2f} GiB "
-                  f"(model {100 * v['memory_error']:+.1f}%; {verdict} JAX's {pool / 2**30:.2f} GiB pool)")
+                  f"(model {100 * v['memory_error']:+.1f}%; {verdict})")
             print("  collectives beside compute in XLA's schedule: "
                   + ", ".join(f"{op} {v['collectives_overlapped'].get(op, 0)} of {n}" for op, n in v["collectives"].items()))
+        if over := sum(not v["fits"] for v in checked):
+            result.dropped["over the pool when compiled"] = over
+        if not shown:
+            raise UserError(f"none of the {len(checked)} fastest layouts that the memory model fits in {memory / 2**30:.1f} GiB compiles "
+                            f"within JAX's {pool / 2**30:.2f} GiB pool: lower --memory_fraction (now {args.memory_fraction}) or add GPUs")
+    print(describe(result, shown))
+    summary = {
+        "gpus": args.gpus, "hosts": hosts, "target": args.target, "evaluated": result.evaluated,
+        "fitting": fitting(result), "dropped": dict(result.dropped), "top": [entry(c) for c in shown],
+    }
+    if args.verify:
         summary["verify"] = checked
     summary["wall_s"] = time.perf_counter() - started
     print(json.dumps(summary))

@@ -175,3 +175,26 @@ def test_verify_compiles_the_top_layouts_for_the_target(capsys):
     first = summary["verify"][0]
     assert first["memory_error"] == pytest.approx(first["predicted_bytes"]["total"] / first["compiled_peak_bytes"] - 1)
     assert f"(model {100 * first['memory_error']:+.1f}%;" in result.stdout
+
+
+@pytest.mark.skipif(not targets.compiler_available(), reason="the XLA GPU compiler plugin is not installed (make gpu-compiler)")
+def test_verify_drops_what_compiles_over_the_pool_and_compiles_the_next(capsys, monkeypatch):
+    """The tiny config is far below the calibration's sizes and the model misses it by up to 60%:
+    with the limit at 22.5 MiB the second fastest layout it admits compiles over the pool (95% of
+    that), and is dropped for the next; in rank order, until the asked-for count fit."""
+    args = ["--config=configs/tiny.py", "--gpus=2", "--target=h100", "--memory_fraction=1"]
+    result = run_cli(capsys, lm_plan.main, *args, "--remat=none,full", "--memory_gib=0.02197", "--top=2", "--verify")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    checked = summary["verify"]
+    ranked = lm_plan.plan(cost.run_of(recipe("tiny")), 2, H100, int(0.02197 * 2**30), remats=("none", "full")).ranked
+    assert [v["layout"] for v in checked] == [c.layout.name(2) for c in ranked[: len(checked)]]  # in rank order
+    assert all(v["fits"] == (v["compiled_peak_bytes"] <= 0.95 * 0.02197 * 2**30) for v in checked)
+    over = [v["layout"] for v in checked if not v["fits"]]
+    assert over and summary["dropped"]["over the pool when compiled"] == len(over) and "OVER JAX's 0.02 GiB pool: dropped" in result.stdout
+    assert [t["layout"] for t in summary["top"]] == [v["layout"] for v in checked if v["fits"]] and len(summary["top"]) == 2
+    assert summary["fitting"] == len(ranked) - len(over)
+    # Nothing within MAX_VERIFIED x --top compiles fits: a one-line answer.
+    monkeypatch.setattr(lm_plan, "MAX_VERIFIED", 1)
+    assert_one_line_error(run_cli(capsys, lm_plan.main, *args, "--remat=full", "--memory_gib=0.01416", "--top=1", "--verify"),
+                          "none of the 1 fastest layouts that the memory model fits", "lower --memory_fraction (now 1.0)")
