@@ -83,6 +83,7 @@ def devices(name: str, count: int, hosts: int = 1) -> list:
             "the XLA GPU compiler plugin is not on the path: run `make gpu-compiler`, then set "
             "MESHLM_GPU_COMPILER=1 before importing meshlm (the lm.* commands do this themselves)"
         )
+    import jax
     from jax.experimental import topologies
 
     from lm.attention import cudnn_available
@@ -94,6 +95,9 @@ def devices(name: str, count: int, hosts: int = 1) -> list:
             "MESHLM_GPU_COMPILER=1 before anything imports jax",
             stacklevel=2,
         )
+    # What is compiled for these devices cannot be read back from JAX's persistent cache (jaxlib:
+    # "PjRtCompiler must be constructed with a Client"; a warning on every re-run): not written.
+    jax.config.update("jax_enable_compilation_cache", False)
     topology = topologies.get_topology_desc(
         platform="cuda", topology_name=name, topology=f"1x{hosts}x{count // hosts}", target_config=text
     )

@@ -78,17 +78,18 @@ def test_fp8_sites_run_fp8_gemms_forward_and_backward(h100s):
 
 
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
-def test_compile_only_devices_warn_when_cudnn_cannot_load():
+def test_compile_only_devices_warn_when_cudnn_cannot_load_and_stay_out_of_the_persistent_cache():
     """JAX imported before meshlm finds no cuDNN: attention would compile as XLA's, not as on a
-    GPU (a 7x larger step for llama_1b), so asking for the target's devices says so."""
+    GPU (a 7x larger step for llama_1b), so asking for the target's devices says so. Programs for
+    them cannot be read back from JAX's persistent cache, so that is turned off."""
     code = ("import sys, warnings; {first}import lm, jax; jax.config.update('jax_platforms', 'cpu'); from lm import targets\n"
             "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always'); targets.devices('h100', 1)\n"
-            "print([str(x.message) for x in w])")
+            "print([str(x.message) for x in w], jax.config.jax_enable_compilation_cache)")
     said = {first: subprocess.run([sys.executable, "-c", code.format(first=first)], cwd=ROOT, capture_output=True, text=True,
                                   env={**os.environ, "MESHLM_GPU_COMPILER": "1"}, check=True).stdout
             for first in ("import jax; ", "")}
     assert "cuDNN cannot be loaded in this process" in said["import jax; "] and "MESHLM_GPU_COMPILER=1 before" in said["import jax; "]
-    assert said[""].strip() == "[]"
+    assert said[""].strip() == "[] False"
 
 
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
