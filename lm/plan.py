@@ -206,15 +206,15 @@ def verified(config, ranked: list[Cost], top: int, devices: list, pool: float) -
     """The first `top` of `ranked` whose compiled step fits `pool` bytes per device, compiling in
     rank order (at most MAX_VERIFIED x `top` compiles): a layout the memory model put under the
     limit but XLA does not is dropped, and the next one compiled. Returns them and every check."""
-    fitting, checked = [], []
+    kept, checked = [], []
     for c in ranked[: MAX_VERIFIED * top]:
         (check,) = verify(config, [c], devices, "gpu")
         check["fits"] = check["compiled_peak_bytes"] <= pool
         checked.append(check)
-        fitting += [c] if check["fits"] else []
-        if len(fitting) == top:
+        kept += [c] if check["fits"] else []
+        if len(kept) == top:
             break
-    return fitting, checked
+    return kept, checked
 
 
 def fitting(result: Plan) -> int:
