@@ -62,7 +62,7 @@ class Parser(argparse.ArgumentParser):
             except ValueError as e:
                 raise UserError(str(e)) from None
         if self.with_config:
-            args.config_overrides = overrides
+            args.config_overrides, args.config_file = overrides, args.config
             base = load_file(args.config) if args.config else self.default_config(args)
             if defer_config:
                 args.config_base = base

@@ -8,7 +8,7 @@ sequence parallelism, remat policy, gradient accumulation or pipeline microbatch
 schedule (`SCHEDULES`, with two chunks per stage where the layers allow), for the config's
 global batch), predicts each one's memory per GPU and step time with
 `lm.cost`, and prints the K fastest that fit (by predicted tokens/s per GPU), why the others
-were dropped, and a JSON line last. `--verify` compiles the train steps for the target
+were dropped, the `lm.train` command line for the first, and a JSON line last. `--verify` compiles the train steps for the target
 (deviceless, `lm.targets`) in rank order and prints XLA's memory per device beside the
 prediction, and whether it is within the pool JAX gives a run (`lm.GPU_MEMORY_FRACTION` of the
 GPU); a layout over it is dropped and the next one compiled, until K fit (`verified`).
@@ -233,6 +233,18 @@ def describe(result: Plan, shown: list[Cost]) -> str:
     return "\n".join(lines)
 
 
+def train_command(config_file: str | None, user_overrides: dict, config, layout: Layout) -> str:
+    """The `lm.train` command line that trains `config` (its file and the user's overrides) with
+    `layout`: the layout's keys whose values differ from the config's or that the user set."""
+    flags = [f"--config={config_file}"] if config_file else []
+    flags += [f"--config.{k}={v}" for k, v in user_overrides.items() if k not in layout.overrides()]
+    for key, value in layout.overrides().items():
+        group, name = key.split(".")
+        if config[group][name] != value or key in user_overrides:
+            flags.append(f"--config.{key}={value}")
+    return " ".join(["python -m lm.train", *flags, "--workdir=WORKDIR"])
+
+
 def main(argv: list[str]) -> None:
     parser = Parser(prog="python -m lm.plan", description="Rank the layouts of a config on N GPUs by predicted tokens/s per GPU.")
     parser.add_argument("--gpus", type=int, required=True, help="how many GPUs")
@@ -289,9 +301,11 @@ def main(argv: list[str]) -> None:
             raise UserError(f"none of the {len(checked)} fastest layouts that the memory model fits in {memory / 2**30:.1f} GiB compiles "
                             f"within JAX's {pool / 2**30:.2f} GiB pool: lower --memory_fraction (now {args.memory_fraction}) or add GPUs")
     print(describe(result, shown))
+    command = train_command(args.config_file, args.config_overrides, args.config, shown[0].layout)
+    print(f"to train with the first: {command}")
     summary = {
         "gpus": args.gpus, "hosts": hosts, "target": args.target, "evaluated": result.evaluated,
-        "fitting": fitting(result), "dropped": dict(result.dropped), "top": [entry(c) for c in shown],
+        "fitting": fitting(result), "dropped": dict(result.dropped), "top": [entry(c) for c in shown], "train_command": command,
     }
     if args.verify:
         summary["verify"] = checked

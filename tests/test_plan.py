@@ -136,11 +136,22 @@ def test_with_maxtext_remat_the_planner_picks_maxtexts_layout(capsys):
     """Given MaxText's remat policy, the planner's first choice for llama_70b on 128 H100s is
     MaxText's own layout (FSDP over all 128, no accumulation). Over every policy it prefers
     tensor parallelism without recompute (PERFORMANCE.md, "Choosing a layout")."""
-    result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=128", "--target=h100", "--top=5", "--remat=qkv_proj")
+    result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=128", "--target=h100", "--top=5", "--remat=qkv_proj",
+                     "--config.train.steps=500")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["gpus"] == 128 and summary["hosts"] == 16 and len(summary["top"]) == 5
     assert summary["top"][0]["layout"] == Layout(fsdp=128, remat="qkv_proj").name()
+    # The lm.train command for the first: the recipe, the user's overrides, the layout's keys the recipe differs in.
+    command = summary["train_command"]
+    assert f"to train with the first: {command}" in result.stdout
+    program, recipe_flag, steps, *_ = command.split(" --")
+    assert program == "python -m lm.train" and recipe_flag.endswith("configs/llama_70b.py") and steps == "config.train.steps=500"
+    assert command.endswith(" --workdir=WORKDIR")
+    flags = dict(arg[len("--config."):].split("=", 1) for arg in command.split() if arg.startswith("--config."))
+    trained = apply_overrides(recipe("llama_70b"), flags)
+    assert trained.train.steps == 500 and "mesh.data" not in flags  # the recipe's data=1 already
+    assert all(trained[k.split(".")[0]][k.split(".")[1]] == v for k, v in summary["top"][0]["overrides"].items())
     speeds = [t["tokens_per_s_per_gpu"] for t in summary["top"]]
     assert speeds == sorted(speeds, reverse=True)
     assert all(t["memory_bytes"]["total"] <= targets.memory_bytes("h100") for t in summary["top"])
