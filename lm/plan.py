@@ -236,9 +236,10 @@ def describe(result: Plan, shown: list[Cost]) -> str:
 def train_command(config_file: str | None, user_overrides: dict, config, layout: Layout) -> str:
     """The `lm.train` command line that trains `config` (its file and the user's overrides) with
     `layout`: the layout's keys whose values differ from the config's or that the user set."""
+    chosen = layout.overrides()
     flags = [f"--config={config_file}"] if config_file else []
-    flags += [f"--config.{k}={v}" for k, v in user_overrides.items() if k not in layout.overrides()]
-    for key, value in layout.overrides().items():
+    flags += [f"--config.{k}={v}" for k, v in user_overrides.items() if k not in chosen]
+    for key, value in chosen.items():
         group, name = key.split(".")
         if config[group][name] != value or key in user_overrides:
             flags.append(f"--config.{key}={value}")
