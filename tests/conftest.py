@@ -9,9 +9,15 @@ import os
 # 40 s limit, which aborts the process (seen in 1F1B tests while other compiles ran beside the
 # suite). A true deadlock still aborts, after 10 minutes, with XLA's "stuck" warnings from 20 s.
 # (`import lm` below sizes XLA:CPU's thread pools for the 8 devices: `lm._size_cpu_thread_pools`.)
+# XLA:CPU's MLIR fusion emitters run their passes whatever the optimisation level: at -O0 the
+# older emitters compile the suite's programs about a quarter faster (jaxlib 0.10, where it was
+# measured; an unknown flag would abort XLA), though they are slower at -O2 (PERFORMANCE.md).
+from jaxlib import version as _jaxlib  # noqa: E402  (jaxlib alone: no backend starts)
+
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
     " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+    + (" --xla_cpu_use_fusion_emitters=false" if _jaxlib.__version__.startswith("0.10.") else "")
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The XLA GPU compiler (make gpu-compiler) on the path, for the deviceless GPU compile checks;

@@ -136,8 +136,10 @@ def test_nonfinite_steps_are_skipped_or_stop_the_run_with_the_last_good_state(tm
         train(fast_config(small_corpus, train__steps=6, optim__decay_steps=6, train__on_nonfinite="stop"), tmp_path / "stop", one, faults=Faults(nonfinite_steps=(4,)))
     halted = restore(tmp_path / "stop", 4, {}, one, small_corpus)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(halted.params))
-    # nothing of step 4 was applied: the parameters are those after step 3 of an unpoisoned run
-    train(fast_config(small_corpus, train__steps=3, optim__decay_steps=6), tmp_path / "clean", one)
+    # nothing of step 4 was applied: the parameters are those after step 3 of a run that ends
+    # before its poisoned step (the same program, so equal to the bit)
+    train(fast_config(small_corpus, train__steps=3, optim__decay_steps=6, train__on_nonfinite="stop"), tmp_path / "clean", one,
+          faults=Faults(nonfinite_steps=(4,)))
     assert_trees_equal(halted.params, restore(tmp_path / "clean", 3, {}, one, small_corpus).params)
 
 
