@@ -123,13 +123,21 @@ def matmul_peaks(n: int = 8192, reps: int = 20) -> dict:
     return peaks
 
 
+# The kit's own process (device queries, matmul peaks) must leave the GPU to the benchmark
+# processes it starts: JAX's default pool would take lm.GPU_MEMORY_FRACTION of the device for it,
+# and every benchmark then ran out of memory (the first GPU run, 2026-11-26). So this process
+# allocates only what it uses and frees it at once; the children get the environment as it was.
+OWN_POOL = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+CHILD_ENV = dict(os.environ)
+
+
 def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo_dir: Path | None) -> dict:
     command = [sys.executable, "-m", "lm.bench", f"--config={config}", f"--steps={steps}", *overrides]
     if hlo_dir:
         command.append(f"--save_hlo={hlo_dir}")
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=CHILD_ENV)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
     wall = round(time.perf_counter() - start, 1)
@@ -165,8 +173,8 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown case(s) {', '.join(unknown)}; the cases are {', '.join(name for name, _, _ in chosen)}")
         chosen = [case for case in chosen if case[0] in wanted]
-    import lm  # noqa: F401  (JAX's GPU memory pool at lm.GPU_MEMORY_FRACTION, for this process and its children)
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "meshlm_jax_cache"))
+    CHILD_ENV.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "meshlm_jax_cache"))
+    os.environ.update(OWN_POOL)  # before jax starts its GPU backend in this process
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
