@@ -11,8 +11,8 @@ Statistics leave a step through the gradient of a zero *probe* input (`Probe`, t
 value computed in the backward pass gets out of `jax.grad`): per role (`ROLES`: the input x, the
 weight w, the output gradient g) a vector of the fields in `STATS` (just `absmax` unless the
 policy *observes*, when `OBSERVED_STATS`). `update_fp8` writes the amaxes into the histories and
-recomputes the scales. The GEMMs take the fp8 arrays and scale their float32 results
-(`site_matmul`): fp8 GEMMs on GPUs that have them, an exact emulation elsewhere.
+recomputes the scales. The GEMMs take the fp8 arrays and scale their results (`site_matmul`):
+fp8 GEMMs on GPUs that have them, an exact emulation elsewhere.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import fp8_ops
 
-from lm.matmul import F32, backward
+from lm.matmul import F32, backward, einsum
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 ROLES = ("x", "w", "g")  # a matmul's input activation, its weight, the gradient of its output
@@ -177,8 +177,10 @@ def site_matmul(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
     gradient of `probe` is the statistics [roles, stats].
 
     Quantised, the GEMMs take the fp8 arrays themselves (e4m3 x e4m3 forward, e5m2 x e4m3 for
-    dx, e4m3 x e5m2 for dw), accumulate in float32 and apply the two scales to the result: the
-    form XLA runs as fp8 GEMMs on GPUs that have them (and emulates exactly elsewhere). What
+    dx, e4m3 x e5m2 for dw), accumulate in float32 and apply the two scales to the result
+    (`lm.matmul.einsum`; on GPUs the forward and dx results leave the GEMM in the compute
+    dtype, dw's in float32): the form XLA runs as fp8 GEMMs on GPUs that have them (and
+    emulates exactly elsewhere). What
     the backward pass keeps are the fp8 copies of x and w: half the bytes of bf16 ones."""
     return _site_fwd(spec, out_dtype, mode, x, w, scales, probe)[0]
 
@@ -189,8 +191,7 @@ def _site_fwd(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
     if not mode.quantize:
         return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(out_dtype), (x, w, scales, stats)
     xq, wq = _quantize(x, E4M3, scales[0], mode.compute_dtype), _quantize(w, E4M3, scales[1], mode.compute_dtype)
-    y = jnp.einsum(spec, xq, wq, preferred_element_type=F32) * (scales[0] * scales[1])
-    return y.astype(out_dtype), (xq, wq, scales, stats)
+    return einsum(spec, xq, wq, out_dtype, scales[0] * scales[1]), (xq, wq, scales, stats)
 
 
 def _site_bwd(spec, out_dtype, mode: SiteMode, residuals, dy):

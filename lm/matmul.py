@@ -24,16 +24,35 @@ import jax.numpy as jnp
 import sharding
 
 F32 = jnp.float32
-# Dot algorithms that accumulate 16-bit operands in float32 whatever the result's type.
+# Dot algorithms that accumulate 16-bit or fp8 operands in float32 whatever the result's type.
 _F32_ACCUMULATION = {jnp.dtype(jnp.bfloat16): "BF16_BF16_F32", jnp.dtype(jnp.float16): "F16_F16_F32"}
+_FP8_F32_ACCUMULATION = "ANY_F8_ANY_F8_F32"
 
 
-def einsum(spec: str, a, b, out_dtype):
-    """`jnp.einsum(spec, a, b)` accumulated in float32, its result in `out_dtype`."""
-    algorithm = _F32_ACCUMULATION.get(a.dtype) if a.dtype == b.dtype and jnp.dtype(out_dtype) != F32 else None
+def _algorithm(a, b):
+    if a.dtype == b.dtype and a.dtype in _F32_ACCUMULATION:
+        return _F32_ACCUMULATION[a.dtype]
+    if jnp.dtype(a.dtype).itemsize == 1 and jnp.dtype(b.dtype).itemsize == 1:  # e4m3 / e5m2, mixed too
+        return _FP8_F32_ACCUMULATION
+    return None
+
+
+def einsum(spec: str, a, b, out_dtype, scale=None):
+    """`jnp.einsum(spec, a, b)` accumulated in float32, times `scale` (an fp8 site's two scales),
+    its result in `out_dtype`.
+
+    Off the CPU an fp8 GEMM's result leaves it in `out_dtype` too, multiplied by the scale in
+    that dtype: the form XLA's GEMM rewriter folds into one cuBLAS fp8 GEMM that applies the
+    float32 scale itself and writes 16 bits. A float32 result (the form before) was written
+    whole by cuBLAS and converted by a separate pass (the first H100 run: 11 such
+    `f32[16384, 2048]` results in `llama_1b`'s step); a 16-bit result scaled in float32 kept a
+    separate scaling pass (deviceless H100 compiles, jaxlib 0.10.2)."""
+    algorithm = _algorithm(a, b) if jnp.dtype(out_dtype) != F32 else None
     if algorithm is None or sharding.platform() == "cpu":
-        return jnp.einsum(spec, a, b, preferred_element_type=F32).astype(out_dtype)
-    return jnp.einsum(spec, a, b, precision=algorithm, preferred_element_type=out_dtype)
+        y = jnp.einsum(spec, a, b, preferred_element_type=F32)
+        return (y if scale is None else y * scale).astype(out_dtype)
+    y = jnp.einsum(spec, a, b, precision=algorithm, preferred_element_type=out_dtype)
+    return y if scale is None else y * scale.astype(out_dtype)
 
 
 def transposed_specs(spec: str) -> tuple[str, str, str]:
@@ -55,20 +74,20 @@ def has_batch_dims(spec: str) -> bool:
 
 def backward(spec: str, x, w, dy, *, dtypes=None, scales=(None, None)):
     """(dx, dw) of `einsum(spec, x, w)`, float32 accumulation, in x's and w's dtypes (or
-    `dtypes`). At fp8 sites (`scales` given) each float32 result is multiplied by its scale
-    first. dw leaves its dot in float32 either way: it is summed over the data and fsdp devices
+    `dtypes`). At fp8 sites (`scales` given) each result is multiplied by its scale. dw leaves its dot in float32 either way: it is summed over the data and fsdp devices
     there, in float32 (torchtitan's reduce dtype)."""
     dx_spec, dw_spec, dw_spec_swapped = transposed_specs(spec)
     dx_dtype, dw_dtype = dtypes or (x.dtype, w.dtype)
-    dx = einsum(dx_spec, dy, w, F32 if scales[0] is not None else dx_dtype)
+    dx = einsum(dx_spec, dy, w, dx_dtype, scales[0])
     # XLA:CPU transposes a weight-gradient matmul's first operand (and refuses to materialise
     # what produced it, recomputing it inside the transpose); so the smaller operand goes first.
     if x.size > dy.size:
         dw = jnp.einsum(dw_spec_swapped, dy, x, preferred_element_type=F32)
     else:
         dw = jnp.einsum(dw_spec, x, dy, preferred_element_type=F32)
-    dx, dw = (g if s is None else g * s for g, s in zip((dx, dw), scales))
-    return dx.astype(dx_dtype), dw.astype(dw_dtype)
+    if scales[1] is not None:
+        dw = dw * scales[1]
+    return dx, dw.astype(dw_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -77,6 +77,22 @@ def test_fp8_sites_run_fp8_gemms_forward_and_backward(h100s):
     assert not [g for g in hlo.gemms(compiled(h100s, {"fsdp": 8})) if "f8" in g.lhs + g.rhs]
 
 
+def test_fp8_gemms_write_bf16_with_their_scales_folded_in():
+    """On the first real H100, cuBLAS's fp8 GEMMs wrote float32 results that a separate pass
+    scaled and converted to bf16. The forward and dx GEMMs now write bf16 and apply the scale
+    themselves (cuBLAS's own scale operand, not a constant 1); dw stays float32 for its
+    reduction. One device: the test model's small GEMMs over 8 are split along K by XLA, whose
+    partial products are float32 by design."""
+    text = compiled(targets.devices("h100", 1), {}, precision__fp8="delayed")
+    gemms = [g for g in model_gemms(text) if g.lhs.startswith("f8")]
+    outputs = {(g.lhs, g.rhs): {h.out for h in gemms if (h.lhs, h.rhs) == (g.lhs, g.rhs)} for g in gemms}
+    assert outputs == {("f8e4m3fn", "f8e4m3fn"): {"bf16"}, ("f8e5m2", "f8e4m3fn"): {"bf16"}, ("f8e4m3fn", "f8e5m2"): {"f32"}}
+    calls = [line for line in text.splitlines() if 'custom_call_target="__cublas$lt$matmul$f8"' in line and BLOCK_SPEC.search(line)]
+    assert len(calls) == sum(g.out == "bf16" for g in gemms) >= 2 * 7  # every forward and dx GEMM
+    scale_operands = [re.search(r"custom-call\(([^)]*)\)", line).group(1).split(", ")[2] for line in calls]
+    assert not [operand for operand in scale_operands if operand.startswith("%constant")]
+
+
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
 def test_compile_only_devices_warn_when_cudnn_cannot_load_and_stay_out_of_the_persistent_cache():
     """JAX imported before meshlm finds no cuDNN: attention would compile as XLA's, not as on a
@@ -236,7 +252,7 @@ def test_layout_target_reports_the_compiled_memory(h100s, capsys):
     assert summary["per_device"]["params_bytes"] == sum(
         int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize for s in jax.tree.leaves(program.abstract_sharded_state().params)
     )
-    assert summary["target"] == "h100" and summary["fits"] and summary["device_memory_bytes"] == 84942979072
+    assert summary["target"] == "h100" and summary["fits"] and summary["device_memory_bytes"] == 85017493504
     assert (ROOT / "configs" / "targets" / "h200.txtpb").exists()
 
 
