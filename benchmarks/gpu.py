@@ -8,7 +8,9 @@ fp8 matmul peaks, then `python -m lm.bench` of the recipe in bf16 and fp8, with 
 XLA attention, at several remat policies, and the largest batch that fits (doubling until the
 device runs out of memory). Each benchmark runs in its own process (an out-of-memory failure
 is a result, not a crash); the compiled HLO of the main cases is read for GEMM operand types
-(fp8 or bf16), cuDNN attention calls and collectives (`lm.hlo`). Cases run in priority order
+(fp8 or bf16), cuDNN attention calls and collectives (`lm.hlo`), and a profiler trace of
+three more of their steps says where the time goes, by kind of work and by instruction
+(`lm.profile`). Cases run in priority order
 until `--budget_s` is spent. Everything goes to `DIR/gpu.json` as it arrives (each read HLO to
 `DIR/hlo/CASE/`); the last stdout line is the same JSON.
 
@@ -137,8 +139,8 @@ CHILD_ENV = dict(os.environ)
 
 def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo_dir: Path | None) -> dict:
     command = [sys.executable, "-m", "lm.bench", f"--config={config}", f"--steps={steps}", *overrides]
-    if hlo_dir:
-        command.append(f"--save_hlo={hlo_dir}")
+    if hlo_dir:  # the main cases: their HLO read, and where their step's time goes (lm.profile)
+        command += [f"--save_hlo={hlo_dir}", f"--profile={tempfile.mkdtemp(prefix='meshlm_trace_')}"]
     start = time.perf_counter()
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=CHILD_ENV)

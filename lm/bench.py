@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from lm import cli, hlo, inputs, targets
+from lm import cli, hlo, inputs, profile, targets
 from lm import data as lm_data
 from lm.cli import Parser
 from lm.config import UserError
@@ -67,14 +67,24 @@ def data_bench(config, batches: int = 50) -> dict:
     return {"batch_size": t.batch_size, "seq_len": t.seq_len, "document_masking": config.data.document_masking, **timing}
 
 
-def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str | None = None, with_data: bool = False) -> dict:
+def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str | None = None, with_data: bool = False,
+          profile: str | None = None) -> dict:
     if with_data:
         with tempfile.TemporaryDirectory() as workdir:
-            return _bench(config, steps, warmup, devices, save_hlo, *_corpus_batches(config, Path(workdir)))
-    return _bench(config, steps, warmup, devices, save_hlo, None, lm_data.nominal_vocab_size(config.data))
+            return _bench(config, steps, warmup, devices, save_hlo, profile, *_corpus_batches(config, Path(workdir)))
+    return _bench(config, steps, warmup, devices, save_hlo, profile, None, lm_data.nominal_vocab_size(config.data))
 
 
-def _bench(config, steps, warmup, devices, save_hlo, data_batches, vocab_size) -> dict:
+def _profiled(compiled, state, batches, directory: str, steps: int) -> dict:
+    """`steps` more steps under JAX's profiler (trace in `directory`), summed by `lm.profile`."""
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for i in range(steps):
+            state, metrics = compiled(state, batches[i % len(batches)])
+        jax.block_until_ready(metrics)
+    return profile.summary(profile.trace_file(directory), compiled.as_text(), steps)
+
+
+def _bench(config, steps, warmup, devices, save_hlo, profile_dir, data_batches, vocab_size) -> dict:
     program = setup(config, vocab_size, devices)
     mesh, mcfg = program.mesh, program.model_cfg
     rng = np.random.default_rng(config.train.seed)
@@ -105,6 +115,8 @@ def _bench(config, steps, warmup, devices, save_hlo, data_batches, vocab_size) -
         times.append(time.perf_counter() - start)
     step_time = statistics.median(times)
     data = {} if data_batches is None else {"data_wait_s": statistics.median(waits), **_time_batches(data_batches, 20)}
+    if profile_dir:  # after the timed steps, so tracing does not slow them
+        data["profile"] = _profiled(compiled, state, batches, profile_dir, min(steps, 3))
     tokens = config.train.batch_size * config.train.seq_len
     fpt = flops_per_token(mcfg, config.train.seq_len)
     peak, source = peak_flops(peak_dtype(config.precision))
@@ -147,14 +159,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compilation")
     parser.add_argument("--save_hlo", help="directory to write the compiled train step's optimized HLO into")
+    parser.add_argument("--profile", help="directory for a JAX profiler trace of 3 more steps; the JSON gains where their time went")
     parser.add_argument("--compile_only", action="store_true", help="compile the step and report its memory, without running it")
     parser.add_argument("--target", choices=sorted(targets.TARGETS), help="with --compile_only: for GPUs of this kind (no GPU needed)")
     parser.add_argument("--devices", type=int, default=8, help="with --target: how many GPUs")
     parser.add_argument("--data", action="store_true", help="feed the steps from the config's corpus through the real input pipeline")
     parser.add_argument("--data_only", action="store_true", help="time the input pipeline alone (no model): host time per global batch")
     args = parser.parse(argv)
-    if args.save_hlo:
-        inputs.new_or_run_dir(args.save_hlo, "--save_hlo")  # before compiling, not after
+    for flag, directory in (("--save_hlo", args.save_hlo), ("--profile", args.profile)):
+        if directory:
+            inputs.new_or_run_dir(directory, flag)  # before compiling, not after
     if args.steps < 1 or args.warmup < 0:
         raise UserError(f"--steps={args.steps} --warmup={args.warmup}: time at least one step, after zero or more warm-up steps")
     if args.target and not args.compile_only:
@@ -169,7 +183,7 @@ def main(argv: list[str]) -> None:
         _, result = layout(args.config, devices, save_hlo=args.save_hlo, target=args.target)
         result["compile_wall_s"] = round(time.perf_counter() - start, 3)
     else:
-        result = bench(args.config, args.steps, args.warmup, save_hlo=args.save_hlo, with_data=args.data)
+        result = bench(args.config, args.steps, args.warmup, save_hlo=args.save_hlo, with_data=args.data, profile=args.profile)
     if jax.process_index() == 0:
         print(json.dumps(result))
 

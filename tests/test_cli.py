@@ -91,10 +91,17 @@ def test_launch_help_is_help(capsys):
     assert result.returncode == 0 and "--devices_per_process" in result.stdout
 
 
-def test_bench_prints_json_last(tmp_path):
-    result = run_module("lm.bench", "--config=configs/tiny.py", "--steps=2", "--warmup=1", "--config.train.batch_size=4")
+def test_bench_prints_json_last_and_profiles_where_the_step_spends_its_time(tmp_path):
+    result = run_module("lm.bench", "--config=configs/tiny.py", "--steps=2", "--warmup=1", "--config.train.batch_size=4",
+                        f"--profile={tmp_path / 'trace'}")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("step_time_s", "tokens_per_sec", "flops_per_token", "mfu", "peak_flops", "peak_flops_source", "peak_memory_bytes"):
         assert key in report
     assert report["tokens_per_sec"] > 0 and 0 < report["mfu"] < 1 and report["peak_flops_source"].startswith("measured")
+    # The profile: XLA:CPU's thunks (no device here), attributed to the step's instructions.
+    p = report["profile"]
+    assert p["source"] == "host" and p["steps"] == 2 and list((tmp_path / "trace").glob("plugins/profile/*/perfetto_trace.json.gz"))
+    assert p["by_kind_ms_per_step"]["gemm"] > 0 and p["by_kind_ms_per_step"]["elementwise"] > 0
+    assert sum(p["by_kind_ms_per_step"].values()) == pytest.approx(p["kernel_ms_per_step"], abs=0.01)
+    assert p["top"] and all(row["ms_per_step"] > 0 for row in p["top"])
