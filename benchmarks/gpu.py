@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lm, also without an install
@@ -42,17 +43,32 @@ def attention(kind: str) -> list[str]:
     return [f"--config.model.attention={kind}"]
 
 
-def cases(main: str) -> list[tuple[str, list[str], bool]]:
-    """(name, overrides, keep the HLO), in priority order, with `main` attention (cudnn on a
-    GPU); XLA's attention once beside it for comparison."""
+# XLA's GEMMs through cuBLAS alone, not Triton's GEMM fusions (MaxText's and NVIDIA's JAX GPU
+# settings turn Triton's off): a flag to measure, not yet one meshlm sets.
+CUBLAS_ONLY = "--xla_gpu_enable_triton_gemm=false"
+
+
+class Case(NamedTuple):
+    name: str
+    overrides: list[str]
+    keep_hlo: bool = False  # read its HLO and profile it
+    xla_flags: str = ""  # added to XLA_FLAGS for its process
+
+
+def cases(main: str) -> list[Case]:
+    """In priority order, with `main` attention (cudnn on a GPU); XLA's attention once beside it
+    for comparison."""
     b8 = ["--config.train.batch_size=8"]
-    compare = [] if main == "xla" else [("bf16_xla_b8", [*BF16, *attention("xla"), *b8], True)]
+    dots = "--config.model.remat=dots"
+    compare = [] if main == "xla" else [Case("bf16_xla_b8", [*BF16, *attention("xla"), *b8], True)]
     return [
-        (f"bf16_{main}_b8", [*BF16, *attention(main), *b8], True),
+        Case(f"bf16_{main}_b8", [*BF16, *attention(main), *b8], True),
         *compare,
-        (f"fp8_{main}_b8", [*FP8, *attention(main), *b8], True),
-        (f"bf16_{main}_b8_remat_dots", [*BF16, *attention(main), *b8, "--config.model.remat=dots"], False),
-        (f"bf16_{main}_b8_remat_none", [*BF16, *attention(main), *b8, "--config.model.remat=none"], False),
+        Case(f"fp8_{main}_b8", [*FP8, *attention(main), *b8], True),
+        Case(f"bf16_{main}_b8_remat_dots", [*BF16, *attention(main), *b8, dots], True),
+        Case(f"bf16_{main}_b8_remat_none", [*BF16, *attention(main), *b8, "--config.model.remat=none"]),
+        Case(f"bf16_{main}_b8_remat_dots_cublas_only", [*BF16, *attention(main), *b8, dots], xla_flags=CUBLAS_ONLY),
+        Case(f"fp8_{main}_b8_cublas_only", [*FP8, *attention(main), *b8], xla_flags=CUBLAS_ONLY),
     ]
 
 
@@ -137,13 +153,14 @@ OWN_POOL = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCAT
 CHILD_ENV = dict(os.environ)
 
 
-def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo_dir: Path | None) -> dict:
+def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo_dir: Path | None, xla_flags: str = "") -> dict:
     command = [sys.executable, "-m", "lm.bench", f"--config={config}", f"--steps={steps}", *overrides]
     if hlo_dir:  # the main cases: their HLO read, and where their step's time goes (lm.profile)
         command += [f"--save_hlo={hlo_dir}", f"--profile={tempfile.mkdtemp(prefix='meshlm_trace_')}"]
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=CHILD_ENV)
+        env = {**CHILD_ENV, "XLA_FLAGS": f"{CHILD_ENV.get('XLA_FLAGS', '')} {xla_flags}".strip()} if xla_flags else CHILD_ENV
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
     wall = round(time.perf_counter() - start, 1)
@@ -175,10 +192,10 @@ def main() -> None:
     chosen = cases(args.attention)
     if args.cases:
         wanted = args.cases.split(",")
-        unknown = sorted(set(wanted) - {name for name, _, _ in chosen})
+        unknown = sorted(set(wanted) - {case.name for case in chosen})
         if unknown:
-            parser.error(f"unknown case(s) {', '.join(unknown)}; the cases are {', '.join(name for name, _, _ in chosen)}")
-        chosen = [case for case in chosen if case[0] in wanted]
+            parser.error(f"unknown case(s) {', '.join(unknown)}; the cases are {', '.join(case.name for case in chosen)}")
+        chosen = [case for case in chosen if case.name in wanted]
     CHILD_ENV.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "meshlm_jax_cache"))
     os.environ.update(OWN_POOL)  # before jax starts its GPU backend in this process
     out = Path(args.out)
@@ -194,10 +211,11 @@ def main() -> None:
     save("device", device_info(out))
     save("matmul_peak_flops", matmul_peaks(args.matmul_size))
     hlo_root = out / "hlo"  # each case's optimised train step, beside gpu.json
-    for name, overrides, keep_hlo in chosen:
+    for case in chosen:
         if time.perf_counter() - began > args.budget_s:
             break
-        save(name, run_bench(args.config, overrides, args.steps, args.case_timeout_s, hlo_root / name if keep_hlo else None))
+        hlo_dir = hlo_root / case.name if case.keep_hlo else None
+        save(case.name, run_bench(args.config, case.overrides, args.steps, args.case_timeout_s, hlo_dir, case.xla_flags))
     # The largest power-of-two batch that fits, bf16 with the main attention (the recipe's remat);
     # with XLA's where the main one failed for another reason than memory (cuDNN missing, say).
     headline = report.get(f"bf16_{args.attention}_b8", {"ok": True})  # the first case, if it ran
