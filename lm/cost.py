@@ -291,6 +291,7 @@ class Cost:
             "compute": compute,
             "bubble": bubble,
             "stash": self._stash_traffic() / s.hbm_bytes_per_s,
+            "update": self._update_traffic() / s.hbm_bytes_per_s,
             "fsdp": fsdp,
             "tensor": self.passes * self.layers * tp_per_layer,
             "context": self.passes * self.layers * cp_per_layer,
@@ -300,10 +301,21 @@ class Cost:
         out["total"] = sum(out.values())
         return out
 
+    def _update_traffic(self) -> float:
+        """Bytes the step moves through HBM outside its passes, on each device: the optimizer
+        update reads the gradients and reads and writes the parameters and the optimizer state
+        where the update runs (3 x the gradients' bytes, which are in that placement, + 2 x the
+        state's); with several passes each adds its gradients into the float32 accumulator (a read
+        and a write). On one H100 this was the gap between batch 8 and larger batches of
+        `llama_1b` that the matmul model missed (PERFORMANCE.md, "On a real H100")."""
+        state = self.state_bytes
+        accumulation = 2 * state["grads"] * self.passes if self.passes > 1 else 0.0
+        return 3 * state["grads"] + 2 * state["opt_state"] + accumulation
+
     def _stash_traffic(self) -> float:
         """Bytes a pipeline's stash moves per step on each device: every forward writes its chunk's
-        stash entry (a select reads the slot first) and its backward reads it, the only memory
-        traffic the model counts apart (the rest is in the matmul efficiency)."""
+        stash entry (a select reads the slot first) and its backward reads it. With the update's,
+        the only memory traffic the model counts apart (the rest is in the matmul efficiency)."""
         lay, kept = self.layout, self._kept_bytes()
         if lay.stage == 1:
             return 0.0
