@@ -32,9 +32,21 @@ _FP8_F32_ACCUMULATION = "ANY_F8_ANY_F8_F32"
 def _algorithm(a, b):
     if a.dtype == b.dtype and a.dtype in _F32_ACCUMULATION:
         return _F32_ACCUMULATION[a.dtype]
-    if jnp.dtype(a.dtype).itemsize == 1 and jnp.dtype(b.dtype).itemsize == 1:  # e4m3 / e5m2, mixed too
+    if jnp.dtype(a.dtype).itemsize == 1 and jnp.dtype(b.dtype).itemsize == 1 and has_fp8_gemms():  # e4m3 / e5m2
         return _FP8_F32_ACCUMULATION
     return None
+
+
+def has_fp8_gemms() -> bool:
+    """Whether the target runs fp8 GEMMs: CUDA compute capability 8.9 (Ada) or later. XLA checks a
+    dot's named algorithm against the device, so an fp8 one on an A100 would not compile; there
+    (and on CPUs) fp8 sites leave float32 results, which XLA computes in wider types."""
+    device = sharding.device()
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return False
+    major, minor = (int(part) for part in str(capability).split(".")[:2])
+    return (major, minor) >= (8, 9)
 
 
 def einsum(spec: str, a, b, out_dtype, scale=None):

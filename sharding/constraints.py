@@ -58,11 +58,18 @@ def active_mesh() -> Mesh | None:
     return _ACTIVE.stack[-1][0] if _ACTIVE.stack else None
 
 
-def platform() -> str:
-    """The platform ('cpu', 'gpu', 'tpu') of the mesh in force, else JAX's default backend: what a
-    traced program is compiled for, also when that is a GPU this machine does not have."""
+def device() -> jax.Device:
+    """A device of the mesh in force, else JAX's first: what a traced program is compiled for
+    (its platform, kind and, on CUDA, compute capability), also a GPU this machine does not have."""
     if _ACTIVE.stack:
-        return _ACTIVE.stack[-1][0].devices.flat[0].platform
+        return _ACTIVE.stack[-1][0].devices.flat[0]
+    return jax.devices()[0]
+
+
+def platform() -> str:
+    """The platform ('cpu', 'gpu', 'tpu') of the mesh in force, else JAX's default backend."""
+    if _ACTIVE.stack:
+        return device().platform
     return jax.default_backend()
 
 

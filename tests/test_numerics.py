@@ -100,6 +100,24 @@ def test_fp8_scales_move_restore_bit_exactly_and_only_follow_the_amax_history(tm
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.fp8, state.fp8)
 
 
+@pytest.mark.parametrize("capability, fp8_gemm", [("9.0", True), ("8.9", True), ("8.0", False), (None, False)])
+def test_fp8_sites_name_fp8_gemms_only_for_gpus_that_have_them(monkeypatch, capability, fp8_gemm):
+    """H100 / Ada: a bf16 result with the fp8 dot algorithm (float32 accumulation); an A100 (which
+    XLA would refuse that algorithm) or a GPU of unknown capability: a float32 result, as on CPUs."""
+    from types import SimpleNamespace
+
+    import sharding
+    from lm import matmul
+
+    monkeypatch.setattr(sharding, "platform", lambda: "gpu")
+    monkeypatch.setattr(sharding, "device", lambda: SimpleNamespace(platform="gpu", compute_capability=capability))
+    x, w = jnp.ones((4, 8), jnp.float8_e4m3fn), jnp.ones((8, 2), jnp.float8_e4m3fn)
+    dot = next(e for e in jax.make_jaxpr(lambda x, w: matmul.einsum("bd,df->bf", x, w, jnp.bfloat16, jnp.float32(2.0)))(x, w).eqns
+               if e.primitive.name == "dot_general")
+    assert (dot.params["preferred_element_type"] == jnp.bfloat16) == fp8_gemm
+    assert ("ANY_F8_ANY_F8_F32" in str(dot.params["precision"])) == fp8_gemm
+
+
 def test_fp8_matmul_stays_within_the_e4m3_error_bound():
     policy = Policy(compute_dtype=jnp.float32, fp8=Fp8Recipe())
     kx, kw = jax.random.split(jax.random.key(0))
