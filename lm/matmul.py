@@ -53,9 +53,9 @@ def einsum(spec: str, a, b, out_dtype, scale=None):
     """`jnp.einsum(spec, a, b)` accumulated in float32, times `scale` (an fp8 site's two scales),
     its result in `out_dtype`.
 
-    On GPUs with fp8 GEMMs (`has_fp8_gemms`) an fp8 GEMM's result leaves it in `out_dtype` too, multiplied by the scale in
-    that dtype: the form XLA's GEMM rewriter folds into one cuBLAS fp8 GEMM that applies the
-    float32 scale itself and writes 16 bits. A float32 result (the form before) was written
+    On GPUs with fp8 GEMMs (`has_fp8_gemms`) an fp8 GEMM's result leaves it in `out_dtype` too,
+    multiplied by the scale in that dtype: the form XLA's GEMM rewriter folds into one cuBLAS
+    fp8 GEMM that applies the float32 scale itself and writes 16 bits. A float32 result (the form before) was written
     whole by cuBLAS and converted by a separate pass (the first H100 run: 11 such
     `f32[16384, 2048]` results in `llama_1b`'s step); a 16-bit result scaled in float32 kept a
     separate scaling pass (deviceless H100 compiles, jaxlib 0.10.2)."""
