@@ -12,7 +12,8 @@ is a result, not a crash); the compiled HLO of the main cases is read for GEMM o
 three more of their steps says where the time goes, by kind of work and by instruction
 (`lm.profile`). Cases run in priority order
 until `--budget_s` is spent. Everything goes to `DIR/gpu.json` as it arrives (each read HLO to
-`DIR/hlo/CASE/`); the last stdout line is the same JSON.
+`DIR/hlo/CASE/`), and at the end a Markdown table of it to `DIR/summary.md`; the last stdout
+line is the same JSON.
 
 Where the main attention fails for another reason than memory (cuDNN missing, say), the batch
 sweep and the fp8 run at the largest batch use XLA's. Rehearsed on a CPU by the test suite
@@ -177,6 +178,28 @@ def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo
     return {"ok": False, "wall_s": wall, "out_of_memory": out_of_memory, "error": (errors or done.stderr.splitlines() or ["?"])[-1][-600:]}
 
 
+def summary(report: dict) -> str:
+    """The report as Markdown, for PERFORMANCE.md: one row per benchmark, then where each profiled
+    case's step time went (milliseconds per step by kind of work)."""
+    runs = {name: r for name, r in report.items() if isinstance(r, dict) and "ok" in r}
+    for sweep in (k for k in report if k.startswith("batch_sweep_")):
+        runs.update({f"{sweep.removeprefix('batch_sweep_')}_b{batch}": r for batch, r in report[sweep].items()})
+    gib = lambda b: f"{b / 2**30:.2f}" if b else "?"  # noqa: E731
+    lines = [f"`{report['config']}` on {', '.join(report['device'].get('devices', []))} (jax {report['device'].get('jax')})", "",
+             "| case | tokens/s | MFU | step (ms) | peak (GiB) | compile (s) |", "|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        if r["ok"]:
+            lines.append(f"| {name} | {r['tokens_per_sec']:,.0f} | {100 * r['mfu']:.1f}% | {1000 * r['step_time_s']:.0f} | "
+                         f"{gib(r.get('peak_memory_bytes'))} | {r['compile_time_s']:.1f} |")
+        else:
+            lines.append(f"| {name} | {'out of memory' if r.get('out_of_memory') else 'failed: ' + r['error'][:80]} | | | | |")
+    for name, r in runs.items():
+        if r.get("profile"):
+            kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in r["profile"]["by_kind_ms_per_step"].items())
+            lines.append(f"\n{name}, ms per step by kind ({r['profile']['source']}): {kinds}")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/llama_1b.py")
@@ -235,6 +258,7 @@ def main() -> None:
         save(f"fp8_{kernel}_largest_b{best}", run_bench(args.config, largest, args.steps, args.case_timeout_s, None))
     report["elapsed_s"] = round(time.perf_counter() - began, 1)
     (out / "gpu.json").write_text(json.dumps(report, indent=1))
+    (out / "summary.md").write_text(summary(report))
     print(json.dumps(report))
 
 

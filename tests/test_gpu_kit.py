@@ -38,6 +38,10 @@ def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
     largest = report["fp8_xla_largest_b16"]
     assert largest["ok"] and largest["fp8"] == "delayed" and largest["tokens_per_step"] == 16 * 128
     assert report["elapsed_s"] > 0
+    # The same, as Markdown for PERFORMANCE.md: a row per benchmark, then the profiled case's kinds.
+    summary = (tmp_path / "summary.md").read_text()
+    assert f"| bf16_xla_b8 | {case['tokens_per_sec']:,.0f} |" in summary and "| bf16_cudnn_b8 | failed: " in summary
+    assert "| bf16_xla_b16 |" in summary and "bf16_xla_b8, ms per step by kind (host): gemm " in summary
 
 
 def test_the_gpu_kit_names_its_cases_when_asked_for_an_unknown_one(tmp_path):
