@@ -306,7 +306,7 @@ class Cost:
         update reads the gradients and reads and writes the parameters and the optimizer state
         where the update runs (3 x the gradients' bytes, which are in that placement, + 2 x the
         state's); with several passes each adds its gradients into the float32 accumulator (a read
-        and a write). On one H100 this was the gap between batch 8 and larger batches of
+        and a write). On one H100 it was part of the gap between batch 8 and larger batches of
         `llama_1b` that the matmul model missed (PERFORMANCE.md, "On a real H100")."""
         state = self.state_bytes
         accumulation = 2 * state["grads"] * self.passes if self.passes > 1 else 0.0

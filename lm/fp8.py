@@ -180,8 +180,8 @@ def site_matmul(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
     dx, e4m3 x e5m2 for dw), accumulate in float32 and apply the two scales to the result
     (`lm.matmul.einsum`; on GPUs the forward and dx results leave the GEMM in the compute
     dtype, dw's in float32): the form XLA runs as fp8 GEMMs on GPUs that have them (and
-    emulates exactly elsewhere). What
-    the backward pass keeps are the fp8 copies of x and w: half the bytes of bf16 ones."""
+    emulates exactly elsewhere). What the backward pass keeps are the fp8 copies of x and w:
+    half the bytes of bf16 ones."""
     return _site_fwd(spec, out_dtype, mode, x, w, scales, probe)[0]
 
 

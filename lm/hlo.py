@@ -30,7 +30,7 @@ class Gemm(NamedTuple):
     op_name: str  # the JAX operation it came from (metadata), e.g. .../btd,dhk->bthk/dot_general
 
 
-def _computations(hlo: str) -> list[tuple[str, str, list[str]]]:
+def computations(hlo: str) -> list[tuple[str, str, list[str]]]:
     """(name, header, body lines) of each computation in the module."""
     out, name, header, body = [], None, "", []
     for line in hlo.splitlines():
@@ -49,7 +49,7 @@ def _computations(hlo: str) -> list[tuple[str, str, list[str]]]:
 
 def gemms(hlo: str) -> list[Gemm]:
     found = []
-    for name, header, body in _computations(hlo):
+    for name, header, body in computations(hlo):
         types = dict(_PARAMETER.findall(header.split("->")[0]))
         for line in body:
             m = _INSTRUCTION.match(line)
@@ -118,7 +118,7 @@ def overlapped_collectives(hlo: str) -> Counter:
     collective, or a start with its done next to it, is exposed. (Counted per instruction: one
     in a loop body runs once per iteration.)"""
     overlapped = Counter()
-    for _, _, body in _computations(hlo):
+    for _, _, body in computations(hlo):
         in_flight = {}  # start's name -> [collective, kernels seen since]
         for line in body:
             if start := _ASYNC_START.search(line):
@@ -153,4 +153,4 @@ def collective_shapes(hlo: str, op: str) -> list[tuple[int, ...]]:
 def loop_bodies(hlo: str) -> dict[str, str]:
     """{computation name: its text} of every while-loop body (a `lax.scan` over layers is one)."""
     bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo))
-    return {name: "\n".join([header, *body]) for name, header, body in _computations(hlo) if name in bodies}
+    return {name: "\n".join([header, *body]) for name, header, body in computations(hlo) if name in bodies}

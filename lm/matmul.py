@@ -55,10 +55,10 @@ def einsum(spec: str, a, b, out_dtype, scale=None):
 
     On GPUs with fp8 GEMMs (`has_fp8_gemms`) an fp8 GEMM's result leaves it in `out_dtype` too,
     multiplied by the scale in that dtype: the form XLA's GEMM rewriter folds into one cuBLAS
-    fp8 GEMM that applies the float32 scale itself and writes 16 bits. A float32 result (the form before) was written
-    whole by cuBLAS and converted by a separate pass (the first H100 run: 11 such
-    `f32[16384, 2048]` results in `llama_1b`'s step); a 16-bit result scaled in float32 kept a
-    separate scaling pass (deviceless H100 compiles, jaxlib 0.10.2)."""
+    fp8 GEMM that applies the float32 scale itself and writes 16 bits. A float32 result (the
+    form before) was written whole by cuBLAS and converted by a separate pass (the first H100
+    run: 11 such `f32[16384, 2048]` results in `llama_1b`'s step); a 16-bit result scaled in
+    float32 kept a separate scaling pass (deviceless H100 compiles, jaxlib 0.10.2)."""
     algorithm = _algorithm(a, b) if jnp.dtype(out_dtype) != F32 else None
     if algorithm is None or sharding.platform() == "cpu":
         y = jnp.einsum(spec, a, b, preferred_element_type=F32)
@@ -86,8 +86,9 @@ def has_batch_dims(spec: str) -> bool:
 
 def backward(spec: str, x, w, dy, *, dtypes=None, scales=(None, None)):
     """(dx, dw) of `einsum(spec, x, w)`, float32 accumulation, in x's and w's dtypes (or
-    `dtypes`). At fp8 sites (`scales` given) each result is multiplied by its scale. dw leaves its dot in float32 either way: it is summed over the data and fsdp devices
-    there, in float32 (torchtitan's reduce dtype)."""
+    `dtypes`). At fp8 sites (`scales` given) each result is multiplied by its scale. dw leaves
+    its dot in float32 either way: it is summed over the data and fsdp devices there, in float32
+    (torchtitan's reduce dtype)."""
     dx_spec, dw_spec, dw_spec_swapped = transposed_specs(spec)
     dx_dtype, dw_dtype = dtypes or (x.dtype, w.dtype)
     dx = einsum(dx_spec, dy, w, dx_dtype, scales[0])

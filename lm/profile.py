@@ -16,7 +16,7 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from lm.hlo import COLLECTIVES, _computations
+from lm.hlo import COLLECTIVES, computations
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
 
@@ -48,7 +48,7 @@ def kind(op: str, rest: str, fused_ops: set[str] = frozenset()) -> str:
 
 def instruction_kinds(hlo: str) -> dict[str, str]:
     """{instruction name: kind} for every instruction of the module."""
-    parsed = {name: [m.groups() for m in map(_INSTRUCTION.match, body) if m] for name, _, body in _computations(hlo)}
+    parsed = {name: [m.groups() for m in map(_INSTRUCTION.match, body) if m] for name, _, body in computations(hlo)}
     # The opcodes each computation holds, those of the computations it calls folded in (nested fusions).
     direct = {name: ({op for _, op, _ in rows}, set(re.findall(r"calls=%?([\w.\-]+)", " ".join(r for _, _, r in rows))))
               for name, rows in parsed.items()}

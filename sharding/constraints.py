@@ -61,16 +61,13 @@ def active_mesh() -> Mesh | None:
 def device() -> jax.Device:
     """A device of the mesh in force, else JAX's first: what a traced program is compiled for
     (its platform, kind and, on CUDA, compute capability), also a GPU this machine does not have."""
-    if _ACTIVE.stack:
-        return _ACTIVE.stack[-1][0].devices.flat[0]
-    return jax.devices()[0]
+    mesh = active_mesh()
+    return mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
 
 
 def platform() -> str:
     """The platform ('cpu', 'gpu', 'tpu') of the mesh in force, else JAX's default backend."""
-    if _ACTIVE.stack:
-        return device().platform
-    return jax.default_backend()
+    return device().platform if active_mesh() is not None else jax.default_backend()
 
 
 def manual_axes() -> set[str]:
