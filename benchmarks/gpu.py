@@ -68,6 +68,8 @@ def cases(main: str) -> list[Case]:
         Case(f"fp8_{main}_b8", [*FP8, *attention(main), *b8], True),
         Case(f"bf16_{main}_b8_remat_dots", [*BF16, *attention(main), *b8, dots], True),
         Case(f"bf16_{main}_b8_remat_none", [*BF16, *attention(main), *b8, "--config.model.remat=none"]),
+        # `dots` before flash attention's results were saved (its forward run again in the backward).
+        Case(f"bf16_{main}_b8_remat_dots_no_batch", [*BF16, *attention(main), *b8, "--config.model.remat=dots_no_batch"]),
         Case(f"bf16_{main}_b8_remat_dots_cublas_only", [*BF16, *attention(main), *b8, dots], xla_flags=CUBLAS_ONLY),
         Case(f"fp8_{main}_b8_cublas_only", [*FP8, *attention(main), *b8], xla_flags=CUBLAS_ONLY),
     ]

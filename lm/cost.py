@@ -112,6 +112,7 @@ class Cost:
         projections = (q + 2 * kv) * e
         gathered_kv = 2 * kv * (lay.context - 1) * e  # the other context shards' keys and values
         scores = m.num_heads / t * self.run.seq_len * 4 if cpu else 0.0  # einsum attention only
+        statistics = m.num_heads / t * 4  # flash attention's float32 softmax statistics, per query
         # The attention and MLP output projections are kept as their reduced results: split along
         # the sequence under sequence parallelism (reduce-scattered), else whole.
         matmul_outputs = residual + projections + 2 * d * e / sp + up * f * hidden
@@ -119,7 +120,8 @@ class Cost:
             "full": residual,
             "qkv_proj": residual + projections,
             "dots_no_batch": matmul_outputs,
-            "dots": matmul_outputs + (q * e + scores if cpu else 0.0),  # cuDNN attention is no dot
+            # Attention's output too: einsum attention's matmuls, or flash attention's results by name.
+            "dots": matmul_outputs + q * e + (scores if cpu else statistics),
             # Both norms' float32 input, normalised and scaled copies and their output; queries,
             # keys, values and the attention output; the MLP's projections, activation internals
             # and product.
@@ -226,7 +228,7 @@ class Cost:
         block, attention = self._forward_flops()
         qkv = 2 * m.num_layers * m.embed_dim * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
         recompute = {"none": 0.0, "dots": 0.0, "dots_no_batch": 0.0, "qkv_proj": block - qkv, "full": block}[lay.remat]
-        recompute_attention = attention if lay.remat in ("full", "qkv_proj") else 0.0
+        recompute_attention = attention if lay.remat in ("full", "qkv_proj", "dots_no_batch") else 0.0
         if self._recomputes_ticks:  # each tick is recomputed whole in the backward
             recompute, recompute_attention = recompute + block, recompute_attention + attention
         return {

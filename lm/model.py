@@ -63,7 +63,7 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     sliding_window: int = 0  # > 0: each query attends to its latest this many keys, itself included (Mistral)
     norm_eps: float = 1e-5
-    # How the layers run (the same maths): remat none | full | dots | dots_no_batch; scan_layers
+    # How the layers run (the same maths): remat (sharding.remat.REMAT: what a layer keeps); scan_layers
     # False unrolls the layer loop (faster on CPU, slower to compile); attention auto (cudnn on
     # GPU where it applies, einsum on CPU) | cudnn | xla | einsum.
     remat: str = "none"

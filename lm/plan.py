@@ -142,7 +142,7 @@ def plan(run: Run, gpus: int, system: System, device_memory: int, gpus_per_host:
 
 def distinct(costs: list[Cost]) -> list[Cost]:
     """`costs` without layouts that differ from an earlier one in the remat policy alone and
-    cost the same (on GPUs `dots` keeps what `dots_no_batch` keeps: cuDNN attention is no dot)."""
+    cost the same: nothing to choose between them."""
     seen, out = set(), []
     for c in costs:
         key = (dataclasses.replace(c.layout, remat=""), c.memory["total"], c.step_time["total"])

@@ -2,8 +2,9 @@
 
 One vocabulary for the layer stack and the pipeline: `none` keeps every intermediate (no
 `jax.checkpoint`), `full` keeps only the inputs and recomputes the rest, `dots` keeps matmul
-outputs, `dots_no_batch` keeps the outputs of matmuls without dot batch dimensions (the
-projections, not attention's scores), `qkv_proj` keeps only the query / key / value projections
+outputs and flash attention's (cuDNN's output and softmax statistics, which its backward
+needs), `dots_no_batch` keeps the outputs of matmuls without dot batch dimensions (the
+projections, not attention's scores; attention is recomputed), `qkv_proj` keeps only the query / key / value projections
 (tagged with `name_qkv`; MaxText's choice for its large GPU recipes). Matmuls are `dot_general`s, or outputs tagged with
 `name_matmul`.
 """
@@ -20,10 +21,23 @@ REMAT = ("none", "full", "dots", "dots_no_batch", "qkv_proj")
 # (a matmul behind a custom VJP is no `dot_general` to `checkpoint_dots`).
 MATMUL, BATCHED_MATMUL = "matmul", "batched_matmul"  # without / with dot_general batch dims
 QKV = "qkv_proj"
+# cuDNN flash attention (jax.nn.dot_product_attention) is a custom call behind a custom VJP, no
+# `dot_general`: unless its forward's results are saved, `dots` runs every layer's attention
+# forward again in the backward to get them (seen in the compiled H100 step: 2 forward calls a layer).
+FLASH_ATTENTION_FORWARD = ("dot_product_attention_fwd_wrapper", "dot_product_attention_fp8_fwd_wrapper")
+
+
+def _saves_flash_attention(prim, *_, **__) -> bool:
+    return prim.name in FLASH_ATTENTION_FORWARD
+
+
 _SAVEABLE = {
     "full": None,  # jax.checkpoint's default policy: save nothing
     "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(MATMUL, BATCHED_MATMUL)
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(MATMUL, BATCHED_MATMUL)
+        ),
+        _saves_flash_attention,
     ),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names(MATMUL)

@@ -116,6 +116,17 @@ def test_attention_runs_cudnn_fused_attention_forward_and_backward(h100s):
     assert not [k for k in hlo.custom_calls(compiled(h100s, {"fsdp": 8}, model__attention="xla")) if "cudnn" in k]
 
 
+@pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
+def test_remat_dots_keeps_flash_attention_so_its_forward_runs_once_a_layer(h100s):
+    """cuDNN attention is no dot_general: `dots` saves its results by name, so the backward does
+    not run each layer's attention forward again; `dots_no_batch` and `full` recompute it."""
+    forwards = {remat: hlo.custom_calls(compiled(h100s, {"fsdp": 8}, model__remat=remat, model__scan_layers=False))
+                for remat in ("dots", "dots_no_batch", "full")}
+    assert forwards["dots"]["__cudnn$fmhaSoftmax"] == 2  # two layers, unrolled
+    assert forwards["dots_no_batch"]["__cudnn$fmhaSoftmax"] == forwards["full"]["__cudnn$fmhaSoftmax"] == 4
+    assert all(calls["__cudnn$fmhaSoftmaxBackward"] == 2 for calls in forwards.values())
+
+
 def test_attention_falls_back_where_cudnn_cannot_take_the_call(h100s):
     mesh = jax.sharding.Mesh(np.asarray(h100s).reshape(8), ("data",))
     q = lambda dtype, k=64: jax.ShapeDtypeStruct((2, 16, 4, k), dtype)  # noqa: E731
