@@ -63,6 +63,21 @@ def test_the_update_and_accumulation_traffic_is_counted_so_fewer_passes_rank_fir
     assert [c.layout.grad_accum for c in ranked] == sorted(c.layout.grad_accum for c in ranked)
 
 
+def test_dots_keeps_flash_attention_and_dots_no_batch_runs_it_again(small):
+    """On GPUs `dots` keeps cuDNN attention's output and float32 softmax statistics (its forward
+    runs once); `dots_no_batch` keeps neither and runs the attention forward again in the
+    backward, as `sharding.remat` does (tests/test_gpu_compile.py counts the calls)."""
+    _, run = small
+    m = run.model
+    dots, no_batch = (Cost(run, Layout(fsdp=8, remat=r), H100) for r in ("dots", "dots_no_batch"))
+    kept = lambda c: c._kept_bytes()[c.layout.remat]  # noqa: E731
+    assert kept(dots) - kept(no_batch) == m.num_heads * m.head_dim * run.compute_bytes + m.num_heads * 4
+    _, attention_forward = dots._forward_flops()
+    tokens = run.batch * run.seq_len / 8
+    assert no_batch.flops()["attention"] - dots.flops()["attention"] == pytest.approx(tokens * attention_forward)
+    assert no_batch.flops()["block"] == dots.flops()["block"] and no_batch.step_time["total"] > dots.step_time["total"]
+
+
 def test_every_listed_layout_divides_the_model_and_the_batch(small):
     config, run = small
     result = lm_plan.plan(run, 8, H100, 2**40)
