@@ -11,7 +11,8 @@ Step time: FLOPs (`lm.metrics.flops_per_token`, plus what remat recomputes) at o
 share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
 pipeline bubble (a per-stage 1F1B slot lasts its longest piece of work: the wait counted with it) and its
 stash's memory traffic, and the exposed time of each collective from ring formulas over the link its
-group spans (NVLink inside a host, the network across hosts). FSDP's gathers and
+group spans (NVLink inside a host, the network across hosts: one NIC per GPU, as many at once as
+the group has GPUs on a host). FSDP's gathers and
 reduce-scatters overlap the layer they feed (XLA's latency-hiding scheduler); tensor, context,
 pipeline and data-parallel collectives are counted as exposed.
 """
@@ -41,12 +42,12 @@ MEMORY_TERMS = ("grads", "accumulator", "saved", "layer", "weights", "logits", "
 
 
 @functools.cache
-def device_group(sizes: tuple[int, ...], axes: tuple[str, ...], gpus_per_host: int) -> tuple[int, bool]:
-    """(size, spans hosts) of the device group of a mesh of `sizes` that varies along `axes`
+def device_group(sizes: tuple[int, ...], axes: tuple[str, ...], gpus_per_host: int) -> tuple[int, int]:
+    """(size, hosts spanned) of the device group of a mesh of `sizes` that varies along `axes`
     (devices numbered row-major over the mesh, consecutive ones on one host)."""
     ids = np.arange(math.prod(sizes)).reshape(sizes)
     group = ids[tuple(slice(None) if a in axes else 0 for a in MESH_AXES)]
-    return group.size, len(np.unique(group // gpus_per_host)) > 1
+    return group.size, len(np.unique(group // gpus_per_host))
 
 
 @functools.cache
@@ -198,17 +199,23 @@ class Cost:
 
     # ---- step time ----------------------------------------------------------------------------
 
-    def _group(self, axes: tuple[str, ...]) -> tuple[int, bool]:
+    def _group(self, axes: tuple[str, ...]) -> tuple[int, int]:
         return device_group(tuple(getattr(self.layout, a) for a in MESH_AXES), axes, self.system.gpus_per_host)
 
     def _ring(self, axes: tuple[str, ...], gathered_bytes: float, kind: str = "gather") -> float:
         """Seconds for an all-gather / reduce-scatter (`gather`) or all-reduce (`reduce`) whose
-        whole result is `gathered_bytes` per device."""
-        n, cross = self._group(axes)
+        whole result is `gathered_bytes` per device. Across hosts the rings run over every NIC
+        of the group's GPUs on a host at once (NCCL builds a ring channel per NIC, each passing
+        through the host's members over NVLink): a group with g GPUs on each host moves its data
+        at g NICs' bandwidth, up to NVLink's."""
+        n, hosts = self._group(axes)
         if n == 1:
             return 0.0
         s = self.system
-        bandwidth, latency = (s.network_bytes_per_s, s.network_latency_s) if cross else (s.nvlink_bytes_per_s, s.nvlink_latency_s)
+        if hosts > 1:
+            bandwidth, latency = min(n // hosts * s.network_bytes_per_s, s.nvlink_bytes_per_s), s.network_latency_s
+        else:
+            bandwidth, latency = s.nvlink_bytes_per_s, s.nvlink_latency_s
         steps = (n - 1) * (2 if kind == "reduce" else 1)
         return steps * (gathered_bytes / n / bandwidth + latency)
 
@@ -263,18 +270,13 @@ class Cost:
             backward, parts = layers - forward, 2 if balanced_slots(lay.plan, m.num_layers) else 1
             bubble = (compute + bubble) * (1 + parts) * max(forward, backward / parts) / layers - compute
         e = run.compute_bytes
-        layer_weights = run.layer_params / lay.tensor * e
         per_layer_compute = (flops["block"] / block_peak + flops["attention"] / other_peak) / efficiency / (self.layers * self.passes)
+        volume = self._collective_volume()
         fsdp_axes = ("context", "fsdp")
-        fsdp_layer = 3 * self._ring(fsdp_axes, layer_weights)  # gathered forward and backward, gradients scattered
-        table = m.embed_dim * m.vocab_size / (lay.stage * lay.tensor) * e * (1 if m.tie_embeddings else 2)
-        fsdp = self.passes * (self.layers * max(0.0, fsdp_layer - per_layer_compute) + 2 * self._ring(fsdp_axes, table))
-        activation = self.local_tokens * m.embed_dim * e
-        # All-reduce equivalents per layer (an all-gather plus a reduce-scatter under sequence
-        # parallelism): one per sublayer forward, one per sublayer backward (plus the gathered
-        # output gradient under sequence parallelism), and the forward again when recomputed.
-        reductions = 4 + (1 if lay.sequence_parallel else 0) + (2 if lay.remat in ("full", "qkv_proj") or self._recomputes_ticks else 0)
-        tp_per_layer = reductions * self._ring(("tensor",), activation, "reduce")
+        fsdp_layer = 2 * self._ring(fsdp_axes, volume["fsdp_gather"]) + self._ring(fsdp_axes, volume["fsdp_scatter"])
+        tables = self._ring(fsdp_axes, volume["table_gather"]) + self._ring(fsdp_axes, volume["table_scatter"])
+        fsdp = self.passes * (self.layers * max(0.0, fsdp_layer - per_layer_compute) + tables)
+        tp_per_layer = volume["tensor_reductions"] * self._ring(("tensor",), volume["tensor"], "reduce")
         kv = self.microbatch * run.seq_len * 2 * m.num_kv_heads * m.head_dim / lay.tensor * e
         cp_per_layer = 3 * self._ring(("context",), kv)
         # The gradients' all-reduce over the replicas; with ZeRO-1 a reduce-scatter and the new
@@ -285,10 +287,10 @@ class Cost:
             data += self._ring(("data",), self.state_bytes["params"])
         pipeline = 0.0
         if lay.stage > 1:
-            _, cross = self._group(("stage",))
-            bandwidth = s.network_bytes_per_s if cross else s.nvlink_bytes_per_s
+            _, hosts = self._group(("stage",))
+            bandwidth = s.network_bytes_per_s if hosts > 1 else s.nvlink_bytes_per_s  # point to point: one NIC
             ticks = 2 * (lay.repeats * lay.microbatches + lay.stage - 1)
-            pipeline = ticks * (activation / (lay.tensor if lay.sequence_parallel else 1) / bandwidth + s.nvlink_latency_s)
+            pipeline = ticks * (volume["tensor"] / (lay.tensor if lay.sequence_parallel else 1) / bandwidth + s.nvlink_latency_s)
         out = {
             "compute": compute,
             "bubble": bubble,
@@ -302,6 +304,41 @@ class Cost:
         }
         out["total"] = sum(out.values())
         return out
+
+    def _collective_volume(self) -> dict:
+        """What FSDP and tensor parallelism move per pass, in bytes per device (each collective's
+        whole, gathered buffer): one layer's weights gathered (twice: forward and backward) and
+        gradients scattered, the embedding and head tables' likewise, once; the activation each
+        tensor-parallel reduction carries and how many a layer runs."""
+        run, lay, m = self.run, self.layout, self.run.model
+        layer, e = run.layer_params / lay.tensor, run.compute_bytes
+        tables = m.embed_dim * m.vocab_size / (lay.stage * lay.tensor) * (1 if m.tie_embeddings else 2)
+        # All-reduce equivalents per layer (an all-gather plus a reduce-scatter under sequence
+        # parallelism): one per sublayer forward, one per sublayer backward (plus the gathered
+        # output gradient under sequence parallelism), and the forward again when recomputed.
+        recomputed = lay.remat in ("full", "qkv_proj") or self._recomputes_ticks
+        return {
+            # Weights are gathered in the compute dtype (XLA casts before the all-gather), gradients
+            # reduce-scattered in the parameters' (float32): both seen in the H100 compile.
+            "fsdp_gather": layer * e,
+            "fsdp_scatter": layer * run.param_bytes,
+            "table_gather": tables * e,
+            "table_scatter": tables * run.param_bytes,
+            "tensor": self.local_tokens * m.embed_dim * e,
+            "tensor_reductions": 4 + (1 if lay.sequence_parallel else 0) + (2 if recomputed else 0),
+        }
+
+    def collective_bytes(self) -> dict:
+        """Bytes per step each device's FSDP and tensor-parallel collectives carry (whole buffers,
+        all-reduces as an all-gather plus a reduce-scatter), as `step_time` counts them: what
+        `lm.hlo.collective_traffic` reads from the compiled program (tests/test_gpu_compile.py)."""
+        v, per_pass = self._collective_volume(), self.passes * self.layers
+        fsdp = self.layout.fsdp * self.layout.context > 1
+        return {
+            "fsdp_gather": fsdp * self.passes * (2 * self.layers * v["fsdp_gather"] + v["table_gather"]),
+            "fsdp_scatter": fsdp * self.passes * (self.layers * v["fsdp_scatter"] + v["table_scatter"]),
+            "tensor": (self.layout.tensor > 1) * 2 * per_pass * v["tensor_reductions"] * v["tensor"],
+        }
 
     def _update_traffic(self) -> float:
         """Bytes the step moves through HBM outside its passes, on each device: the optimizer

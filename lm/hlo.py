@@ -9,6 +9,7 @@ runs beside compute. Used by the GPU readiness checks (`tests/test_gpu_compile.p
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from pathlib import Path
@@ -131,6 +132,67 @@ def overlapped_collectives(hlo: str) -> Counter:
                 for pending in in_flight.values():
                     pending[1] += 1
     return overlapped
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+          "f64": 8, "s64": 8, "u64": 8}
+_BUFFER = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s(all-gather|reduce-scatter|all-reduce)(-start)?\(")
+
+
+def _buffer_bytes(types: str) -> list[int]:
+    return [_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _BUFFER.findall(types)]
+
+
+def _group_size(line: str) -> int:
+    """Devices in each replica group of a collective (0: not stated)."""
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\S+\))?\s*\{([^}]*)\}", line):  # named mesh axes
+        sizes = {k.strip(" '"): int(v) for k, v in (pair.split("=") for pair in m.group(1).split(","))}
+        return math.prod(sizes[a.strip(" '")] for a in m.group(2).split(","))
+    if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):  # iota: [groups, size]
+        return int(m.group(1))
+    if m := re.search(r"replica_groups=\{\{([\d,]+)\}", line):
+        return len(m.group(1).split(","))
+    return 0
+
+
+def executions(hlo: str) -> dict[str, float]:
+    """{computation: how many times one step runs it}: the entry once, a while loop's body its
+    known trip count times per run of the computation holding the loop, called computations
+    (fusions, async wrappers) as often as their caller."""
+    bodies = {name: body for name, _, body in computations(hlo)}
+    entry = next(name for name, header, _ in computations(hlo) if header.startswith("ENTRY"))
+    runs, pending = Counter({entry: 1.0}), [entry]
+    while pending:
+        name = pending.pop()
+        for line in bodies.get(name, ()):
+            trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line) if " while(" in line else None
+            for callee in re.findall(r"(?:body|calls|to_apply)=%?([\w.\-]+)", line):
+                if callee in bodies and not (" while(" in line and f"condition=%{callee}" in line):
+                    runs[callee] += runs[name] * (int(trips.group(1)) if trips and f"body=%{callee}" in line else 1)
+                    pending.append(callee)
+    return runs
+
+
+def collective_traffic(hlo: str) -> Counter:
+    """{(op, replica group size): bytes per step}: the whole buffer each all-gather (its
+    result), reduce-scatter (its operand) and all-reduce moves on each device, every run of a
+    loop body counted (`executions`). Combined collectives count all their buffers."""
+    traffic, runs = Counter(), executions(hlo)
+    for name, _, body in computations(hlo):
+        for line in body:
+            if not (m := _COLLECTIVE.match(line)):
+                continue
+            types, op, start = m.groups()
+            sizes = _buffer_bytes(types)
+            if start and op != "all-reduce":  # (operands..., results...)
+                half = len(sizes) // 2
+                sizes = sizes[:half] if op == "reduce-scatter" else sizes[half:]
+            n = _group_size(line)
+            if op == "reduce-scatter" and not start:  # the result is one share of the operand
+                sizes = [b * n for b in sizes]
+            traffic[op, n] += runs[name] * sum(sizes)
+    return traffic
 
 
 def collective_buffers(hlo: str, op: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -78,6 +78,21 @@ def test_dots_keeps_flash_attention_and_dots_no_batch_runs_it_again(small):
     assert no_batch.flops()["block"] == dots.flops()["block"] and no_batch.step_time["total"] > dots.step_time["total"]
 
 
+def test_collectives_across_hosts_use_a_nic_per_gpu_of_the_group_on_each_host():
+    """A ring over 16 hosts whose group has all 8 GPUs of each host runs a channel through each
+    of their 8 NICs (NCCL's rails): 8 x 50 GB/s. One GPU per host has its own NIC alone; inside
+    a host, NVLink."""
+    run, gib = cost.run_of(recipe("llama_70b")), 2**30
+
+    def seconds(layout, axes, n):  # a ring whose whole result is n GiB, its hops' latency left out
+        ring = Cost(run, layout, H100)._ring
+        return ring(axes, 2 * n * gib) - ring(axes, n * gib)
+
+    assert seconds(Layout(fsdp=128), ("fsdp",), 128) == pytest.approx(127 * gib / (8 * H100.network_bytes_per_s))
+    assert seconds(Layout(data=16, fsdp=8), ("data",), 16) == pytest.approx(15 * gib / H100.network_bytes_per_s)
+    assert seconds(Layout(data=16, fsdp=8), ("fsdp",), 8) == pytest.approx(7 * gib / H100.nvlink_bytes_per_s)
+
+
 def test_every_listed_layout_divides_the_model_and_the_batch(small):
     config, run = small
     result = lm_plan.plan(run, 8, H100, 2**40)
