@@ -3,7 +3,8 @@
 `gemms` lists every matrix multiply (a `dot` inside a GEMM fusion, or a cuBLAS / cuBLASLt call)
 with its operand, accumulation and result element types; `custom_calls` and `collectives` count
 what a program calls and communicates, `overlapped_collectives` which collectives the schedule
-runs beside compute. Used by the GPU readiness checks (`tests/test_gpu_compile.py`),
+runs beside compute, `collective_traffic` the bytes they move in one step (the cost model's
+check). Used by the GPU readiness checks (`tests/test_gpu_compile.py`),
 `lm.layout --target`'s report and `lm.plan --verify`.
 """
 
@@ -159,18 +160,15 @@ def _group_size(line: str) -> int:
 def executions(hlo: str) -> dict[str, float]:
     """{computation: how many times one step runs it}: the entry once, a while loop's body its
     known trip count times per run of the computation holding the loop, called computations
-    (fusions, async wrappers) as often as their caller."""
-    bodies = {name: body for name, _, body in computations(hlo)}
-    entry = next(name for name, header, _ in computations(hlo) if header.startswith("ENTRY"))
-    runs, pending = Counter({entry: 1.0}), [entry]
-    while pending:
-        name = pending.pop()
-        for line in bodies.get(name, ()):
+    (fusions, async wrappers, reducers) as often as their callers together. A module's text
+    defines each computation before its callers, so callers come first read backwards."""
+    module = computations(hlo)
+    runs = Counter({name: 1.0 for name, header, _ in module if header.startswith("ENTRY")})
+    for name, _, body in reversed(module):
+        for line in body:
             trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line) if " while(" in line else None
             for callee in re.findall(r"(?:body|calls|to_apply)=%?([\w.\-]+)", line):
-                if callee in bodies and not (" while(" in line and f"condition=%{callee}" in line):
-                    runs[callee] += runs[name] * (int(trips.group(1)) if trips and f"body=%{callee}" in line else 1)
-                    pending.append(callee)
+                runs[callee] += runs[name] * (int(trips.group(1)) if trips and f"body=%{callee}" in line else 1)
     return runs
 
 
