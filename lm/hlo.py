@@ -86,6 +86,7 @@ def summary(hlo: str) -> dict:
         "custom_calls": dict(custom_calls(hlo)),
         "collectives": dict(collectives(hlo)),
         "collectives_overlapped": dict(overlapped_collectives(hlo)),
+        "collective_bytes": {f"{op} over {n}": b for (op, n), b in collective_traffic(hlo).items()},
     }
 
 

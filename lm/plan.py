@@ -198,8 +198,28 @@ def verify(config, costs: list[Cost], devices: list, platform: str) -> list[dict
             # The cost model hides FSDP's collectives behind compute: what XLA's schedule hides.
             "collectives": summary["hlo"]["collectives"],
             "collectives_overlapped": summary["hlo"]["collectives_overlapped"],
+            "collective_bytes": collective_check(c, summary["hlo"]["collective_bytes"]),
         })
     return out
+
+
+def collective_check(c: Cost, moved: dict) -> dict:
+    """{kind: [model's, compiled] bytes per step and device} for FSDP's gathers and scatters and
+    tensor parallelism's reductions (an all-reduce as a gather plus a scatter); `moved`: the
+    compiled step's `lm.hlo.summary` collective bytes, told apart by replica group size (FSDP's
+    groups are fsdp x context devices, tensor parallelism's tensor: equal sizes are compared
+    together, as `fsdp and tensor`)."""
+    model = c.collective_bytes()
+    fsdp, tensor = c.layout.fsdp * c.layout.context, c.layout.tensor
+    bytes_of = lambda op, n: moved.get(f"{op} over {n}", 0) if n > 1 else 0  # noqa: E731
+    compiled = {
+        "fsdp_gather": bytes_of("all-gather", fsdp),
+        "fsdp_scatter": bytes_of("reduce-scatter", fsdp),
+        "tensor": 2 * bytes_of("all-reduce", tensor) + bytes_of("all-gather", tensor) + bytes_of("reduce-scatter", tensor),
+    }
+    if fsdp == tensor > 1:
+        return {"fsdp and tensor": [sum(model.values()), compiled["tensor"]]}
+    return {k: [model[k], compiled[k]] for k in model if model[k] or compiled[k]}
 
 
 def verified(config, ranked: list[Cost], top: int, devices: list, pool: float) -> tuple[list[Cost], list[dict]]:
@@ -296,6 +316,9 @@ def main(argv: list[str]) -> None:
                   f"(model {100 * v['memory_error']:+.1f}%; {verdict})")
             print("  collectives beside compute in XLA's schedule: "
                   + ", ".join(f"{op} {v['collectives_overlapped'].get(op, 0)} of {n}" for op, n in v["collectives"].items()))
+            if v["collective_bytes"]:
+                print("  collective GB per step and GPU, model / XLA: "
+                      + ", ".join(f"{kind.replace('_', ' ')} {a / 1e9:.1f} / {b / 1e9:.1f}" for kind, (a, b) in v["collective_bytes"].items()))
         if over := sum(not v["fits"] for v in checked):
             result.dropped["over the pool when compiled"] = over
         if not shown:

@@ -227,6 +227,7 @@ def test_verify_compiles_the_top_layouts_for_the_target(capsys):
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert [v["layout"] for v in summary["verify"]] == [t["layout"] for t in summary["top"]]
+    assert all(isinstance(v["collective_bytes"], dict) for v in summary["verify"])  # model / compiled, where there are any
     assert all(v["compiled_peak_bytes"] > 0 and v["fits"] for v in summary["verify"]) and f"within JAX's {GPU_MEMORY_FRACTION * targets.memory_bytes('h100') / 2**30:.2f} GiB pool" in result.stdout
     first = summary["verify"][0]
     assert first["memory_error"] == pytest.approx(first["predicted_bytes"]["total"] / first["compiled_peak_bytes"] - 1)
