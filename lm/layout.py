@@ -98,6 +98,9 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
         overlapped = summary["hlo"]["collectives_overlapped"]
         lines.append("collectives (of them overlapped with compute): "
                      + (", ".join(f"{k}: {n} ({overlapped.get(k, 0)})" for k, n in summary["hlo"]["collectives"].items()) or "none"))
+        if moved := {k: b for k, b in summary["hlo"]["collective_bytes"].items() if b}:
+            lines.append("collective bytes per step and device (by replica group size): "
+                         + ", ".join(f"{k} devices: {fmt(int(b))}" for k, b in sorted(moved.items(), key=lambda kv: -kv[1])))
     return "\n".join(lines)
 
 

@@ -294,6 +294,10 @@ def test_layout_target_reports_the_compiled_memory(h100s, capsys):
     )
     assert summary["target"] == "h100" and summary["fits"] and summary["device_memory_bytes"] == 85017493504
     assert (ROOT / "configs" / "targets" / "h200.txtpb").exists()
+    # FSDP over all 8: the weights gathered and the gradients reduce-scattered, per step.
+    moved = summary["hlo"]["collective_bytes"]
+    assert moved["all-gather over 8"] > 0 and moved["reduce-scatter over 8"] > 0
+    assert "collective bytes per step and device (by replica group size): " in result.stdout
 
 
 def test_bench_compile_only_for_a_target(capsys):
