@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from functools import cached_property
-
-import numpy as np
 
 from lm.cost_inputs import (
     MESH_AXES,
@@ -35,19 +32,11 @@ from lm.cost_inputs import (
     System,
     run_of,
 )
+from lm.network import ring_seconds, send_bandwidth
 from sharding.schedules import PipelinePlan, balanced_slots, report
 
 __all__ = ["MESH_AXES", "MEMORY_TERMS", "TARGETS_DIR", "Cost", "Layout", "Run", "StateLeaf", "System", "calibration", "run_of"]
 MEMORY_TERMS = ("grads", "accumulator", "saved", "layer", "weights", "logits", "head")
-
-
-@functools.cache
-def device_group(sizes: tuple[int, ...], axes: tuple[str, ...], gpus_per_host: int) -> tuple[int, int]:
-    """(size, hosts spanned) of the device group of a mesh of `sizes` that varies along `axes`
-    (devices numbered row-major over the mesh, consecutive ones on one host)."""
-    ids = np.arange(math.prod(sizes)).reshape(sizes)
-    group = ids[tuple(slice(None) if a in axes else 0 for a in MESH_AXES)]
-    return group.size, len(np.unique(group // gpus_per_host))
 
 
 @functools.cache
@@ -199,25 +188,13 @@ class Cost:
 
     # ---- step time ----------------------------------------------------------------------------
 
-    def _group(self, axes: tuple[str, ...]) -> tuple[int, int]:
-        return device_group(tuple(getattr(self.layout, a) for a in MESH_AXES), axes, self.system.gpus_per_host)
-
     def _ring(self, axes: tuple[str, ...], gathered_bytes: float, kind: str = "gather") -> float:
-        """Seconds for an all-gather / reduce-scatter (`gather`) or all-reduce (`reduce`) whose
-        whole result is `gathered_bytes` per device. Across hosts the rings run over every NIC
-        of the group's GPUs on a host at once (NCCL builds a ring channel per NIC, each passing
-        through the host's members over NVLink): a group with g GPUs on each host moves its data
-        at g NICs' bandwidth, up to NVLink's."""
-        n, hosts = self._group(axes)
-        if n == 1:
-            return 0.0
-        s = self.system
-        if hosts > 1:
-            bandwidth, latency = min(n // hosts * s.network_bytes_per_s, s.nvlink_bytes_per_s), s.network_latency_s
-        else:
-            bandwidth, latency = s.nvlink_bytes_per_s, s.nvlink_latency_s
-        steps = (n - 1) * (2 if kind == "reduce" else 1)
-        return steps * (gathered_bytes / n / bandwidth + latency)
+        """`lm.network.ring_seconds` over this layout's mesh."""
+        return ring_seconds(self.system, self._mesh_sizes, axes, gathered_bytes, kind)
+
+    @property
+    def _mesh_sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self.layout, a) for a in MESH_AXES)
 
     def _forward_flops(self) -> tuple[float, float]:
         """Forward FLOPs per token of the blocks' matmuls and of their attention."""
@@ -287,8 +264,7 @@ class Cost:
             data += self._ring(("data",), self.state_bytes["params"])
         pipeline = 0.0
         if lay.stage > 1:
-            _, hosts = self._group(("stage",))
-            bandwidth = s.network_bytes_per_s if hosts > 1 else s.nvlink_bytes_per_s  # point to point: one NIC
+            bandwidth = send_bandwidth(s, self._mesh_sizes, ("stage",))
             ticks = 2 * (lay.repeats * lay.microbatches + lay.stage - 1)
             pipeline = ticks * (volume["tensor"] / (lay.tensor if lay.sequence_parallel else 1) / bandwidth + s.nvlink_latency_s)
         out = {
