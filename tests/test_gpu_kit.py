@@ -41,7 +41,9 @@ def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
     # The same, as Markdown for PERFORMANCE.md: a row per benchmark, then the profiled case's kinds.
     summary = (tmp_path / "summary.md").read_text()
     assert f"| bf16_xla_b8 | {case['tokens_per_sec']:,.0f} |" in summary and "| bf16_cudnn_b8 | failed: " in summary
-    assert "| bf16_xla_b16 |" in summary and "bf16_xla_b8, ms per step by kind (host): gemm " in summary
+    assert "| bf16_xla_b16 |" in summary
+    kinds_line = next(line for line in summary.splitlines() if line.startswith("bf16_xla_b8, ms per step by kind (host): "))
+    assert "gemm " in kinds_line  # largest first: the order is the host's timing, so it is not asserted
 
 
 def test_the_gpu_kit_names_its_cases_when_asked_for_an_unknown_one(tmp_path):
