@@ -34,15 +34,23 @@ def h100s():
     return targets.devices("h100", 8)
 
 
-def compiled_step(h100s, mesh: dict, **overrides):
+_COMPILED = {}  # resolved config -> its compiled step: several tests read the same program
+
+
+def compiled_step(h100s, mesh: dict, fresh: bool = False, **overrides):
+    """The train step of the SMALL tiny model with `overrides` on `mesh`, compiled for `h100s`;
+    `fresh`: compiled again even if an earlier test compiled it (for what the compiler logs)."""
     c = recipe("tiny", **{**SMALL, **overrides}, **{f"mesh__{k}": v for k, v in {"data": 1, **mesh}.items()})
-    program = setup(c, 256, h100s)
-    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-    return program.train_step.lower(program.abstract_sharded_state(), batch).compile()
+    key = (c.to_json_best_effort(sort_keys=True), len(h100s))
+    if fresh or key not in _COMPILED:
+        program = setup(c, 256, h100s)
+        batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
+        _COMPILED[key] = program.train_step.lower(program.abstract_sharded_state(), batch).compile()
+    return _COMPILED[key]
 
 
-def compiled(h100s, mesh: dict, **overrides) -> str:
-    return compiled_step(h100s, mesh, **overrides).as_text()
+def compiled(h100s, mesh: dict, fresh: bool = False, **overrides) -> str:
+    return compiled_step(h100s, mesh, fresh, **overrides).as_text()
 
 
 def model_gemms(text: str) -> list[hlo.Gemm]:
@@ -319,8 +327,8 @@ def test_no_involuntary_full_rematerialization(h100s, capfd):
     meshes = ({"fsdp": 8}, {"data": 2, "fsdp": 4}, {"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2, "tensor": 2},
               {"context": 2, "fsdp": 2, "tensor": 2}, {"data": 2, "context": 2, "tensor": 2}, {"context": 2, "fsdp": 4})
     for mesh in meshes:
-        compiled(h100s, mesh, sharding__sequence_parallel=mesh.get("tensor", 1) > 1)
-    compiled(h100s, {"context": 2, "fsdp": 2, "tensor": 2})  # tensor parallelism without sequence parallelism
+        compiled(h100s, mesh, fresh=True, sharding__sequence_parallel=mesh.get("tensor", 1) > 1)
+    compiled(h100s, {"context": 2, "fsdp": 2, "tensor": 2}, fresh=True)  # tensor parallelism without sequence parallelism
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
     # The detector: a transpose whose result is asked for in an interleaved layout is one.
     mesh = jax.sharding.Mesh(np.asarray(h100s).reshape(2, 4), ("a", "b"))
@@ -356,7 +364,7 @@ def test_every_pipeline_schedule_compiles_for_h100s(h100s):
     # attention inside a shard_map manual over `stage` (its partitioner cannot take that: per_shard).
     for extra in ({}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
                   {"pipeline__schedule": "1f1b_per_stage"}):
-        text = compiled(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, pipeline__microbatches=4, **extra)
+        text = compiled(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, train__batch_size=32, pipeline__microbatches=4, **extra)
         assert hlo.collectives(text)["collective-permute"] >= 2  # activations on, and (gradients) back
         if extra.get("pipeline__schedule") == "1f1b_per_stage":
             assert " conditional(" in text

@@ -28,8 +28,8 @@ FORMATS = {
 @pytest.mark.slow
 def test_bf16_fp16_and_fp8_end_within_3_percent_of_float32_on_shakespeare(tmp_path, shakespeare):
     def final_loss(name, **overrides):
-        rows = train_run(tmp_path / name, "shakespeare_char", data__path=shakespeare, train__steps=300, train__eval_every=300,
-                         train__eval_batches=2, checkpoint__every_steps=300, **overrides)
+        rows = train_run(tmp_path / name, "shakespeare_char", data__path=shakespeare, train__steps=200, train__eval_every=200,
+                         train__eval_batches=2, checkpoint__every_steps=200, optim__warmup_steps=50, **overrides)
         rows = [r for r in rows if "loss" in r]
         return rows[-1]["loss"], rows  # the mean over the last 50 steps
 

@@ -312,15 +312,20 @@ def test_gradient_accumulation_keeps_the_whole_batchs_fp8_gradient_statistics(fp
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2), run.fp8[0], fp8_one_device.fp8[0])
 
 
+@pytest.fixture(scope="module")
+def fp8_one_device_skipping_the_ends():
+    return fp8_states({}, jax.devices()[:1], steps=2, precision__fp8_skip="0,-1")
+
+
 @pytest.mark.parametrize("extra", [{"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
                                    {"pipeline__schedule": "1f1b_per_stage", "pipeline__remat": "none"}],
                          ids=["circular", "interleaved-1f1b", "balanced-per-stage"])
-def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(extra):
+def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(fp8_one_device_skipping_the_ends, extra):
     """Layers 0 and 3 of 4 stay out of fp8: in a pipeline their chunks' positions choose at run
     time, and the skipped layers' histories stay empty exactly as on one device. (Two chunks
     per stage: chunk indices from stage and repeat, in both programs, or from stage and half in
     the balanced per-stage slots; GPipe and plain 1F1B are the one-repeat case of each.)"""
-    ref = fp8_states({}, jax.devices()[:1], steps=2, precision__fp8_skip="0,-1")
+    ref = fp8_one_device_skipping_the_ends
     run = fp8_states({"data": -1, "stage": 2}, steps=2, precision__fp8_skip="0,-1", **extra)
     history = ref.fp8[0]["blocks"]["attn"]["wq_site"]["amax_history"]
     assert (history[[0, 3]] == 0).all() and (history[1:3, :, 0] > 0).all()

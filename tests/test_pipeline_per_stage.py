@@ -12,9 +12,10 @@ from test_pipeline import (
     assert_fp8_like_one_device,
     compiled_1f1b_step,
     constant_collectives,
+    fp8_one_device,  # noqa: F401  (module fixtures: the one-device reference runs)
     fp8_states,
     full_vocabulary_buffers,
-    one_device_deep,  # noqa: F401  (a module fixture: the one-device reference run)
+    one_device_deep,  # noqa: F401
     trains_like_one_device,
 )
 
@@ -166,8 +167,8 @@ def test_per_stage_keeps_memory_flat_in_the_microbatches_and_fewer_residuals_tha
 
 
 @pytest.mark.parametrize("extra", [{}, {"pipeline__remat": "none"}], ids=["recompute", "balanced"])
-def test_fp8_in_the_per_stage_pipeline_takes_each_amax_over_the_slots_that_did_work(extra):
-    ref = fp8_states({}, jax.devices()[:1])
+def test_fp8_in_the_per_stage_pipeline_takes_each_amax_over_the_slots_that_did_work(fp8_one_device, extra):  # noqa: F811
+    ref = fp8_one_device
     assert_fp8_like_one_device(fp8_states({"data": -1, "stage": 2}, forced_from=ref.starts, **PER_STAGE, **extra), ref)
 
 
