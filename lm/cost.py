@@ -308,12 +308,12 @@ class Cost:
         """Bytes per step each device's FSDP and tensor-parallel collectives carry (whole buffers,
         all-reduces as an all-gather plus a reduce-scatter), as `step_time` counts them: what
         `lm.hlo.collective_traffic` reads from the compiled program (tests/test_gpu_compile.py)."""
-        v, per_pass = self._collective_volume(), self.passes * self.layers
+        v, layer_passes = self._collective_volume(), self.passes * self.layers
         fsdp = self.layout.fsdp * self.layout.context > 1
         return {
             "fsdp_gather": fsdp * self.passes * (2 * self.layers * v["fsdp_gather"] + v["table_gather"]),
             "fsdp_scatter": fsdp * self.passes * (self.layers * v["fsdp_scatter"] + v["table_scatter"]),
-            "tensor": (self.layout.tensor > 1) * 2 * per_pass * v["tensor_reductions"] * v["tensor"],
+            "tensor": (self.layout.tensor > 1) * 2 * layer_passes * v["tensor_reductions"] * v["tensor"],
         }
 
     def _update_traffic(self) -> float:

@@ -37,10 +37,15 @@ def h100s():
 _COMPILED = {}  # resolved config -> its compiled step: several tests read the same program
 
 
+def small_config(mesh: dict, **overrides):
+    """The SMALL tiny model with `overrides` on `mesh` (its `data` 1 unless given)."""
+    return recipe("tiny", **{**SMALL, **overrides}, **{f"mesh__{k}": v for k, v in {"data": 1, **mesh}.items()})
+
+
 def compiled_step(h100s, mesh: dict, fresh: bool = False, **overrides):
-    """The train step of the SMALL tiny model with `overrides` on `mesh`, compiled for `h100s`;
-    `fresh`: compiled again even if an earlier test compiled it (for what the compiler logs)."""
-    c = recipe("tiny", **{**SMALL, **overrides}, **{f"mesh__{k}": v for k, v in {"data": 1, **mesh}.items()})
+    """The train step of `small_config(mesh, **overrides)`, compiled for `h100s`; `fresh`:
+    compiled again even if an earlier test compiled it (for what the compiler logs)."""
+    c = small_config(mesh, **overrides)
     key = (c.to_json_best_effort(sort_keys=True), len(h100s))
     if fresh or key not in _COMPILED:
         program = setup(c, 256, h100s)
@@ -197,7 +202,7 @@ def test_the_cost_models_collective_bytes_are_the_compiled_programs(h100s, mesh,
     from lm.plan import collective_check
 
     overrides = {**overrides, "model__num_layers": 4}
-    config = recipe("tiny", **{**SMALL, **overrides}, **{f"mesh__{k}": v for k, v in {"data": 1, **mesh}.items()})
+    config = small_config(mesh, **overrides)
     layout = cost.Layout(**mesh, sequence_parallel=config.sharding.sequence_parallel, remat=config.model.remat,
                          grad_accum=config.train.grad_accum)
     checked = collective_check(cost.Cost(cost.run_of(config), layout, cost.System.load("h100")),
@@ -341,7 +346,7 @@ def test_no_involuntary_full_rematerialization(h100s, capfd):
 def test_document_masking_context_parallelism_and_sliding_windows_compile_for_h100s(h100s):
     """Packed documents and context parallelism's reordered sequence reach cuDNN's attention as a
     mask (a bias); a sliding window stays on cuDNN's own causal mask."""
-    c = recipe("tiny", **SMALL, mesh__data=1, mesh__fsdp=8, data__document_masking=True)
+    c = small_config({"fsdp": 8}, data__document_masking=True)
     program = setup(c, 256, h100s)
     shape = (c.train.batch_size, c.train.seq_len + 1)
     batch = {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=program.batch_sharding) for k in ("tokens", "segments")}
