@@ -19,7 +19,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from lm import GPU_MEMORY_FRACTION
+from lm import GPU_MEMORY_FRACTION, kernel_cache
 from lm.config import UserError
 
 TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
@@ -97,11 +97,17 @@ def devices(name: str, count: int, hosts: int = 1) -> list:
         )
     # What is compiled for these devices cannot be read back from JAX's persistent cache (jaxlib:
     # "PjRtCompiler must be constructed with a Client"; a warning on every re-run): not written.
+    # XLA's kernel cache stands in for it (`compiler_options`).
     jax.config.update("jax_enable_compilation_cache", False)
     topology = topologies.get_topology_desc(
         platform="cuda", topology_name=name, topology=f"1x{hosts}x{count // hosts}", target_config=text
     )
-    return list(topology.devices)
+    found = list(topology.devices)
+    _COMPILE_ONLY_TARGET.update(dict.fromkeys(found, name))
+    return found
+
+
+_COMPILE_ONLY_TARGET: dict = {}  # device made by `devices` -> its target's name
 
 
 # Compiler options for programs compiled for NVIDIA GPUs (passed per jit, never process-wide).
@@ -124,6 +130,13 @@ GPU_COMPILER_OPTIONS = {
 }
 
 
-def compiler_options(platform: str) -> dict:
-    """The compiler options meshlm sets for programs compiled for `platform`."""
-    return dict(GPU_COMPILER_OPTIONS) if platform == "gpu" else {}
+def compiler_options(device) -> dict:
+    """The compiler options meshlm sets for programs compiled for `device` (one of a mesh's); for
+    a compile-only GPU, XLA's kernel cache too (`lm.kernel_cache`)."""
+    if device.platform != "gpu":
+        return {}
+    options = dict(GPU_COMPILER_OPTIONS)
+    target = _COMPILE_ONLY_TARGET.get(device)
+    if target and (path := kernel_cache.working_file(target)):
+        options["xla_gpu_kernel_cache_file"] = path
+    return options

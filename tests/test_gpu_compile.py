@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -247,8 +248,42 @@ def test_gpu_compiles_get_meshlm_compiler_options(h100s):
     # a pair with nothing scheduled between its start and done synchronous again, as it did this
     # model's one combined all-gather.)
     text = compiled(h100s, {"fsdp": 8})
-    assert re.search(r"(all-gather|reduce-scatter|all-reduce)-start\(", text) and targets.compiler_options("gpu")
-    assert targets.compiler_options("cpu") == {}
+    options = targets.compiler_options(h100s[0])
+    assert re.search(r"(all-gather|reduce-scatter|all-reduce)-start\(", text) and targets.GPU_COMPILER_OPTIONS.items() <= options.items()
+    assert targets.compiler_options(jax.devices("cpu")[0]) == {}
+
+
+def test_compile_only_programs_take_their_kernels_from_xlas_kernel_cache(h100s):
+    """XLA rewrites the cache file only when it compiled a kernel the file lacked: the same program
+    compiled again leaves it untouched. (The first recompile still adds a kernel or two: XLA's
+    names for them differ between a process's first compile and the next.)"""
+    path = Path(targets.compiler_options(h100s[0])["xla_gpu_kernel_cache_file"])
+    for _ in range(2):
+        compiled_step(h100s, {"fsdp": 8}, fresh=True)
+    written = path.stat().st_mtime_ns
+    compiled_step(h100s, {"fsdp": 8}, fresh=True)
+    assert path.stat().st_mtime_ns == written
+    # The detector: a program with new shapes needs new kernels, and they are written.
+    compiled_step(h100s, {"fsdp": 8}, fresh=True, model__mlp_dim=320)
+    assert path.stat().st_mtime_ns != written
+
+
+def test_a_process_puts_its_kernel_cache_in_place_of_the_shared_one_at_exit(tmp_path):
+    code = ("import jax, numpy as np, lm; jax.config.update('jax_platforms', 'cpu'); from lm import targets\n"
+            "(device,) = targets.devices('h100', 1); options = targets.compiler_options(device)\n"
+            "x = jax.ShapeDtypeStruct((1024,), np.float32, sharding=jax.sharding.SingleDeviceSharding(device))\n"
+            "jax.jit(lambda x: x * 2 + 1).lower(x).compile(compiler_options=options)\n"
+            "print(options.get('xla_gpu_kernel_cache_file'))")
+
+    def run(**env) -> str:
+        env = {**os.environ, "MESHLM_GPU_COMPILER": "1", "XDG_CACHE_HOME": str(tmp_path), **env}
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env, check=True).stdout.strip()
+
+    working = Path(run())
+    (shared,) = (tmp_path / "meshlm" / "gpu_kernels").iterdir()  # its copy gone, in the shared file's place
+    assert working.parent == shared.parent and not working.exists() and shared.stat().st_size > 0
+    assert shared.name.startswith("h100-jaxlib")
+    assert run(MESHLM_GPU_KERNEL_CACHE="0") == "None"
 
 
 SCHEDULED = """ENTRY %main (p: bf16[64]) -> bf16[512] {
