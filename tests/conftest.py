@@ -163,6 +163,24 @@ def small_config(mesh: dict, **kw):
     return recipe("tiny", **{**SMALL, **kw}, **{f"mesh__{k}": v for k, v in sizes.items()})
 
 
+def step_and_gradients(program):
+    """`program`'s train step, jitted, returning beside its result the (loss, gradients) it
+    computed and applied: the model's backward traced and compiled once, not twice."""
+    import sharding
+
+    computed = program._grads
+
+    def step(state, batch):
+        seen = []
+        program._grads = lambda *args, **kwargs: seen.append(computed(*args, **kwargs)) or seen[-1]
+        try:
+            return program._train_step(state, batch), seen[0][:2]
+        finally:
+            del program._grads
+
+    return sharding.jit(step, program.mesh, program.rules)
+
+
 def run_steps(c, devices=None, steps: int = 5):
     """Losses of `steps` train steps on fixed random tokens, and the final parameters on the host."""
     import jax

@@ -15,6 +15,7 @@ from conftest import (
     run_cli,
     run_steps,
     small_config,
+    step_and_gradients,
 )
 from hypothesis import given
 from hypothesis import strategies as st
@@ -69,11 +70,11 @@ def _run(mesh: dict, segments: bool, steps: int = 5, **kw):
     logits = np.asarray(sharding.jit(forward, program.mesh, program.rules)(state.params, first))
     if program.sequence_order is not None:  # back to the natural order, to compare
         logits = logits[:, sharding.inverse_order(program.sequence_order)]
-    grads = jax.device_get(program.grads(state.params, first)[1])
-    out = []
+    step, out, grads = step_and_gradients(program), [], None
     for batch in [first] + [program.global_batch(_batch(c, rng, segments)) for _ in range(steps - 1)]:
-        state, metrics = program.train_step(state, batch)
+        (state, metrics), (_, applied) = step(state, batch)
         out.append(metrics["loss"])
+        grads = jax.device_get(applied) if grads is None else grads  # the first step's, at init
     return logits, grads, np.asarray(jax.device_get(out)), jax.device_get(state.params)
 
 

@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import VOCAB, fast_config, small_config
+from conftest import VOCAB, fast_config, small_config, step_and_gradients
 
-import sharding
 from lm.checkpoint import Checkpointer
 from lm.fp8 import ROLES
 from lm.program import setup
@@ -58,14 +57,10 @@ def pipelined_run(c, devices=None, steps: int = 5):
     """(losses of `steps` train steps on fixed random tokens, final parameters, the first step's
     (loss, gradients) at the initial parameters, the compiled HLO): one compilation per case."""
     program = setup(c, VOCAB, devices)
-
-    def step(state, batch):  # the train step and, beside it, the gradients it applies
-        return program._train_step(state, batch), program._grads(state.params, batch)[:2]
-
     rng = np.random.default_rng(0)
     batches = [program.global_batch(rng.integers(0, VOCAB, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)) for _ in range(steps)]
     state = program.init_state(0)
-    compiled = sharding.jit(step, program.mesh, program.rules).lower(state, batches[0]).compile()
+    compiled = step_and_gradients(program).lower(state, batches[0]).compile()
     losses, first = [], None
     for batch in batches:
         (state, metrics), grads = compiled(state, batch)
