@@ -3,8 +3,9 @@
 import os
 
 # The tests compile far more than they run: LLVM's optimisations off makes the suite's compiles
-# about a quarter faster. The few tests that train for minutes do it in a fresh process, through
-# `train_run`, where XLA optimises fully (at -O0 they ran twice as long).
+# about a quarter faster, in this process and in the commands tests run (`run_module`). The few
+# tests that train for minutes do it in a fresh process, through `train_run`, where XLA optimises
+# fully (at -O0 they ran twice as long).
 # A collective waits for all 8 fake devices' threads; on 2 busy cores one can lag past XLA:CPU's
 # 40 s limit, which aborts the process (seen in 1F1B tests while other compiles ran beside the
 # suite). A true deadlock still aborts, after 10 minutes, with XLA's "stuck" warnings from 20 s.
@@ -14,10 +15,9 @@ import os
 # measured; an unknown flag would abort XLA), though they are slower at -O2 (PERFORMANCE.md).
 from jaxlib import version as _jaxlib  # noqa: E402  (jaxlib alone: no backend starts)
 
+UNOPTIMIZED = "--xla_backend_optimization_level=0" + (" --xla_cpu_use_fusion_emitters=false" if _jaxlib.__version__.startswith("0.10.") else "")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + (
-    " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    " --xla_cpu_collective_call_terminate_timeout_seconds=600"
-    + (" --xla_cpu_use_fusion_emitters=false" if _jaxlib.__version__.startswith("0.10.") else "")
+    f" --xla_force_host_platform_device_count=8 {UNOPTIMIZED} --xla_cpu_collective_call_terminate_timeout_seconds=600"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The XLA GPU compiler (make gpu-compiler) on the path, for the deviceless GPU compile checks;
@@ -48,10 +48,11 @@ def shakespeare() -> Path:
     return SHAKESPEARE
 
 
-def run_module(*args: str, env_extra: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m ARGS` from the repo root on one CPU device, output captured."""
+def run_module(*args: str, env_extra: dict | None = None, timeout: int = 600, optimized: bool = False) -> subprocess.CompletedProcess:
+    """`python -m ARGS` from the repo root on one CPU device, output captured; compiled at -O0
+    unless `optimized`."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MESHLM_GPU_COMPILER", "PJRT_NPROC")}
-    env.update(env_extra or {})
+    env.update({} if optimized else {"XLA_FLAGS": UNOPTIMIZED}, **(env_extra or {}))
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -127,7 +128,7 @@ def train_run(workdir: Path, name: str, **overrides) -> list[dict]:
     """`python -m lm.train` of configs/NAME.py with `group__key=value` overrides into `workdir`,
     in a fresh process on one CPU device, fully optimised; its metrics rows."""
     flags = [f"--config.{k.replace('__', '.')}={v}" for k, v in overrides.items()]
-    result = run_module("lm.train", f"--config=configs/{name}.py", f"--workdir={workdir}", *flags)
+    result = run_module("lm.train", f"--config=configs/{name}.py", f"--workdir={workdir}", *flags, optimized=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return metrics_rows(workdir)
 

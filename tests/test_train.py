@@ -41,7 +41,8 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path, small_corpus):
 def test_resume_after_kill_logs_the_same_losses(tmp_path, small_corpus):
     args = ["lm.train", "--config=configs/tiny.py", f"--config.data.path={small_corpus}", "--config.train.steps=20",
             "--config.checkpoint.every_steps=10"] + [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]
-    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # compiled programs are kept there, and reused
+    # Compiled programs are kept there, and reused (those that compile in under a second too: at -O0, the step).
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     straight = run_module(*args, f"--workdir={tmp_path / 'straight'}", env_extra=cache)
     assert straight.returncode == 0, straight.stderr
     assert any(p.name.startswith("jit__train_step") for p in (tmp_path / "cache" / "meshlm" / "xla").iterdir())
