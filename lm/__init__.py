@@ -37,6 +37,12 @@ def _size_cpu_thread_pools() -> None:
         os.environ.setdefault("PJRT_NPROC", str(8 * devices))
 
 
+def cache_home() -> str:
+    """Where meshlm keeps what it can make again (compiled programs, GPU kernels, tokenised
+    corpora): $XDG_CACHE_HOME/meshlm, by default ~/.cache/meshlm."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser(os.path.join("~", ".cache")), "meshlm")
+
+
 # The share of each GPU's memory JAX takes for meshlm's runs. JAX's default pool is 75% of the
 # device (59 GiB of an H100's 79), below what `lm.plan` admits (90%: a layout it lists would run
 # out of memory there). The rest stays for the CUDA context, NCCL and cuDNN / cuBLAS workspaces.

@@ -4,7 +4,6 @@ overrides, and user mistakes printed as one line (exit 2) instead of a traceback
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import ml_collections
 
 import sharding.distributed
+from lm import cache_home
 from lm.config import UserError, apply_overrides
 from lm.recipe import load_file
 
@@ -79,8 +79,7 @@ def use_compilation_cache() -> None:
     import jax
 
     if jax.config.jax_compilation_cache_dir is None:
-        home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-        jax.config.update("jax_compilation_cache_dir", str(home / "meshlm" / "xla"))
+        jax.config.update("jax_compilation_cache_dir", str(Path(cache_home()) / "xla"))
 
 
 def run(main: Callable[[list[str]], None], argv: list[str] | None = None) -> None:

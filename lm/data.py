@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import grain
 import numpy as np
 
-from lm import sources, token_store
+from lm import cache_home, sources, token_store
 from lm.errors import UserError
 from lm.prepare import prepare_store
 from lm.token_store import TokenStore
@@ -33,7 +32,7 @@ from lm.tokenizer import HFTokenizer, tokenizer_for
 def cache_dir(data_config) -> Path:
     if data_config.cache_dir:
         return Path(data_config.cache_dir).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "meshlm"
+    return Path(cache_home())
 
 
 def source_paths(data_config) -> list[tuple[str | None, float]]:

@@ -31,8 +31,9 @@ def shared_path(target: str) -> Path:
     """The kernels kept for `target`, per jaxlib version (its compiler made them)."""
     from jaxlib import version
 
-    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return home / "meshlm" / "gpu_kernels" / f"{target}-jaxlib{version.__version__}.bin"
+    from lm import cache_home
+
+    return Path(cache_home()) / "gpu_kernels" / f"{target}-jaxlib{version.__version__}.bin"
 
 
 def working_file(target: str) -> str | None:

@@ -74,6 +74,9 @@ def check_counts(count: int, hosts: int) -> None:
         raise UserError(f"--devices={count} does not split evenly over --hosts={hosts}")
 
 
+_COMPILE_ONLY_TARGET: dict = {}  # device made by `devices` -> its target's name (`compiler_options`)
+
+
 def devices(name: str, count: int, hosts: int = 1) -> list:
     """`count` compile-only devices of target `name` over `hosts` hosts (`count // hosts` each)."""
     check_counts(count, hosts)
@@ -105,9 +108,6 @@ def devices(name: str, count: int, hosts: int = 1) -> list:
     found = list(topology.devices)
     _COMPILE_ONLY_TARGET.update(dict.fromkeys(found, name))
     return found
-
-
-_COMPILE_ONLY_TARGET: dict = {}  # device made by `devices` -> its target's name
 
 
 # Compiler options for programs compiled for NVIDIA GPUs (passed per jit, never process-wide).
