@@ -158,40 +158,54 @@ def _group_size(line: str) -> int:
     return 0
 
 
-def executions(hlo: str) -> dict[str, float]:
-    """{computation: how many times one step runs it}: the entry once, a while loop's body its
-    known trip count times per run of the computation holding the loop, called computations
-    (fusions, async wrappers, reducers) as often as their callers together. A module's text
-    defines each computation before its callers, so callers come first read backwards."""
-    module = computations(hlo)
-    runs = Counter({name: 1.0 for name, header, _ in module if header.startswith("ENTRY")})
-    for name, _, body in reversed(module):
-        for line in body:
-            trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line) if " while(" in line else None
-            for callee in re.findall(r"(?:body|calls|to_apply)=%?([\w.\-]+)", line):
-                runs[callee] += runs[name] * (int(trips.group(1)) if trips and f"body=%{callee}" in line else 1)
-    return runs
+def _collective_bytes(line: str) -> tuple[tuple[str, int], int] | None:
+    """((op, replica group size), bytes) that one instruction moves on each device, if it is an
+    all-gather (its result), reduce-scatter (its operand) or all-reduce; combined collectives
+    count all their buffers."""
+    if not (m := _COLLECTIVE.match(line)):
+        return None
+    types, op, start = m.groups()
+    sizes = _buffer_bytes(types)
+    if start and op != "all-reduce":  # (operands..., results...)
+        half = len(sizes) // 2
+        sizes = sizes[:half] if op == "reduce-scatter" else sizes[half:]
+    n = _group_size(line)
+    if op == "reduce-scatter" and not start:  # the result is one share of the operand
+        sizes = [b * n for b in sizes]
+    return (op, n), sum(sizes)
 
 
 def collective_traffic(hlo: str) -> Counter:
-    """{(op, replica group size): bytes per step}: the whole buffer each all-gather (its
-    result), reduce-scatter (its operand) and all-reduce moves on each device, every run of a
-    loop body counted (`executions`). Combined collectives count all their buffers."""
-    traffic, runs = Counter(), executions(hlo)
-    for name, _, body in computations(hlo):
-        for line in body:
-            if not (m := _COLLECTIVE.match(line)):
-                continue
-            types, op, start = m.groups()
-            sizes = _buffer_bytes(types)
-            if start and op != "all-reduce":  # (operands..., results...)
-                half = len(sizes) // 2
-                sizes = sizes[:half] if op == "reduce-scatter" else sizes[half:]
-            n = _group_size(line)
-            if op == "reduce-scatter" and not start:  # the result is one share of the operand
-                sizes = [b * n for b in sizes]
-            traffic[op, n] += runs[name] * sum(sizes)
-    return traffic
+    """{(op, replica group size): bytes per step}: what each all-gather, reduce-scatter and
+    all-reduce moves on each device (`_collective_bytes`), a while loop's body counted its known
+    trip count times, called computations (fusions, async wrappers) once per call, and of a
+    conditional's branches the costliest, as if it ran every time: an upper bound, exact where
+    one branch is the rule (`optax.apply_if_finite`'s update), over where the condition picks
+    which ticks run it (the 1F1B pipeline's ends)."""
+    module = {name: (header, body) for name, header, body in computations(hlo)}
+    memo: dict[str, Counter] = {}
+
+    def traffic(name: str) -> Counter:
+        if name in memo:
+            return memo[name]
+        total = Counter()
+        for line in module.get(name, ("", []))[1]:
+            if found := _collective_bytes(line):
+                total[found[0]] += found[1]
+            trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line) if " while(" in line else None
+            for callee in re.findall(r"(?:body|calls|to_apply)=%?([\w.\-]+)", line):
+                times = int(trips.group(1)) if trips and f"body=%{callee}" in line else 1
+                for key, b in traffic(callee).items():
+                    total[key] += times * b
+            listed = re.search(r"branch_computations=\{([^}]*)\}", line)
+            branches = re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
+            if branches:
+                total += max((traffic(b) for b in branches), key=lambda t: sum(t.values()))
+        memo[name] = total
+        return total
+
+    entry = next(name for name, (header, _) in module.items() if header.startswith("ENTRY"))
+    return traffic(entry)
 
 
 def collective_buffers(hlo: str, op: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -28,6 +28,7 @@ from sharding.flax_nnx import (
     state_shardings,
 )
 from sharding.mesh import MESH_AXES, MeshConfig, ShardingError, make_mesh
+from sharding.replicas import per_replica
 from sharding.rules import (
     DEFAULT_RULES,
     SEQUENCE_PARALLEL_RULES,
@@ -66,6 +67,7 @@ __all__ = [
     "merge_rules",
     "move",
     "named_sharding",
+    "per_replica",
     "per_shard",
     "platform",
     "reorder",

@@ -149,6 +149,23 @@ def split_ways(logical: str) -> int:
     return axis_size(*_in_force(), logical) if _ACTIVE.stack else 1
 
 
+def vmap_over(fn: Callable, logical_axis: str, **kwargs) -> Callable:
+    """`jax.vmap(fn)` whose mapped dimension lies on the mesh axes `logical_axis` maps to (vmap's
+    `spmd_axis_name`): the constraints inside split it there, and so does a `per_shard` kernel
+    inside, which a plain vmap hands the whole mapped dimension (gathering it: a pipeline's
+    attention, per stage, inside a partly manual `shard_map`). Outside `activate`, a plain vmap."""
+
+    def run(*args):
+        axes = None
+        if _ACTIVE.stack:
+            mesh, rules = _in_force()
+            spec = logical_to_spec((logical_axis,), rules, mesh=mesh)
+            axes = spec[0] if len(spec) else None
+        return jax.vmap(fn, spmd_axis_name=axes, **kwargs)(*args)
+
+    return run
+
+
 def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]) -> Callable:
     """`fn` run on each device's shards of its arguments (`jax.shard_map`), the arguments and the
     result placed by logical names under the mesh and rules in force; outside `activate`, `fn`

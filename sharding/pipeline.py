@@ -29,7 +29,7 @@ import numpy as np
 
 from sharding.mesh import ShardingError
 from sharding.remat import remat
-from sharding.constraints import constrain
+from sharding.constraints import constrain, vmap_over
 from sharding.schedules import PipelinePlan, Work, check, schedule
 
 
@@ -139,7 +139,7 @@ def pipeline_microbatches(stage_fn: Callable, params, params_axes, x, x_axes: Se
         first_in = jnp.where(first["repeat"] == 0, x_m[first["microbatch"]], outputs[first["microbatch"]])
         held = held.at[0].set(first_in)
         held = constrain(held, state_axes, "pipeline stage inputs")
-        out = jax.vmap(run_stage, in_axes=(1, 1, 0, 0, 0))(chunks, row.get("probes"), row["repeat"], jnp.arange(s), held)
+        out = vmap_over(run_stage, "stages", in_axes=(1, 1, 0, 0, 0))(chunks, row.get("probes"), row["repeat"], jnp.arange(s), held)
         out = constrain(out, state_axes, "pipeline stage outputs")
         leaving = jnp.where(last["active"], out[-1], outputs[last["microbatch"]])
         outputs = outputs.at[last["microbatch"]].set(leaving)

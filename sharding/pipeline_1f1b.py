@@ -21,7 +21,7 @@ from jax.extend import core as jax_core
 
 from sharding.pipeline import owning_backward, split_microbatches, stage_chunks, with_ends
 from sharding.remat import remat
-from sharding.constraints import constrain, constrain_leading
+from sharding.constraints import constrain, constrain_leading, vmap_over
 from sharding.schedules import PipelinePlan, Step, check, phases, schedule_1f1b
 
 
@@ -132,7 +132,8 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
     keep_residuals, tick_fn, pullbacks = plan.remat != "full", remat(stage_fn, plan.remat), Pullbacks()
     stash_constraint = lambda ring: constrain_leading(ring, "stages", "pipeline stash")  # noqa: E731
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
-    add = lambda total, d, on: jax.tree.map(lambda g, x: g + jnp.where(on, x.astype(jnp.float32), 0.0), total, d)  # noqa: E731
+    add = lambda total, d: jax.tree.map(lambda g, x: g + x.astype(jnp.float32), total, d)  # noqa: E731
+    mb_placed = lambda x_mb: constrain(x_mb, x_axes, "pipeline microbatch")  # noqa: E731
     swap = lambda tree: jax.tree.map(lambda a: a.swapaxes(0, 1), tree)  # noqa: E731  [repeats, stages, ...] <-> [stages, repeats, ...]
     # A stage's chunk for a repeat, chosen by a select (a gather indexed per stage made the XLA
     # GPU compiler fail, see `pipeline`).
@@ -142,6 +143,11 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         """A stage's `total` ([repeats, ...] leaves) with `d` combined into that repeat's entry."""
         hit = (jnp.arange(r) == repeat) & on
         return jax.tree.map(lambda g, x: combine(g, jnp.where(hit.reshape(-1, *([1] * x.ndim)), x[None].astype(g.dtype), fill)), total, d)
+
+    def placed(tree, axes):
+        """`[stages, repeats, layers per chunk, ...]` leaves placed as the chunks are: without it
+        XLA splits a per-tick update's repeats over the stage devices and gathers it back, every tick."""
+        return jax.tree.map(lambda a, ax: constrain(a, ("stages", None, None, *tuple(ax)[1:]), "pipeline chunk gradients"), tree, axes)
 
     def run(params, probes, embed_params, loss_params, seed, inputs, targets):
         chunks = swap(stage_chunks(params, params_axes, s, r))  # [stages, repeats, layers per chunk, ...]
@@ -180,15 +186,23 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             # It reads its stashed input before this tick's forward may reuse the slot.
             saved = jax.vmap(lambda ring, slot: jax.tree.map(lambda a: a[slot], ring))(c["stash"], row["backward_slot"])
             if keep_residuals:
-                dchunk, dprobes, dx = jax.vmap(stage_backward_saved)(chunks, probe_chunks, repeat, saved, c["bwd_in"])
+                dchunk, dprobes, dx = vmap_over(stage_backward_saved, "stages")(chunks, probe_chunks, repeat, saved, c["bwd_in"])
             else:
-                dchunk, dprobes, dx = jax.vmap(stage_vjp)(chunks, probe_chunks, repeat, stages, saved, c["bwd_in"])
-            c["grads"] = jax.vmap(into)(c["grads"], dchunk, repeat, on)
+                dchunk, dprobes, dx = vmap_over(stage_vjp, "stages")(chunks, probe_chunks, repeat, stages, saved, c["bwd_in"])
+            c["grads"] = placed(jax.vmap(into)(c["grads"], dchunk, repeat, on), params_axes)
             if probes is not None:
-                c["stats"] = jax.vmap(functools.partial(into, combine=jnp.maximum, fill=-jnp.inf))(c["stats"], dprobes, repeat, on)
-            # Stage 0's input cotangent after its first chunk: the embedding's gradient.
-            (d_embed,) = jax.vjp(lambda ep: embed_fn(ep, in_m[jnp.maximum(first["backward"], 0)]), embed_params)[1](dx[0])
-            c["embed_grads"] = add(c["embed_grads"], d_embed, (first["backward"] >= 0) & (first["backward_repeat"] == 0))
+                stats = jax.vmap(functools.partial(into, combine=jnp.maximum, fill=-jnp.inf))(c["stats"], dprobes, repeat, on)
+                c["stats"] = placed(stats, probes_axes)
+            # Stage 0's input cotangent after its first chunk: the embedding's gradient. The
+            # ends run under conditions on the table's first and last columns (alike on every
+            # device), only at the ticks that need them: the table's other ticks (most of an
+            # interleaved one's) would run them for nothing, vocabulary-split all-reduces included.
+            def embed_grads(total):
+                (d_embed,) = jax.vjp(lambda ep: embed_fn(ep, in_m[jnp.maximum(first["backward"], 0)]), embed_params)[1](dx[0])
+                return add(total, d_embed)
+
+            leaves_first_chunk = (first["backward"] >= 0) & (first["backward_repeat"] == 0)
+            c["embed_grads"] = jax.lax.cond(leaves_first_chunk, embed_grads, lambda total: total, c["embed_grads"])
             c["bwd_in"] = constrain(jnp.roll(dx, -1, axis=0), state_axes, "pipeline stage cotangents")  # a collective-permute
             return c
 
@@ -197,22 +211,28 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             and stashes its input, the last applies the head and loss after the last chunk and
             seeds the cotangent its backward starts from next tick; activations one stage on."""
             on, repeat, first, last = row["forward"] >= 0, row["forward_repeat"], row["first"], row["last"]
-            entering = embed_fn(embed_params, in_m[jnp.maximum(first["forward"], 0)]).astype(c["fwd_in"].dtype)
-            fwd_in = c["fwd_in"].at[0].set(jnp.where(first["forward_repeat"] == 0, entering, c["fwd_in"][0]))
+            entering = (first["forward"] >= 0) & (first["forward_repeat"] == 0)
+            # (Both branches' results placed alike: XLA refuses a conditional whose do not match.)
+            embedded = lambda: embed_fn(embed_params, in_m[jnp.maximum(first["forward"], 0)]).astype(c["fwd_in"].dtype)  # noqa: E731
+            entered = jax.lax.cond(entering, lambda: mb_placed(embedded()), lambda: mb_placed(c["fwd_in"][0]))
+            fwd_in = c["fwd_in"].at[0].set(entered)
             keep = lambda ring, slot, x_mb, on: ring.at[slot].set(jnp.where(on, x_mb, ring[slot]))  # noqa: E731
             if keep_residuals:
-                y, residuals = jax.vmap(stage_forward_saving)(chunks, probe_chunks, repeat, stages, fwd_in)
+                y, residuals = vmap_over(stage_forward_saving, "stages")(chunks, probe_chunks, repeat, stages, fwd_in)
                 residuals = pullbacks.stashed(residuals)
                 c["stash"] = [stash_constraint(jax.vmap(keep)(ring, row["forward_slot"], res, on)) for ring, res in zip(c["stash"], residuals)]
             else:
-                y = jax.vmap(stage_forward)(chunks, probe_chunks, repeat, stages, fwd_in)
+                y = vmap_over(stage_forward, "stages")(chunks, probe_chunks, repeat, stages, fwd_in)
                 c["stash"] = constrain(jax.vmap(keep)(c["stash"], row["forward_slot"], fwd_in, on), stash_axes, "pipeline stash")
             y = constrain(y, state_axes, "pipeline stage outputs")
             leaving = (last["forward"] >= 0) & (last["forward_repeat"] == r - 1)
-            mb_loss, dloss_params, dy = head(loss_params, y[-1], t_m[jnp.maximum(last["forward"], 0)])
-            c["loss"] = c["loss"] + jnp.where(leaving, mb_loss, 0.0) / m
-            c["loss_grads"] = add(c["loss_grads"], dloss_params, leaving)
-            seeded = jnp.where(leaving, dy.astype(c["bwd_in"].dtype), c["bwd_in"][-1])
+
+            def head_and_seed(loss, loss_grads, seeded):
+                mb_loss, dloss_params, dy = head(loss_params, y[-1], t_m[jnp.maximum(last["forward"], 0)])
+                return loss + mb_loss.astype(jnp.float32) / m, add(loss_grads, dloss_params), mb_placed(dy.astype(seeded.dtype))
+
+            unchanged = lambda loss, loss_grads, seeded: (loss, loss_grads, mb_placed(seeded))  # noqa: E731
+            c["loss"], c["loss_grads"], seeded = jax.lax.cond(leaving, head_and_seed, unchanged, c["loss"], c["loss_grads"], c["bwd_in"][-1])
             c["bwd_in"] = constrain(c["bwd_in"].at[-1].set(seeded), state_axes, "pipeline stage cotangents")
             c["fwd_in"] = constrain(jnp.roll(y, 1, axis=0), state_axes, "pipeline stage inputs")  # a collective-permute
             return c
@@ -226,8 +246,8 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         constants = ()
         if keep_residuals:  # a ring per residual array that varies, [stages, slots, ...]; the constants once
             forward_args = (chunks, probe_chunks, jnp.zeros(s, jnp.int32), stages, held)
-            pullbacks.mark_constants(jax.vmap(stage_forward_saving), *forward_args)
-            _, residuals = jax.vmap(stage_forward_saving)(*forward_args)  # what is not used: dead code
+            pullbacks.mark_constants(vmap_over(stage_forward_saving, "stages"), *forward_args)
+            _, residuals = vmap_over(stage_forward_saving, "stages")(*forward_args)  # what is not used: dead code
             constants = [r[0] for r, constant in zip(residuals, pullbacks.constant) if constant]  # one stage's: all alike
             stash = [stash_constraint(jnp.zeros((s, slots, *a.shape[1:]), a.dtype)) for a in pullbacks.stashed(residuals)]
         else:

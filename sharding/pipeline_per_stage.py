@@ -37,7 +37,7 @@ from sharding.mesh import ShardingError
 from sharding.pipeline import owning_backward, split_microbatches, with_ends
 from sharding.pipeline_1f1b import Pullbacks
 from sharding.remat import remat
-from sharding.constraints import active_mesh, constrain, constrain_leading
+from sharding.constraints import active_mesh, constrain, constrain_leading, manual_axes
 from sharding.schedules import (
     PipelinePlan,
     Step,
@@ -137,6 +137,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule="1f1b_per_stage", context=mesh.shape.get("context", 1))
     layers = jax.tree.leaves(params)[0].shape[0]
     keep_residuals, tick_fn = plan.remat != "full", remat(stage_fn, plan.remat)
+    in_mesh = {} if manual_axes() else {"mesh": mesh}  # nested in a manual `data` (sharding.per_replica): the mesh in context
     balanced = balanced_slots(plan, layers)
     arrays, inbox_depth, stash_depth = slot_arrays(schedule_1f1b_per_stage(s, m, balanced), keep_residuals)
     # The chunk's layers as the forward runs them and the backward's parts take them: all of
@@ -250,7 +251,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
                     x, saved = forward_saving(j, chunk, chunk_probes, x, 0)
                     out.append([r[None] for r in pullbacks[j].stashed(saved)])
                 return out
-            shapes = jax.eval_shape(jax.shard_map(residuals, mesh=mesh, axis_names={"stage"}, check_vma=False,
+            shapes = jax.eval_shape(jax.shard_map(residuals, **in_mesh, axis_names={"stage"}, check_vma=False,
                                                   in_specs=(per_stage, per_stage, whole), out_specs=per_stage),
                                     params, probes, jnp.zeros(x_like.shape, x_like.dtype))
             stash = [[stacked((stash_depth, *a.shape[1:]), a.dtype) for a in piece] for piece in shapes]
@@ -259,7 +260,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         placed = lambda tree, axes, fill=0.0: None if tree is None else jax.tree.map(  # noqa: E731  sums placed as the arrays
             lambda a, ax: constrain(jnp.full(a.shape, fill, jnp.float32), tuple(ax), "pipeline gradient sums"), tree, axes)
         sums = placed(params, params_axes), placed(probes, probes_axes, -jnp.inf)
-        staged = jax.shard_map(stage_work, mesh=mesh, axis_names={"stage"}, check_vma=False,
+        staged = jax.shard_map(stage_work, **in_mesh, axis_names={"stage"}, check_vma=False,
                                in_specs=(per_stage,) * 5 + (whole, whole), out_specs=per_stage)
 
         def slot(c, row):
@@ -274,18 +275,21 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
                                         embedded, c["seed_dy"])
             y, dx = (constrain(a, state_axes, "pipeline stage outputs") for a in (y, dx))
 
-            def head():
-                loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[last["microbatch"]]), loss_params, y[-1])
-                dloss, dy = pull((seed / m).astype(loss.dtype))
-                return loss.astype(jnp.float32) / m, f32_of(dloss), dy.astype(x_like.dtype)
-
-            no_head = lambda: (jnp.zeros((), jnp.float32), f32(loss_params), c["seed_dy"])  # noqa: E731
-            loss, dloss, seed_dy = jax.lax.cond(last["half"] == FORWARD, head, no_head)
-            gives_dx = (first["half"] == BACKWARD) | (first["half"] == EARLIER)  # stage 0's input cotangent
-            dembed = jax.lax.cond(gives_dx, lambda: f32_of(embed_pull(dx[0])[0]), lambda: f32(embed_params))
+            # The sums pass through the conditions (a branch that made fresh zeros would leave
+            # them unplaced, which XLA refuses inside a manual `data`: sharding.per_replica).
             add = lambda total, d: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, d)  # noqa: E731
-            return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": c["loss"] + loss, "dloss": add(c["dloss"], dloss),
-                    "dembed": add(c["dembed"], dembed)}, None
+            mb_placed = lambda x_mb: constrain(x_mb, x_axes, "pipeline microbatch")  # noqa: E731
+
+            def head(loss, dloss, seed_dy):
+                mb_loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[last["microbatch"]]), loss_params, y[-1])
+                d_mb, dy = pull((seed / m).astype(mb_loss.dtype))
+                return loss + mb_loss.astype(jnp.float32) / m, add(dloss, d_mb), mb_placed(dy.astype(x_like.dtype))
+
+            no_head = lambda loss, dloss, seed_dy: (loss, dloss, mb_placed(seed_dy))  # noqa: E731
+            loss, dloss, seed_dy = jax.lax.cond(last["half"] == FORWARD, head, no_head, c["loss"], c["dloss"], c["seed_dy"])
+            gives_dx = (first["half"] == BACKWARD) | (first["half"] == EARLIER)  # stage 0's input cotangent
+            dembed = jax.lax.cond(gives_dx, lambda total: add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
+            return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": loss, "dloss": dloss, "dembed": dembed}, None
 
         c = {"state": state, "sums": sums, "seed_dy": jnp.zeros(x_like.shape, x_like.dtype), "loss": jnp.zeros((), jnp.float32),
              "dloss": f32(loss_params), "dembed": f32(embed_params)}

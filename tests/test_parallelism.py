@@ -10,7 +10,7 @@ from conftest import VOCAB, fast_config, run_steps, small_config
 
 import sharding
 from lm.checkpoint import Checkpointer
-from lm.hlo import collective_shapes
+from lm.hlo import collective_shapes, collective_traffic
 from lm.program import setup
 from lm.train import train
 from sharding import report
@@ -138,3 +138,23 @@ def test_xla_cpu_thread_pools_hold_eight_threads_per_fake_device():
     assert float(jax.jit(lambda a: a.sum())(x)) == 32.0  # a collective ran
     names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
     assert sum("XLAEigen" in name for name in names) >= 8 * 8
+
+
+@pytest.mark.parametrize("mesh, options", [
+    ({"data": 4, "fsdp": 2}, {"train__grad_accum": 2}),
+    ({"data": 4, "stage": 2}, {"pipeline__microbatches": 4}),
+    ({"data": 4, "stage": 2}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4}),
+    ({"data": 4, "stage": 2}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4, **ZERO1}),
+], ids=["accum2", "gpipe", "1f1b", "1f1b-zero1"])
+def test_replicas_combine_their_gradients_once_a_step_whatever_its_passes(mesh, options):
+    """A step of several passes (accumulation, pipeline microbatches) over 4 data replicas moves
+    the gradients' bytes over `data` once (an all-reduce; with ZeRO-1 a reduce-scatter), not once
+    a pass, as XLA does with the replicas automatic (until 2026-11-26). (ZeRO-1 with plain
+    accumulation still reduce-scatters each pass: its accumulator stays a replica's share.)"""
+    c = small_config(mesh, **options)
+    program = setup(c, VOCAB, jax.devices()[:8])
+    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
+    compiled = program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
+    over_data = sum(b for (op, n), b in collective_traffic(compiled).items() if n == 4 and op != "all-gather")  # ZeRO-1's parameters
+    grads = report.device_bytes(program.abstract_sharded_state().params)
+    assert 0.9 * grads < over_data < 1.1 * grads

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import VOCAB, fast_config, small_config, step_and_gradients
 
+from lm import hlo
 from lm.checkpoint import Checkpointer
 from lm.fp8 import ROLES
 from lm.program import setup
@@ -463,3 +464,33 @@ def test_the_report_names_the_schedule_its_bubble_and_what_each_stage_keeps():
                                                              "stash": "stage inputs"}
     assert report(PipelinePlan(4, 8, 2, "none", "1f1b"))["stash"] == "residuals"
     assert report(PipelinePlan())["schedule"] == "none"
+
+
+
+def compiled_interleaved(schedule: str) -> str:
+    """The optimized HLO of the train step of 4 stages x 2 chunks each (8 layers), 4 microbatches."""
+    c = small_config({"data": 1, "stage": 4}, model__num_layers=8, train__batch_size=8, pipeline__microbatches=4, pipeline__repeats=2,
+                     pipeline__schedule=schedule)
+    program = setup(c, VOCAB, jax.devices()[:4])
+    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
+    return program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_interleaved_stages_keep_their_chunks_where_they_are(schedule):
+    """On a mesh of stages alone nothing is all-gathered: each stage's chunks, and their
+    gradients, stay on it. (Interleaved 1F1B once let XLA split the per-tick gradient update's
+    repeats over the stages and gather them back every tick: 230 GiB per step and GPU for
+    `llama_8b` on 8 stages.)"""
+    compiled = compiled_interleaved(schedule)
+    assert "collective-permute" in compiled and not hlo.collectives(compiled)["all-gather"]
+
+
+def test_1f1b_runs_the_ends_only_at_the_ticks_that_use_them():
+    """The embedding's lookup and the head's matmuls run inside conditionals on the table's first
+    and last columns: of an interleaved table's 11 forward ticks here, 4 take a microbatch in
+    and 4 let one out. (They ran masked at every tick until 2026-11-26: for `llama_8b` on 8
+    stages x 2 chunks, 71 heads for 32 microbatches, and twice the vocabulary all-reduces.)"""
+    names = re.findall(r'op_name="([^"]*)"', compiled_interleaved("1f1b"))
+    ends = [n for n in names if "(btd,dv->btv)" in n or "jit(_take)/gather" in n]
+    assert ends and all("/cond/" in n for n in ends), [n for n in ends if "/cond/" not in n]
