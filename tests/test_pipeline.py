@@ -1,6 +1,7 @@
 """Pipeline parallelism over 'stage': the schedule as data, and training equal to one device."""
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping
 
@@ -467,6 +468,7 @@ def test_the_report_names_the_schedule_its_bubble_and_what_each_stage_keeps():
 
 
 
+@functools.cache
 def compiled_interleaved(schedule: str) -> str:
     """The optimized HLO of the train step of 4 stages x 2 chunks each (8 layers), 4 microbatches."""
     c = small_config({"data": 1, "stage": 4}, model__num_layers=8, train__batch_size=8, pipeline__microbatches=4, pipeline__repeats=2,
