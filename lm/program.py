@@ -212,8 +212,9 @@ class Program:
         # tensor 2}: 22.7 GiB of temporaries against 43.8).
         pipelined = self.spec.pipeline.stages > 1
         passes = pipelined or self.config.train.grad_accum > 1
-        if not passes or self.mesh.shape["data"] == 1 or (self.config.sharding.optimizer_over_data and not pipelined):
+        if not passes or (self.config.sharding.optimizer_over_data and not pipelined):
             return self._replica_grads(params, batch, fp8, loss_scale)
+        # (`_replica_grads` itself where `data` is 1.)
         grads = sharding.per_replica(self._replica_grads, self.mesh, split=(False, True, False, False), combine=("mean", "sum", "max"))
         return grads(params, batch, fp8, loss_scale / self.mesh.shape["data"])
 

@@ -164,6 +164,17 @@ def small_config(mesh: dict, **kw):
     return recipe("tiny", **{**SMALL, **kw}, **{f"mesh__{k}": v for k, v in sizes.items()})
 
 
+def compiled_train_step(program):
+    """`program`'s train step compiled for an abstract batch of its config's shape: what the
+    compiler makes of it (HLO, memory), nothing run."""
+    import jax
+    import numpy as np
+
+    c = program.config
+    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
+    return program.train_step.lower(program.abstract_sharded_state(), batch).compile()
+
+
 def step_and_gradients(program):
     """`program`'s train step, jitted, returning beside its result the (loss, gradients) it
     computed and applied: the model's backward traced and compiled once, not twice."""

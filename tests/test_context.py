@@ -10,6 +10,7 @@ from conftest import (
     FAST,
     VOCAB,
     assert_one_line_error,
+    compiled_train_step,
     fast_config,
     losses,
     run_cli,
@@ -145,8 +146,7 @@ def test_context_parallelism_composes_with_the_pipeline_fp8_and_gradient_accumul
 def test_keys_and_values_are_gathered_over_context_never_queries_or_the_residual():
     c = small_config({"context": 2})  # data 1: the batch of 16 whole on each device
     program = setup(c, VOCAB, jax.devices()[:2])
-    batch = jax.ShapeDtypeStruct((16, 33), np.int32, sharding=program.batch_sharding)
-    hlo = program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
+    hlo = compiled_train_step(program).as_text()
     gathered = set(collective_shapes(hlo, "all-gather"))
     b, t, h, g, k, d = 16, 32, 8, 4, 8, 64
     assert (b, t, g, k) in gathered  # keys and values: whole sequence, kv heads

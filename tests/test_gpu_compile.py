@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import ROOT, recipe, run_cli
+from conftest import ROOT, compiled_train_step, recipe, run_cli
 
 from lm import hlo, targets
 from lm import layout as lm_layout
@@ -49,9 +49,7 @@ def compiled_step(h100s, mesh: dict, fresh: bool = False, **overrides):
     c = small_config(mesh, **overrides)
     key = (c.to_json_best_effort(sort_keys=True), len(h100s))
     if fresh or key not in _COMPILED:
-        program = setup(c, 256, h100s)
-        batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-        _COMPILED[key] = program.train_step.lower(program.abstract_sharded_state(), batch).compile()
+        _COMPILED[key] = compiled_train_step(setup(c, 256, h100s))
     return _COMPILED[key]
 
 
@@ -316,9 +314,7 @@ def test_a_step_near_the_memory_limit_keeps_its_collectives_beside_compute(monke
 
     def overlapped(options: dict) -> int:
         monkeypatch.setattr(targets, "GPU_COMPILER_OPTIONS", options)
-        program = setup(c, nominal_vocab_size(c.data), devices)
-        batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-        return hlo.overlapped_collectives(program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text())["all-gather"]
+        return hlo.overlapped_collectives(compiled_train_step(setup(c, nominal_vocab_size(c.data), devices)).as_text())["all-gather"]
 
     at_80_percent = {k: v for k, v in targets.GPU_COMPILER_OPTIONS.items() if k != "xla_gpu_memory_limit_slop_factor"}
     assert overlapped(dict(targets.GPU_COMPILER_OPTIONS)) > overlapped(at_80_percent) + 2  # seen: 10 and 6 of 19
@@ -333,8 +329,7 @@ def test_layout_target_reports_the_compiled_memory(h100s, capsys):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     c = recipe("tiny", mesh__data=1, mesh__fsdp=8)
     program = setup(c, 256, h100s)
-    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-    memory = program.train_step.lower(program.abstract_sharded_state(), batch).compile().memory_analysis()
+    memory = compiled_train_step(program).memory_analysis()
     reported = summary["compiled_train_step_per_device"]
     assert reported["temp_bytes"] == memory.temp_size_in_bytes and reported["argument_bytes"] == memory.argument_size_in_bytes
     assert summary["per_device"]["params_bytes"] == sum(

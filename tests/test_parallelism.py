@@ -6,7 +6,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from conftest import VOCAB, fast_config, run_steps, small_config
+from conftest import VOCAB, compiled_train_step, fast_config, run_steps, small_config
 
 import sharding
 from lm.checkpoint import Checkpointer
@@ -94,9 +94,7 @@ def test_spread_axes_takes_the_largest_dimension_the_replicas_divide():
 
 
 def compiled_hlo(c) -> str:
-    trainer = setup(c, VOCAB)
-    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=trainer.batch_sharding)
-    return trainer.train_step.lower(trainer.abstract_sharded_state(), batch).compile().as_text()
+    return compiled_train_step(setup(c, VOCAB)).as_text()
 
 
 def full_logits_gathers(hlo: str, c, data_parallel: int) -> list[tuple[int, ...]]:
@@ -153,8 +151,7 @@ def test_replicas_combine_their_gradients_once_a_step_whatever_its_passes(mesh, 
     accumulation still reduce-scatters each pass: its accumulator stays a replica's share.)"""
     c = small_config(mesh, **options)
     program = setup(c, VOCAB, jax.devices()[:8])
-    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-    compiled = program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
+    compiled = compiled_train_step(program).as_text()
     over_data = sum(b for (op, n), b in collective_traffic(compiled).items() if n == 4 and op != "all-gather")  # ZeRO-1's parameters
     grads = report.device_bytes(program.abstract_sharded_state().params)
     assert 0.9 * grads < over_data < 1.1 * grads

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import VOCAB, fast_config, small_config, step_and_gradients
+from conftest import VOCAB, compiled_train_step, fast_config, small_config, step_and_gradients
 
 from lm import hlo
 from lm.checkpoint import Checkpointer
@@ -144,9 +144,7 @@ def full_vocabulary_buffers(hlo: str) -> set[str]:
 def test_no_stage_holds_full_vocabulary_logits_unless_the_rules_say_so():
     def compiled(**kw):
         c = small_config({"data": -1, "stage": 2}, **DEEP, **kw)
-        program = setup(c, VOCAB)
-        batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-        return program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
+        return compiled_train_step(setup(c, VOCAB)).as_text()
 
     assert not full_vocabulary_buffers(compiled())
     # The detector: with the vocabulary over `tensor` alone, every stage computes the whole head,
@@ -369,9 +367,7 @@ def test_1f1b_table_keeps_a_bounded_stash_and_runs_each_backward_after_its_forwa
 def compiled_1f1b_step(microbatches: int, **extra):
     """The train step of 2 stages with `microbatches` microbatches of 2 sequences, compiled."""
     c = small_config({"data": 1, "stage": 2}, **DEEP, train__batch_size=2 * microbatches, pipeline__microbatches=microbatches, **extra)
-    program = setup(c, VOCAB, jax.devices()[:2])
-    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-    return program.train_step.lower(program.abstract_sharded_state(), batch).compile()
+    return compiled_train_step(setup(c, VOCAB, jax.devices()[:2]))
 
 
 def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
@@ -467,15 +463,12 @@ def test_the_report_names_the_schedule_its_bubble_and_what_each_stage_keeps():
     assert report(PipelinePlan())["schedule"] == "none"
 
 
-
 @functools.cache
 def compiled_interleaved(schedule: str) -> str:
     """The optimized HLO of the train step of 4 stages x 2 chunks each (8 layers), 4 microbatches."""
     c = small_config({"data": 1, "stage": 4}, model__num_layers=8, train__batch_size=8, pipeline__microbatches=4, pipeline__repeats=2,
                      pipeline__schedule=schedule)
-    program = setup(c, VOCAB, jax.devices()[:4])
-    batch = jax.ShapeDtypeStruct((c.train.batch_size, c.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
-    return program.train_step.lower(program.abstract_sharded_state(), batch).compile().as_text()
+    return compiled_train_step(setup(c, VOCAB, jax.devices()[:4])).as_text()
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
