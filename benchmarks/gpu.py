@@ -8,9 +8,9 @@ fp8 matmul peaks, then `python -m lm.bench` of the recipe in bf16 and fp8, with 
 XLA attention, at several remat policies, and the largest batch that fits (doubling until the
 device runs out of memory). Each benchmark runs in its own process (an out-of-memory failure
 is a result, not a crash); the compiled HLO of the main cases is read for GEMM operand types
-(fp8 or bf16), cuDNN attention calls and collectives (`lm.hlo`), and a profiler trace of
+(fp8 or bf16), cuDNN attention calls and collectives (`lm.compiler.hlo`), and a profiler trace of
 three more of their steps says where the time goes, by kind of work and by instruction
-(`lm.profile`). Cases run in priority order
+(`lm.compiler.profile`). Cases run in priority order
 until `--budget_s` is spent. Everything goes to `DIR/gpu.json` as it arrives (each read HLO to
 `DIR/hlo/CASE/`), and at the end a Markdown table of it to `DIR/summary.md`; the last stdout
 line is the same JSON.
@@ -105,7 +105,7 @@ def device_info(out: Path) -> dict:
 def stored_target_check(device, info: dict) -> dict:
     """The stored target description the deviceless compiles use (H200 for an H200, else H100)
     field by field against what this device reports (None where it reports nothing)."""
-    from lm import targets  # (importing lm only sets environment variables)
+    from lm.compiler import targets
 
     name = "h200" if "H200" in device.device_kind else "h100"
     text = targets.target_config(name)
@@ -158,7 +158,7 @@ CHILD_ENV = dict(os.environ)
 
 def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo_dir: Path | None, xla_flags: str = "") -> dict:
     command = [sys.executable, "-m", "lm.bench", f"--config={config}", f"--steps={steps}", *overrides]
-    if hlo_dir:  # the main cases: their HLO read, and where their step's time goes (lm.profile)
+    if hlo_dir:  # the main cases: their HLO read, and where their step's time goes (lm.compiler.profile)
         command += [f"--save_hlo={hlo_dir}", f"--profile={tempfile.mkdtemp(prefix='meshlm_trace_')}"]
     start = time.perf_counter()
     try:
@@ -171,7 +171,7 @@ def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo
     if done.returncode == 0 and lines:
         result = {"ok": True, "wall_s": wall, **json.loads(lines[-1])}
         if hlo_dir and (hlo_dir / "train_step.hlo.txt").exists():
-            from lm import hlo
+            from lm.compiler import hlo
 
             result["hlo"] = hlo.summary((hlo_dir / "train_step.hlo.txt").read_text())
         return result

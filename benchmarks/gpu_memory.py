@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from lm.targets import TARGETS
+from lm.compiler.targets import TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
 GRIDS = {  # recipe, devices, config overrides

@@ -17,7 +17,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from lm.errors import UserError
-from lm.model import config_defaults
+from lm.model.config import config_defaults
 from sharding.remat import REMAT
 
 
@@ -313,13 +313,6 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
     validate(c)
     c.lock()
     return c
-
-
-def load(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
-    """A recipe file with dotted-key overrides, locked: `load("configs/tiny.py", {"train.steps": 50})`."""
-    from lm.recipe import load_file  # the recipe module builds on this one
-
-    return apply_overrides(load_file(path), overrides or {})
 
 
 def checked(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import ml_collections
 
-from lm.config import UserError, assign, default_config
+from lm.config import UserError, apply_overrides, assign, default_config
 
 
 def load_file(path: str) -> ml_collections.ConfigDict:
@@ -67,3 +67,8 @@ def _onto_schema(c, schema: ml_collections.ConfigDict, source: str, prefix: str 
             continue
         assign(schema, key, c[key], f"config file {source!r}: {prefix}{key}={c[key]!r}")
     return schema
+
+
+def load(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """A recipe file with dotted-key overrides, validated and locked: `load("configs/tiny.py", {"train.steps": 50})`."""
+    return apply_overrides(load_file(path), overrides or {})

@@ -198,7 +198,7 @@ def run_steps(c, devices=None, steps: int = 5):
     import jax
     import numpy as np
 
-    from lm.program import setup
+    from lm.program.steps import setup
 
     program = setup(c, VOCAB, devices)
     rng = np.random.default_rng(0)

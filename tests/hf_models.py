@@ -11,11 +11,11 @@ import numpy as np
 
 import sharding
 from lm import config as lm_config
-from lm import convert
-from lm.program import ModelLayout
-from lm.safetensors_dir import Reader
-from lm.spec import RunSpec
-from lm.tokenizer import ByteTokenizer
+from lm.data.tokenizer import ByteTokenizer
+from lm.hf import checkpoint as hf_checkpoint
+from lm.hf.safetensors_dir import Reader
+from lm.program.spec import RunSpec
+from lm.program.steps import AbstractModel
 
 VOCAB = 301  # not a multiple of 128: the import pads it
 
@@ -61,13 +61,13 @@ def hf_logits(model, tokens_bt: np.ndarray) -> np.ndarray:
 
 def imported(hf_dir: Path, mesh: dict | None = None, devices=None, **overrides):
     """(layout, params) of a checkpoint imported in memory (no run directory)."""
-    hf_dir, hf_config = convert.read_hf_config(hf_dir)
+    hf_dir, hf_config = hf_checkpoint.read_hf_config(hf_dir)
     keys = {"model.attention": "einsum", **{f"mesh.{k}": v for k, v in (mesh or {"data": 1}).items()}, **overrides}
-    config = convert.config_from_hf(lm_config.default_config(), hf_dir, hf_config, keys)
+    config = hf_checkpoint.config_from_hf(lm_config.default_config(), hf_dir, hf_config, keys)
     spec = RunSpec.parse(config, 0)
     devices = devices or jax.devices()[: max(1, int(np.prod(list((mesh or {"data": 1}).values()))))]
-    layout = ModelLayout(spec, sharding.make_mesh(spec.mesh, devices))
-    return layout, convert.load_params(Reader(hf_dir), layout)
+    layout = AbstractModel(spec, sharding.make_mesh(spec.mesh, devices))
+    return layout, hf_checkpoint.load_params(Reader(hf_dir), layout)
 
 
 def meshlm_logits(layout, params, tokens_bt: np.ndarray) -> np.ndarray:

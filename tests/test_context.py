@@ -22,9 +22,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sharding
-from lm.hlo import collective_shapes
-from lm.program import setup
-from lm.train import train
+from lm.compiler.hlo import collective_shapes
+from lm.program.steps import setup
+from lm.training.loop import train
 
 # -- the order
 
@@ -66,7 +66,7 @@ def _run(mesh: dict, segments: bool, steps: int = 5, **kw):
 
     def forward(params, batch):
         inputs, _ = program.model_inputs(batch)
-        return program.layout.model(params)(**inputs)[0]
+        return program.abstract_model.model(params)(**inputs)[0]
 
     logits = np.asarray(sharding.jit(forward, program.mesh, program.rules)(state.params, first))
     if program.sequence_order is not None:  # back to the natural order, to compare
@@ -170,10 +170,10 @@ def test_resume_and_evaluation_under_context_parallelism(tmp_path, small_corpus)
     assert one["eval_loss"] == pytest.approx(straight["eval_loss"], rel=1e-5)
     np.testing.assert_allclose([a[s] for s in range(1, 7)], [losses(tmp_path / "one")[s] for s in range(1, 7)], rtol=1e-5)
 
-    from lm.generate import (  # decoding: one device, whatever the run's mesh was
-        generate,
-        load,
+    from lm.model.sampling import (
+        generate,  # decoding: one device, whatever the run's mesh was
     )
+    from lm.program.restore import load
 
     _, tokenizer, model = load(tmp_path / "straight")
     assert generate(model, tokenizer, "def ", 8, temperature=0.0).startswith("def ")
@@ -188,7 +188,7 @@ def test_resume_and_evaluation_under_context_parallelism(tmp_path, small_corpus)
     ],
 )
 def test_context_parallelism_bad_input_is_one_line(tmp_path, capsys, small_corpus, overrides, fragments):
-    from lm import train as lm_train
+    from lm.training import loop as lm_train
 
     args = [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]
     args += [f"--config.{k}={v}" for k, v in overrides.items()]

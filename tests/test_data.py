@@ -13,9 +13,10 @@ import pytest
 from conftest import ROOT, assert_one_line_error, run_cli
 from ml_collections import ConfigDict
 
-from lm import data, prepare, sources, token_store
+from lm import prepare
 from lm.config import UserError
-from lm.tokenizer import ByteTokenizer, tokenizer_for
+from lm.data import corpus, sources, token_store, tokenize
+from lm.data.tokenizer import ByteTokenizer, tokenizer_for
 
 
 def data_config(**kw):
@@ -60,7 +61,7 @@ def test_every_source_kind_round_trips(tmp_path):
     assert texts_of(tmp_path / "c.parquet", text_field="body") == records
     assert texts_of(tmp_path / "saved", text_field="body") == records
     # Through the store and back, with the byte tokenizer.
-    store = prepare.prepare_store(sources.corpus_files(str(tmp_path / "saved")), ByteTokenizer(), tmp_path / "store", workers=1, text_field="body", progress=False)
+    store = tokenize.prepare_store(sources.corpus_files(str(tmp_path / "saved")), ByteTokenizer(), tmp_path / "store", workers=1, text_field="body", progress=False)
     assert [bytes(store.read(s, s + n).astype(np.uint8)).decode() for s, n in zip(store.doc_starts, store.doc_lengths)] == records
     default = sources.corpus_files(None)
     assert len(default) > 100 and all(f.suffix == ".py" for f in default)
@@ -80,7 +81,7 @@ def test_binary_skipped_invalid_utf8_replaced_and_counted(tmp_path):
     (tmp_path / "c" / "good.txt").write_text("fine text\n")
     (tmp_path / "c" / "image.bin").write_bytes(b"\x89PNG\0\0\0binary")
     (tmp_path / "c" / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
-    store = prepare.prepare_store(sources.corpus_files(str(tmp_path / "c")), ByteTokenizer(), tmp_path / "s", workers=1, progress=False)
+    store = tokenize.prepare_store(sources.corpus_files(str(tmp_path / "c")), ByteTokenizer(), tmp_path / "s", workers=1, progress=False)
     assert store.manifest["counts"] == {"binary_files_skipped": 1, "invalid_utf8": 1}
     assert store.num_documents == 2 and "caf\ufffd au lait" in bytes(store.read(0, store.num_tokens).astype(np.uint8)).decode()
 
@@ -158,19 +159,19 @@ def test_one_and_four_workers_give_byte_identical_stores(tmp_path):
     (corpus / "doc000.bin").write_bytes(b"\0\1\2 binary")
     (corpus / "doc001.latin1").write_bytes("na\xefve\n".encode("latin-1"))
     files = sources.corpus_files(str(corpus))
-    one = prepare.prepare_store(files, ByteTokenizer(), tmp_path / "one", workers=1, progress=False)
-    prepare.prepare_store(files, ByteTokenizer(), tmp_path / "four", workers=4, progress=False)
+    one = tokenize.prepare_store(files, ByteTokenizer(), tmp_path / "one", workers=1, progress=False)
+    tokenize.prepare_store(files, ByteTokenizer(), tmp_path / "four", workers=4, progress=False)
     assert one.manifest["units"] >= 4 and one.num_documents == 25
     assert _store_bytes(tmp_path / "one") == _store_bytes(tmp_path / "four")
     assert one.manifest["counts"] == {"binary_files_skipped": 1, "invalid_utf8": 1}
     assert one.dtype == np.uint8 and one.num_tokens == sum(f.stat().st_size for f in files if f.suffix == ".txt") + len("na\ufffdve\n".encode())
     # A finished store is never rewritten: preparing into it again checks it and returns it.
     stamp = (tmp_path / "one" / "manifest.json").stat().st_mtime_ns
-    prepare.prepare_store(files, ByteTokenizer(), tmp_path / "one", workers=2, progress=False)
+    tokenize.prepare_store(files, ByteTokenizer(), tmp_path / "one", workers=2, progress=False)
     assert (tmp_path / "one" / "manifest.json").stat().st_mtime_ns == stamp
     (corpus / "doc000.txt").write_text("changed")
     with pytest.raises(UserError, match="was prepared from other sources"):
-        prepare.prepare_store(sources.corpus_files(str(corpus)), ByteTokenizer(), tmp_path / "one", workers=1, progress=False)
+        tokenize.prepare_store(sources.corpus_files(str(corpus)), ByteTokenizer(), tmp_path / "one", workers=1, progress=False)
 
 
 def test_killed_prepare_resumes_to_the_same_store(tmp_path, small_corpus):
@@ -211,7 +212,7 @@ def corpus_of(tmp_path, seq_len=16, document_masking=False, docs=40, paths=None,
                  "val_fraction": 0.1, "document_masking": document_masking, "workers": 1},
         "train": {"seq_len": seq_len},
     })
-    return data.prepare(config, tmp_path / "run", progress=False)
+    return corpus.open_corpus(config, tmp_path / "run", progress=False)
 
 
 def take(it, n):
@@ -288,7 +289,7 @@ def test_document_masking_segments_and_positions(tmp_path):
     # Each file is a run of consecutive letters: a segment change is exactly where the run breaks.
     breaks = ((tokens[:, 1:] - tokens[:, :-1]) % 26) != 1
     assert (breaks == (segments[:, 1:] != segments[:, :-1])).all() and breaks.any()
-    from lm.model import segment_positions
+    from lm.model.transformer import segment_positions
 
     positions = np.asarray(segment_positions(segments))
     assert (positions[segments != np.roll(segments, 1, axis=1)] == 0).all() and positions.max() <= 64
@@ -304,7 +305,7 @@ def test_random_windows_never_cross_out_of_range(tmp_path):
 
 def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path):
     """Peak RSS (the largest of lm.prepare and its workers) for 4x the text stays within 10%
-    (benchmarks/prepare.py measures the same at 2 GB and 8 GB with a BPE: PERFORMANCE.md)."""
+    (benchmarks/tokenizing.py measures the same at 2 GB and 8 GB with a BPE: PERFORMANCE.md)."""
     peak = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MESHLM_GPU_COMPILER")}
     peaks = []

@@ -29,15 +29,15 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import sharding
-from lm import data as lm_data
 from lm.cli import Parser
 from lm.config import UserError, default_config
-from lm.prepare import prepare_store
-from lm.mesh_checks import check_batch_split
+from lm.data import corpus as lm_data
+from lm.data.sources import corpus_files
+from lm.data.tokenize import prepare_store
+from lm.data.tokenizer import ByteTokenizer, tokenizer_for
+from lm.program.mesh_checks import check_batch_split
+from lm.program.spec import RunSpec
 from lm.recipe import load_file
-from lm.sources import corpus_files
-from lm.spec import RunSpec
-from lm.tokenizer import ByteTokenizer, tokenizer_for
 
 settings.register_profile("ci", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("slow", max_examples=4000, deadline=None, suppress_health_check=[HealthCheck.too_slow])

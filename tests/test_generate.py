@@ -6,8 +6,9 @@ import pytest
 from conftest import fast_config, run_module
 
 from lm.config import UserError
-from lm.generate import generate, load
-from lm.train import train
+from lm.model.sampling import generate
+from lm.program.restore import load
+from lm.training.loop import train
 
 
 def test_sample_from_a_trained_run(tmp_path, small_corpus):

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 from conftest import ROOT, compiled_train_step, recipe, run_cli
 
-from lm import hlo, targets
 from lm import layout as lm_layout
-from lm.attention import attention_kernel, cudnn_available
-from lm.data import nominal_vocab_size
+from lm.compiler import hlo, targets
+from lm.data.corpus import nominal_vocab_size
 from lm.errors import UserError
-from lm.program import setup
+from lm.hardware import data_file
+from lm.model.attention import attention_kernel, cudnn_available
+from lm.program.steps import setup
 
 pytestmark = pytest.mark.skipif(
     not targets.compiler_available(), reason="the XLA GPU compiler plugin is not installed (make gpu-compiler)"
@@ -197,16 +198,19 @@ def test_the_cost_models_collective_bytes_are_the_compiled_programs(h100s, mesh,
     the gathers; 6% for the scatters (the embedding's gradient leaves by an all-to-all of its
     rows); 10% for tensor parallelism (a few more around the head and loss on this small model;
     on llama_70b, 128 H100s, within 1.5%: PERFORMANCE.md)."""
-    from lm import cost
-    from lm.plan import collective_check
+    from lm.hardware.systems import System
+    from lm.planner.cost import Cost
+    from lm.planner.parallelism import Parallelism
+    from lm.planner.run import run_of
+    from lm.planner.search import collective_check
 
     overrides = {**overrides, "model__num_layers": 4}
     config = small_config(mesh, **overrides)
-    layout = cost.Layout(**mesh, sequence_parallel=config.sharding.sequence_parallel, remat=config.model.remat,
-                         grad_accum=config.train.grad_accum)
-    checked = collective_check(cost.Cost(cost.run_of(config), layout, cost.System.load("h100")),
+    parallelism = Parallelism(**mesh, sequence_parallel=config.sharding.sequence_parallel, remat=config.model.remat,
+                              grad_accum=config.train.grad_accum)
+    checked = collective_check(Cost(run_of(config), parallelism, System.load("h100")),
                                hlo.summary(compiled(h100s, mesh, **overrides))["collective_bytes"])
-    assert set(checked) == ({"fsdp_gather", "fsdp_scatter", "tensor"} if layout.tensor > 1 else {"fsdp_gather", "fsdp_scatter"})
+    assert set(checked) == ({"fsdp_gather", "fsdp_scatter", "tensor"} if parallelism.tensor > 1 else {"fsdp_gather", "fsdp_scatter"})
     for kind, tolerance in (("fsdp_gather", 0.02), ("fsdp_scatter", 0.06), ("tensor", 0.1)):
         model, moved = checked.get(kind, (0, 0))
         assert model == pytest.approx(moved, rel=tolerance), kind
@@ -336,7 +340,7 @@ def test_layout_target_reports_the_compiled_memory(h100s, capsys):
         int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize for s in jax.tree.leaves(program.abstract_sharded_state().params)
     )
     assert summary["target"] == "h100" and summary["fits"] and summary["device_memory_bytes"] == 85017493504
-    assert (ROOT / "configs" / "targets" / "h200.txtpb").exists()
+    assert data_file("h200.txtpb").exists()
     # FSDP over all 8: the weights gathered and the gradients reduce-scattered, per step.
     moved = summary["hlo"]["collective_bytes"]
     assert moved["all-gather over 8"] > 0 and moved["reduce-scatter over 8"] > 0

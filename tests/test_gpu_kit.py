@@ -9,7 +9,7 @@ import sys
 from conftest import ROOT, run_module
 
 import lm
-from lm import plan
+from lm.planner import search as plan
 
 
 def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):

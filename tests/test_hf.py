@@ -19,8 +19,10 @@ from safetensors.numpy import load_file  # noqa: E402
 
 from lm import config as lm_config  # noqa: E402
 from lm import convert  # noqa: E402
-from lm.generate import generate_ids, load  # noqa: E402
-from lm.program import setup  # noqa: E402
+from lm.hf import checkpoint as hf_checkpoint  # noqa: E402
+from lm.model.sampling import generate_ids  # noqa: E402
+from lm.program.restore import load  # noqa: E402
+from lm.program.steps import setup  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
@@ -134,8 +136,8 @@ def _state_dict(directory):
 def test_hf_meshlm_hf_round_trip_is_bit_identical(tmp_path, case, dtype):
     family, kw = CASES[case]
     make_hf_model(tmp_path / "hf", family, std=STD, dtype=dtype, **kw)
-    convert.import_hf(tmp_path / "hf", tmp_path / "run", lm_config.default_config(), {}, jax.devices()[:1])
-    convert.export_hf(tmp_path / "run", tmp_path / "out", dtype=dtype, max_shard_size="30KB")
+    hf_checkpoint.import_hf(tmp_path / "hf", tmp_path / "run", lm_config.default_config(), {}, jax.devices()[:1])
+    hf_checkpoint.export_hf(tmp_path / "run", tmp_path / "out", dtype=dtype, max_shard_size="30KB")
     before, after = _state_dict(tmp_path / "hf"), _state_dict(tmp_path / "out")
     assert sorted(before) == sorted(after)
     for name in before:
@@ -151,13 +153,13 @@ def test_hf_meshlm_hf_round_trip_is_bit_identical(tmp_path, case, dtype):
 
 
 def test_meshlm_hf_meshlm_round_trip_is_bit_identical(tmp_path, small_corpus):
-    from lm.checkpoint import Checkpointer
-    from lm.train import train
+    from lm.program.checkpoint import Checkpointer
+    from lm.training.loop import train
 
     train(fast_config(small_corpus, train__steps=3), tmp_path / "run", jax.devices()[:1])
-    convert.export_hf(tmp_path / "run", tmp_path / "hf")
+    hf_checkpoint.export_hf(tmp_path / "run", tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
-    convert.import_hf(tmp_path / "hf", tmp_path / "back", lm_config.default_config(), {}, jax.devices()[:1])
+    hf_checkpoint.import_hf(tmp_path / "hf", tmp_path / "back", lm_config.default_config(), {}, jax.devices()[:1])
     trained = Checkpointer(tmp_path / "run" / "checkpoints").restore_part({"params": _abstract(tmp_path / "run")})["params"]
     back = Checkpointer(tmp_path / "back" / "checkpoints").restore_part({"params": _abstract(tmp_path / "back")})["params"]
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), trained, back)
@@ -169,7 +171,7 @@ def test_meshlm_hf_meshlm_round_trip_is_bit_identical(tmp_path, small_corpus):
 
 
 def _abstract(workdir):
-    from lm.generate import restore
+    from lm.program.restore import restore
 
     _, _, layout, restored = restore(workdir)
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), restored["params"])
@@ -178,7 +180,7 @@ def _abstract(workdir):
 @pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2"])
 def test_greedy_generation_matches_transformers(hf_dirs, tmp_path, case):
     path, model = hf_dirs[case]
-    convert.import_hf(path, tmp_path / "run", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])
+    hf_checkpoint.import_hf(path, tmp_path / "run", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])
     _, _, ours = load(tmp_path / "run")
     prompt = [5, 17, 42, 7]
     mine = generate_ids(ours, prompt, max_new_tokens=32, temperature=0.0)
@@ -190,11 +192,11 @@ def test_greedy_generation_matches_transformers(hf_dirs, tmp_path, case):
 
 def test_one_train_step_after_import_matches_transformers_loss(hf_dirs):
     path, model = hf_dirs["llama-gqa2-tied"]
-    hf_dir, hf_config = convert.read_hf_config(path)
+    hf_dir, hf_config = hf_checkpoint.read_hf_config(path)
     overrides = {"mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 2, "train.batch_size": 4, "train.seq_len": 16, "model.attention": "einsum"}
-    config = convert.config_from_hf(lm_config.default_config(), hf_dir, hf_config, overrides)
+    config = hf_checkpoint.config_from_hf(lm_config.default_config(), hf_dir, hf_config, overrides)
     program = setup(config, 0, jax.devices()[:4])
-    params = convert.load_params(convert.Reader(hf_dir), program.layout)
+    params = hf_checkpoint.load_params(hf_checkpoint.Reader(hf_dir), program.abstract_model)
     state = program.init_from(0, params)
     tokens = np.random.default_rng(2).integers(0, VOCAB, (4, 17)).astype(np.int32)
     state, metrics = program.train_step(state, program.global_batch(tokens))
@@ -228,12 +230,12 @@ def test_cli_import_train_generate_export(tmp_path, hf_dirs, small_corpus):
 def test_finetune_from_hf_equals_training_the_imported_run(tmp_path, hf_dirs, small_corpus):
     from conftest import losses
 
-    from lm.train import train
+    from lm.training.loop import train
 
     path, _ = hf_dirs["llama-gqa2-tied"]
     kw = dict(train__steps=4, train__seq_len=32, train__batch_size=4, train__log_every=1, model__attention="einsum")
     train(fast_config(small_corpus, init__from_hf=str(path), **kw), tmp_path / "direct", jax.devices()[:1])
-    convert.import_hf(path, tmp_path / "imported", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])
+    hf_checkpoint.import_hf(path, tmp_path / "imported", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])
     train(fast_config(small_corpus, init__from_hf=str(tmp_path / "imported"), **kw), tmp_path / "via_run", jax.devices()[:1])
     a, b = losses(tmp_path / "direct"), losses(tmp_path / "via_run")
     assert a == b and a[4] < a[1]
@@ -314,13 +316,15 @@ import json, sys
 flags = dict(a[2:].split("=", 1) for a in sys.argv[3:])
 import lm, sharding.distributed
 sharding.distributed.initialize(flags["coordinator"], int(flags["num_processes"]), int(flags["process_id"]))
-from lm import config, convert
-from lm.safetensors_dir import Reader
+from lm import config
+
+from lm.hf import checkpoint as hf_checkpoint
+from lm.hf.safetensors_dir import Reader
 reads, read = [], Reader.read
 Reader.read = lambda self, name: reads.append(name) or read(self, name)
-convert.import_hf(sys.argv[1], sys.argv[2], config.default_config(), {"mesh.data": 1, "mesh.stage": 2, "mesh.fsdp": 4})
+hf_checkpoint.import_hf(sys.argv[1], sys.argv[2], config.default_config(), {"mesh.data": 1, "mesh.stage": 2, "mesh.fsdp": 4})
 print("READ " + json.dumps(sorted(set(reads))))
-convert.export_hf(sys.argv[2], sys.argv[2] + "-exported", max_shard_size="40KB")
+hf_checkpoint.export_hf(sys.argv[2], sys.argv[2] + "-exported", max_shard_size="40KB")
 """
 
 
@@ -336,8 +340,8 @@ def test_multi_process_import_and_export(tmp_path, hf_dirs):
     layer_reads = [{name.split(".")[2] for name in reads[p] if name.startswith("model.layers.")} for p in (0, 1)]
     assert layer_reads == [{"0"}, {"1"}]  # each stage's process read its own layer only
     # The same weights as a one-process import.
-    convert.import_hf(path, tmp_path / "one", lm_config.default_config(), {}, jax.devices()[:1])
-    from lm.generate import restore
+    hf_checkpoint.import_hf(path, tmp_path / "one", lm_config.default_config(), {}, jax.devices()[:1])
+    from lm.program.restore import restore
 
     a, b = restore(tmp_path / "run")[3]["params"], restore(tmp_path / "one")[3]["params"]
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
@@ -348,8 +352,8 @@ def test_multi_process_import_and_export(tmp_path, hf_dirs):
 
 
 def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_version(monkeypatch):
-    from lm import hf
-    from lm.model import ModelConfig
+    from lm.hf import format as hf
+    from lm.model.config import ModelConfig
 
     base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": VOCAB}
     v4 = {**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **{k: v for k, v in LLAMA3.items() if k != "rope_type"}}}
@@ -380,8 +384,8 @@ def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_vers
     ],
 )
 def test_configs_meshlm_cannot_represent_are_refused(change, fragment):
-    from lm import hf
     from lm.config import UserError
+    from lm.hf import format as hf
 
     base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": VOCAB}
     with pytest.raises(UserError, match="cannot be represented exactly") as error:

@@ -13,7 +13,7 @@ from lm import launch as lm_launch
 from lm import layout as lm_layout
 from lm import numerics as lm_numerics
 from lm import train as lm_train
-from lm.train import train
+from lm.training.loop import train
 
 GARBAGE = bytes(range(256)) * 4  # not UTF-8, a NUL byte early: no text, no JSON, no Python
 FAST_ARGS = [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]

@@ -11,8 +11,9 @@ import pytest
 from conftest import ROOT
 from flax import nnx
 
-from lm.metrics import flops_per_token
-from lm.model import ModelConfig, Transformer
+from lm.model.config import ModelConfig
+from lm.model.flops import flops_per_token
+from lm.model.transformer import Transformer
 
 
 def dot_flops(jaxpr, length: int) -> tuple[int, int]:
@@ -55,7 +56,7 @@ def test_tensorboard_metrics_are_written_without_importing_pytorch(tmp_path):
     """tensorboardX imports torch where it is installed (1.2 s and 180 MB per run); meshlm's runs
     do not, and torch still imports afterwards."""
     pytest.importorskip("torch")  # installed with meshlm[test], for the Hugging Face checks
-    code = ("import sys; from pathlib import Path; from lm.metrics import MetricsWriter\n"
+    code = ("import sys; from pathlib import Path; from lm.training.metrics import MetricsWriter\n"
             "w = MetricsWriter(Path(sys.argv[1])); w.write({'step': 1, 'loss': 2.5}); w.close()\n"
             "print('torch' in sys.modules); import torch; print(torch.ones(2).sum().item())")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lm.model import ModelConfig, Transformer
+from lm.model.config import ModelConfig
+from lm.model.transformer import Transformer
 
 LLAMA = dict(num_kv_heads=2)
 GPT2 = dict(norm="layernorm", position="learned", mlp="gelu", use_bias=True, tie_embeddings=True)
@@ -114,7 +115,7 @@ def test_the_embedding_lookup_gathers_the_cast_table_and_sums_its_gradient_in_fl
     """The table is cast to the compute dtype before the lookup (its gather moves 16-bit bytes);
     its gradient stays float32: two rows' cotangents 1 and 2^-10 on one id sum to 1 + 2^-10,
     which bfloat16 (8 significant bits) would round to 1."""
-    from lm.layers import lookup
+    from lm.model.layers import lookup
 
     table = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 7
     ids = jnp.array([[1, 1, 3]])

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from conftest import fast_config, recipe, train_run
 
-from lm.checkpoint import Checkpointer
 from lm.config import UserError, validate
-from lm.fp8 import Fp8Recipe, MatmulSite, tensor_stats, update_fp8
-from lm.numerics import advice, report
-from lm.precision import Policy
-from lm.program import Faults, setup
-from lm.spec import RunSpec
-from lm.train import _nonfinite_verdict, train
+from lm.model.fp8 import Fp8Recipe, MatmulSite, tensor_stats, update_fp8
+from lm.model.precision import Policy
+from lm.program.checkpoint import Checkpointer
+from lm.program.spec import RunSpec
+from lm.program.steps import Faults, setup
+from lm.training.loop import _nonfinite_verdict, train
+from lm.training.ranges import advice, report
 
 FORMATS = {
     "bfloat16": dict(precision__compute_dtype="bfloat16"),
@@ -107,7 +107,7 @@ def test_fp8_sites_name_fp8_gemms_only_for_gpus_that_have_them(monkeypatch, capa
     from types import SimpleNamespace
 
     import sharding
-    from lm import matmul
+    from lm.model import matmul
 
     monkeypatch.setattr(sharding, "platform", lambda: "gpu")
     monkeypatch.setattr(sharding, "device", lambda: SimpleNamespace(platform="gpu", compute_capability=capability))

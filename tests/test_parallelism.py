@@ -9,10 +9,10 @@ import pytest
 from conftest import VOCAB, compiled_train_step, fast_config, run_steps, small_config
 
 import sharding
-from lm.checkpoint import Checkpointer
-from lm.hlo import collective_shapes, collective_traffic
-from lm.program import setup
-from lm.train import train
+from lm.compiler.hlo import collective_shapes, collective_traffic
+from lm.program.checkpoint import Checkpointer
+from lm.program.steps import setup
+from lm.training.loop import train
 from sharding import report
 
 

@@ -9,13 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import VOCAB, compiled_train_step, fast_config, small_config, step_and_gradients
+from conftest import (
+    VOCAB,
+    compiled_train_step,
+    fast_config,
+    small_config,
+    step_and_gradients,
+)
 
-from lm import hlo
-from lm.checkpoint import Checkpointer
-from lm.fp8 import ROLES
-from lm.program import setup
-from lm.train import train
+from lm.compiler import hlo
+from lm.model.fp8 import ROLES
+from lm.program.checkpoint import Checkpointer
+from lm.program.steps import setup
+from lm.training.loop import train
 from sharding import ShardingError
 from sharding.pipeline_1f1b import Pullbacks, stash_slots
 from sharding.schedules import (
@@ -403,7 +409,7 @@ def test_1f1b_runs_its_backward_at_the_float16_loss_scale():
     """The loss scale seeds the pipeline's own backward: an overflowing scale (step 2's, injected)
     makes float16 cotangents infinite there and the step is skipped, as on one device; scaling
     float32 gradients after the fact would have hidden it."""
-    from lm.program import Faults
+    from lm.program.steps import Faults
 
     def run(mesh, devices=None, **kw):
         c = small_config(mesh, **DEEP, precision__compute_dtype="float16", precision__loss_scale_initial=1024.0,

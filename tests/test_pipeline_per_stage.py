@@ -4,7 +4,6 @@ S microbatches kept per stage, each stage running its own half of a slot; equal 
 import dataclasses
 import re
 
-import jax
 import pytest
 from conftest import VOCAB, small_config
 from test_pipeline import (
@@ -19,7 +18,7 @@ from test_pipeline import (
     trains_like_one_device,
 )
 
-from lm.program import setup
+from lm.program.steps import setup
 from sharding import ShardingError
 from sharding.pipeline_per_stage import BACKWARD, FORWARD, slot_arrays
 from sharding.schedules import (

@@ -10,13 +10,19 @@ import jax
 import pytest
 from conftest import assert_one_line_error, recipe, run_cli
 
-from lm import GPU_MEMORY_FRACTION, calibrate, cost, targets
+from lm import GPU_MEMORY_FRACTION
 from lm import plan as lm_plan
+from lm.compiler import targets
 from lm.config import apply_overrides
-from lm.cost import Cost, Layout, System
-from lm.data import nominal_vocab_size
-from lm.layout import layout as compile_layout
-from lm.program import setup
+from lm.data.corpus import nominal_vocab_size
+from lm.hardware.systems import System
+from lm.planner import calibration as calibrate
+from lm.planner import search
+from lm.planner.compiled import step_report
+from lm.planner.cost import Cost, calibration
+from lm.planner.parallelism import Parallelism
+from lm.planner.run import run_of
+from lm.program.steps import setup
 
 # A small model whose state and activations are both a real share of its memory.
 SMALL = dict(model__num_layers=4, model__embed_dim=512, model__num_heads=8, model__num_kv_heads=4, model__mlp_dim=1024,
@@ -33,15 +39,15 @@ H100 = System.load("h100")
 @pytest.fixture(scope="module")
 def small():
     config = recipe("tiny", **SMALL)
-    return config, cost.run_of(config)
+    return config, run_of(config)
 
 
 def test_state_bytes_are_the_sharding_rules_exactly(small):
     config, run = small
-    for layout in (Layout(fsdp=8), Layout(fsdp=4, tensor=2), Layout(data=2, stage=2, tensor=2, microbatches=4, schedule="1f1b"),
-                   Layout(context=2, fsdp=2, tensor=2), Layout(data=4, tensor=2, optimizer_over_data=True),
-                   Layout(data=2, stage=2, fsdp=2, microbatches=4, schedule="gpipe", optimizer_over_data=True)):
-        _, summary = compile_layout(apply_overrides(config, layout.overrides()), jax.devices()[:8], compile_step=False)
+    for layout in (Parallelism(fsdp=8), Parallelism(fsdp=4, tensor=2), Parallelism(data=2, stage=2, tensor=2, microbatches=4, schedule="1f1b"),
+                   Parallelism(context=2, fsdp=2, tensor=2), Parallelism(data=4, tensor=2, optimizer_over_data=True),
+                   Parallelism(data=2, stage=2, fsdp=2, microbatches=4, schedule="gpipe", optimizer_over_data=True)):
+        _, summary = step_report(apply_overrides(config, layout.overrides()), jax.devices()[:8], compile_step=False)
         state = Cost(run, layout, H100).state_bytes
         assert state["params"] == summary["per_device"]["params_bytes"], layout
         assert state["opt_state"] == summary["per_device"]["opt_state_bytes"], layout
@@ -53,14 +59,14 @@ def test_the_update_and_accumulation_traffic_is_counted_so_fewer_passes_rank_fir
     HBM each step, and each extra pass adds a read and write of the float32 accumulator: on one
     H100 a batch-8 llama_1b step was slower per token than larger ones where the matmul model
     saw no difference. Among layouts of equal FLOPs the planner now ranks the fewest passes first."""
-    run = cost.run_of(recipe("llama_1b"))
-    one, four, eight = (Cost(run, Layout(remat="dots", grad_accum=n), H100) for n in (1, 4, 8))
+    run = run_of(recipe("llama_1b"))
+    one, four, eight = (Cost(run, Parallelism(remat="dots", grad_accum=n), H100) for n in (1, 4, 8))
     state = one.state_bytes
     assert one.step_time["update"] == pytest.approx((3 * state["grads"] + 2 * state["opt_state"]) / H100.hbm_bytes_per_s)
     assert eight.step_time["update"] - four.step_time["update"] == pytest.approx(2 * state["grads"] * 4 / H100.hbm_bytes_per_s)
     assert one.step_time["compute"] == pytest.approx(eight.step_time["compute"])
-    ranked = lm_plan.plan(run, 1, H100, targets.memory_bytes("h100"), remats=("dots",)).ranked
-    assert [c.layout.grad_accum for c in ranked] == sorted(c.layout.grad_accum for c in ranked)
+    ranked = search.plan(run, 1, H100, targets.memory_bytes("h100"), remats=("dots",)).ranked
+    assert [c.parallelism.grad_accum for c in ranked] == sorted(c.parallelism.grad_accum for c in ranked)
 
 
 def test_dots_keeps_flash_attention_and_dots_no_batch_runs_it_again(small):
@@ -69,8 +75,8 @@ def test_dots_keeps_flash_attention_and_dots_no_batch_runs_it_again(small):
     backward, as `sharding.remat` does (tests/test_gpu_compile.py counts the calls)."""
     _, run = small
     m = run.model
-    dots, no_batch = (Cost(run, Layout(fsdp=8, remat=r), H100) for r in ("dots", "dots_no_batch"))
-    kept = lambda c: c._kept_bytes()[c.layout.remat]  # noqa: E731
+    dots, no_batch = (Cost(run, Parallelism(fsdp=8, remat=r), H100) for r in ("dots", "dots_no_batch"))
+    kept = lambda c: c._kept_bytes()[c.parallelism.remat]  # noqa: E731
     assert kept(dots) - kept(no_batch) == m.num_heads * m.head_dim * run.compute_bytes + m.num_heads * 4
     _, attention_forward = dots._forward_flops()
     tokens = run.batch * run.seq_len / 8
@@ -82,22 +88,22 @@ def test_collectives_across_hosts_use_a_nic_per_gpu_of_the_group_on_each_host():
     """A ring over 16 hosts whose group has all 8 GPUs of each host runs a channel through each
     of their 8 NICs (NCCL's rails): 8 x 50 GB/s. One GPU per host has its own NIC alone; inside
     a host, NVLink."""
-    run, gib = cost.run_of(recipe("llama_70b")), 2**30
+    run, gib = run_of(recipe("llama_70b")), 2**30
 
     def seconds(layout, axes, n):  # a ring whose whole result is n GiB, its hops' latency left out
         ring = Cost(run, layout, H100)._ring
         return ring(axes, 2 * n * gib) - ring(axes, n * gib)
 
-    assert seconds(Layout(fsdp=128), ("fsdp",), 128) == pytest.approx(127 * gib / (8 * H100.network_bytes_per_s))
-    assert seconds(Layout(data=16, fsdp=8), ("data",), 16) == pytest.approx(15 * gib / H100.network_bytes_per_s)
-    assert seconds(Layout(data=16, fsdp=8), ("fsdp",), 8) == pytest.approx(7 * gib / H100.nvlink_bytes_per_s)
+    assert seconds(Parallelism(fsdp=128), ("fsdp",), 128) == pytest.approx(127 * gib / (8 * H100.network_bytes_per_s))
+    assert seconds(Parallelism(data=16, fsdp=8), ("data",), 16) == pytest.approx(15 * gib / H100.network_bytes_per_s)
+    assert seconds(Parallelism(data=16, fsdp=8), ("fsdp",), 8) == pytest.approx(7 * gib / H100.nvlink_bytes_per_s)
 
 
 def test_every_listed_layout_divides_the_model_and_the_batch(small):
     config, run = small
-    result = lm_plan.plan(run, 8, H100, 2**40)
+    result = search.plan(run, 8, H100, 2**40)
     assert result.dropped["indivisible"] > 0  # e.g. tensor=8 over 4 KV heads
-    listed = [c.layout for c in result.ranked]
+    listed = [c.parallelism for c in result.ranked]
     assert not [lay for lay in listed if lay.tensor == 8]
     meshes = {(tuple(lay.mesh.values()), lay.sequence_parallel): lay for lay in listed}
     sample = random.Random(0).sample(sorted(meshes.values(), key=str), 10)
@@ -119,22 +125,22 @@ def test_memory_predictions_match_the_compiler_and_rejections_do_not_fit(small):
         platform, devices = "cpu", jax.devices()[:4]
     system = dataclasses.replace(H100, gpus_per_host=4)
     remats = ("full", "dots_no_batch")
-    every = lm_plan.plan(run, 4, system, 2**40, remats=remats).ranked
-    totals = sorted(Cost(run, c.layout, system, platform).memory["total"] for c in every)
+    every = search.plan(run, 4, system, 2**40, remats=remats).ranked
+    totals = sorted(Cost(run, c.parallelism, system, platform).memory["total"] for c in every)
     limit = totals[3]  # four layouts (or a few more, on ties) fit
-    admitted = [c for c in every if Cost(run, c.layout, system, platform).memory["total"] <= limit]
-    rejected = [c for c in every if Cost(run, c.layout, system, platform).memory["total"] > 1.25 * limit]
-    rejected = sorted(rejected, key=lambda c: Cost(run, c.layout, system, platform).memory["total"])[:2]
+    admitted = [c for c in every if Cost(run, c.parallelism, system, platform).memory["total"] <= limit]
+    rejected = [c for c in every if Cost(run, c.parallelism, system, platform).memory["total"] > 1.25 * limit]
+    rejected = sorted(rejected, key=lambda c: Cost(run, c.parallelism, system, platform).memory["total"])[:2]
     assert 4 <= len(admitted) <= 8 and len(rejected) == 2
     temporaries_tolerance, total_tolerance = TOLERANCES[platform]
     for c in admitted:
-        (checked,) = lm_plan.verify(config, [c], devices, platform)
+        (checked,) = search.verify(config, [c], devices, platform)
         predicted = checked["predicted_bytes"]
         assert predicted["params"] + predicted["opt_state"] - checked["compiled_state_bytes"] < 64, checked  # step, fp8: scalars
         assert abs(predicted["temporaries"] / checked["compiled_temp_bytes"] - 1) < temporaries_tolerance, checked
         assert abs(checked["memory_error"]) < total_tolerance, checked
     for c in rejected:
-        (checked,) = lm_plan.verify(config, [c], devices, platform)
+        (checked,) = search.verify(config, [c], devices, platform)
         assert checked["compiled_peak_bytes"] > limit, checked
 
 
@@ -150,7 +156,7 @@ def test_published_runs_are_predicted_within_20_percent():
         result = calibrate.compare(rows[name])
         assert abs(result["error"]) < 0.2, result
     # The one constant is what the fit gives back (the file is not hand-edited).
-    assert calibrate.fit_efficiency(cost.calibration()) == pytest.approx(cost.calibration()["matmul_efficiency"], rel=1e-3)
+    assert calibrate.fit_efficiency(calibration()) == pytest.approx(calibration()["matmul_efficiency"], rel=1e-3)
 
 
 @pytest.mark.parametrize("stages, pipeline_remat, remat, stretch", [
@@ -165,7 +171,7 @@ def test_per_stage_1f1b_slots_last_their_longest_work_and_keep_less(small, stage
     `full` adds makes it 4.5 forwards against 4). It keeps S sets where lockstep keeps 2S - 1."""
     _, run = small
     microbatches = 2 * stages  # the per-replica batch: 16 sequences over 8 // stages FSDP devices
-    lockstep, per_stage = (Cost(run, Layout(stage=stages, fsdp=8 // stages, remat=remat, microbatches=microbatches, schedule=schedule,
+    lockstep, per_stage = (Cost(run, Parallelism(stage=stages, fsdp=8 // stages, remat=remat, microbatches=microbatches, schedule=schedule,
                                             pipeline_remat=pipeline_remat), H100) for schedule in ("1f1b", "1f1b_per_stage"))
     assert per_stage.microbatch == 1 and per_stage.bubble_fraction() == lockstep.bubble_fraction()
     assert per_stage.bubble_fraction() == pytest.approx((stages - 1) / (microbatches + stages - 1))
@@ -173,7 +179,7 @@ def test_per_stage_1f1b_slots_last_their_longest_work_and_keep_less(small, stage
     assert busy(per_stage) == pytest.approx(stretch * busy(lockstep))
     assert per_stage.memory["temporaries"] < lockstep.memory["temporaries"]
     balanced = stages == 2 and pipeline_remat == "none"  # two layers per stage halve; residuals kept
-    assert per_stage.layout.name(run.model.num_layers).endswith(f"{'balanced ' * balanced}1f1b_per_stage M={microbatches}"
+    assert per_stage.parallelism.name(run.model.num_layers).endswith(f"{'balanced ' * balanced}1f1b_per_stage M={microbatches}"
                                                                  + ", pipeline remat=none" * (pipeline_remat == "none"))
 
 
@@ -186,7 +192,7 @@ def test_with_maxtext_remat_the_planner_picks_maxtexts_layout(capsys):
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["gpus"] == 128 and summary["hosts"] == 16 and len(summary["top"]) == 5
-    assert summary["top"][0]["layout"] == Layout(fsdp=128, remat="qkv_proj").name()
+    assert summary["top"][0]["layout"] == Parallelism(fsdp=128, remat="qkv_proj").name()
     # The lm.train command for the first: the recipe, the user's overrides, the layout's keys the recipe differs in.
     command = summary["train_command"]
     assert f"to train with the first: {command}" in result.stdout
@@ -206,8 +212,8 @@ def test_with_maxtext_remat_the_planner_picks_maxtexts_layout(capsys):
 def test_an_impossible_request_names_the_smallest_gpu_count_that_fits(capsys):
     result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=4", "--target=h100")
     assert_one_line_error(result, "no layout of this config fits 4 h100 GPUs", "the smallest GPU count that fits is 32")
-    run, memory = cost.run_of(recipe("llama_70b")), targets.memory_bytes("h100")
-    assert not lm_plan.plan(run, 16, H100, memory).ranked and lm_plan.plan(run, 32, H100, memory).ranked
+    run, memory = run_of(recipe("llama_70b")), targets.memory_bytes("h100")
+    assert not search.plan(run, 16, H100, memory).ranked and search.plan(run, 32, H100, memory).ranked
 
 
 def test_a_gpu_count_nothing_divides_says_so_and_names_a_power_of_two_that_fits(capsys):
@@ -244,14 +250,14 @@ def test_verify_drops_what_compiles_over_the_pool_and_compiles_the_next(capsys, 
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     checked = summary["verify"]
-    ranked = lm_plan.plan(cost.run_of(recipe("tiny")), 2, H100, int(0.02197 * 2**30), remats=("none", "full")).ranked
-    assert [v["layout"] for v in checked] == [c.layout.name(2) for c in ranked[: len(checked)]]  # in rank order
+    ranked = search.plan(run_of(recipe("tiny")), 2, H100, int(0.02197 * 2**30), remats=("none", "full")).ranked
+    assert [v["layout"] for v in checked] == [c.parallelism.name(2) for c in ranked[: len(checked)]]  # in rank order
     assert all(v["fits"] == (v["compiled_peak_bytes"] <= GPU_MEMORY_FRACTION * 0.02197 * 2**30) for v in checked)
     over = [v["layout"] for v in checked if not v["fits"]]
     assert over and summary["dropped"]["over the pool when compiled"] == len(over) and "OVER JAX's 0.02 GiB pool: dropped" in result.stdout
     assert [t["layout"] for t in summary["top"]] == [v["layout"] for v in checked if v["fits"]] and len(summary["top"]) == 2
     assert summary["fitting"] == len(ranked) - len(over)
     # Nothing within MAX_VERIFIED x --top compiles fits: a one-line answer.
-    monkeypatch.setattr(lm_plan, "MAX_VERIFIED", 1)
+    monkeypatch.setattr(search, "MAX_VERIFIED", 1)
     assert_one_line_error(run_cli(capsys, lm_plan.main, *args, "--remat=full", "--memory_gib=0.01416", "--top=1", "--verify"),
                           "none of the 1 fastest layouts that the memory model fits", "lower --memory_fraction (now 1.0)")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lm import profile
+from lm.compiler import profile
 
 # An optimized GPU module in miniature, in the forms the H100's compiler printed (2026-11-26).
 HLO = """HloModule jit__train_step

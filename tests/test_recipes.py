@@ -6,8 +6,9 @@ import pytest
 from conftest import recipe
 from flax import nnx
 
-from lm.data import nominal_vocab_size
-from lm.model import ModelConfig, Transformer
+from lm.data.corpus import nominal_vocab_size
+from lm.model.config import ModelConfig
+from lm.model.transformer import Transformer
 
 
 def abstract_params(name: str) -> int:

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import FAST, ROOT, fast_config, losses, metrics_rows, run_module
 
-from lm.checkpoint import Checkpointer
-from lm.program import Faults, setup
-from lm.train import TrainingHalted, train
+from lm.program.checkpoint import Checkpointer
+from lm.program.steps import Faults, setup
+from lm.training.loop import TrainingHalted, train
 
 MESH = dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2)
 CLI_FAST = [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]

@@ -64,7 +64,8 @@ def test_rule_naming_a_missing_mesh_axis_and_reused_axis():
 
 
 def test_model_state_shardings_follow_rules():
-    from lm.model import ModelConfig, Transformer
+    from lm.model.config import ModelConfig
+    from lm.model.transformer import Transformer
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     abstract = nnx.eval_shape(lambda: Transformer(ModelConfig(vocab_size=256, max_len=16), rngs=nnx.Rngs(0)))
@@ -158,7 +159,7 @@ def test_rule_overrides_replace_defaults_and_sequence_parallelism_splits_norm_le
 def _setup(**overrides):
     from conftest import recipe
 
-    from lm.program import setup
+    from lm.program.steps import setup
 
     c = recipe("tiny", model__num_layers=2, model__embed_dim=64, model__mlp_dim=128, **overrides)
     return setup(c, 256)
@@ -177,7 +178,8 @@ def test_config_rules_are_validated_naming_parameter_shape_logical_and_mesh_axes
 
 
 def test_a_logical_name_without_a_rule_names_the_parameter():
-    from lm.model import ModelConfig, Transformer
+    from lm.model.config import ModelConfig
+    from lm.model.transformer import Transformer
 
     state = nnx.state(nnx.eval_shape(lambda: Transformer(ModelConfig(vocab_size=256, max_len=16), rngs=nnx.Rngs(0))))
     rules = [r for r in DEFAULT_RULES if r[0] != "mlp"]

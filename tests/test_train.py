@@ -5,8 +5,8 @@ import pytest
 from conftest import FAST, fast_config, losses, metrics_rows, recipe, run_module
 
 from lm.config import UserError
-from lm.program import setup
-from lm.train import train
+from lm.program.steps import setup
+from lm.training.loop import train
 
 
 def test_loss_falls_and_everything_is_written(tmp_path, small_corpus):
@@ -109,9 +109,9 @@ def test_document_masking_trains_sharded_like_one_device(tmp_path, docs_corpus):
 def test_training_from_a_prepared_store_uses_its_tokenizer(tmp_path, docs_corpus, capsys):
     from conftest import run_cli
 
-    from lm import prepare
     from lm.config import load_run
-    from lm.generate import generate, load
+    from lm.data import tokenize as prepare
+    from lm.model.sampling import generate, load
 
     result = run_cli(capsys, prepare.main, f"--out={tmp_path / 'store'}", f"--config.data.path={docs_corpus}",
                      "--config.data.tokenizer=bpe", "--config.data.vocab_size=300", "--workers=2")

@@ -1,0 +1,140 @@
+"""GPU compile targets as data, and compiling for them on a machine without the GPU.
+
+A target is a `GpuTargetConfigProto` in `configs/targets/` (see its README), selected by name.
+The XLA GPU compiler comes as JAX's CUDA plugin (with cuDNN, for its fused attention);
+`make gpu-compiler` (run by `make test`) installs it into `.venv/gpu-compiler`, apart from the
+environment's packages, so CPU runs never load it. A process that compiles for a GPU target
+needs MESHLM_GPU_COMPILER=1 before it imports meshlm (`lm/__init__.py` then puts the plugin on
+the path before JAX is imported; JAX imported first finds no cuDNN, and `devices` warns that
+attention would then not compile as on a GPU); `with_compiler` starts a command again that way. On a GPU
+host with `pip install -e '.[gpu]'` the plugin is importable already.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+from lm import GPU_COMPILER_DIR, GPU_MEMORY_FRACTION
+from lm.compiler import kernel_cache
+from lm.config import UserError
+from lm.model.attention import cudnn_available
+
+TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
+TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+
+
+def compiler_available() -> bool:
+    """Whether JAX's CUDA plugin (the XLA GPU compiler) is importable in this process."""
+    return any(importlib.util.find_spec(name) is not None for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+def with_compiler(module: str, argv: list[str]) -> None:
+    """Starts `python -m module argv` again with the GPU compiler on the path, unless it is there."""
+    if compiler_available() or os.environ.get("MESHLM_GPU_COMPILER") == "1":
+        return
+    if not os.path.isdir(GPU_COMPILER_DIR):
+        raise UserError("the XLA GPU compiler plugin is not installed; run `make gpu-compiler` (or install meshlm[gpu] on a GPU host)")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], {**os.environ, "MESHLM_GPU_COMPILER": "1"})
+
+
+def command_devices(module: str, argv: list[str], name: str, count: int, hosts: int = 1) -> list:
+    """For a command (`python -m module argv`) compiling for target `name`: started again with
+    the compiler if need be, this host's backend kept to the CPU, then `devices(...)`. Call it
+    before anything asks JAX for devices."""
+    import jax
+
+    check_counts(count, hosts)  # before starting again with the compiler, or finding it missing
+    with_compiler(module, argv)
+    jax.config.update("jax_platforms", "cpu")
+    return devices(name, count, hosts)
+
+
+def target_config(name: str) -> str:
+    if name not in TARGETS:
+        raise UserError(f"--target={name!r} is not a known GPU target; choose one of {', '.join(TARGETS)}")
+    return (TARGETS_DIR / TARGETS[name]).read_text()
+
+
+def memory_bytes(name: str) -> int:
+    """The device memory a target describes."""
+    return int(re.search(r"device_memory_size:\s*(\d+)", target_config(name)).group(1))
+
+
+def check_counts(count: int, hosts: int) -> None:
+    """The UserError for compile-only device and host counts that cannot be laid out."""
+    if count < 1 or hosts < 1:
+        raise UserError(f"--devices={count} --hosts={hosts}: both must be at least 1")
+    if count % hosts:
+        raise UserError(f"--devices={count} does not split evenly over --hosts={hosts}")
+
+
+_COMPILE_ONLY_TARGET: dict = {}  # device made by `devices` -> its target's name (`compiler_options`)
+
+
+def devices(name: str, count: int, hosts: int = 1) -> list:
+    """`count` compile-only devices of target `name` over `hosts` hosts (`count // hosts` each)."""
+    check_counts(count, hosts)
+    text = target_config(name)
+    if not compiler_available():
+        raise UserError(
+            "the XLA GPU compiler plugin is not on the path: run `make gpu-compiler`, then set "
+            "MESHLM_GPU_COMPILER=1 before importing meshlm (the lm.* commands do this themselves)"
+        )
+    import jax
+    from jax.experimental import topologies
+
+    if not cudnn_available():  # `model.attention=auto` would then compile XLA's attention, unlike a GPU run
+        warnings.warn(
+            "cuDNN cannot be loaded in this process, so attention compiles as XLA's own (its scores held in "
+            "memory), not as the cuDNN flash attention a GPU run uses: run `make gpu-compiler`, and set "
+            "MESHLM_GPU_COMPILER=1 before anything imports jax",
+            stacklevel=2,
+        )
+    # What is compiled for these devices cannot be read back from JAX's persistent cache (jaxlib:
+    # "PjRtCompiler must be constructed with a Client"; a warning on every re-run): not written.
+    # XLA's kernel cache stands in for it (`compiler_options`).
+    jax.config.update("jax_enable_compilation_cache", False)
+    topology = topologies.get_topology_desc(
+        platform="cuda", topology_name=name, topology=f"1x{hosts}x{count // hosts}", target_config=text
+    )
+    found = list(topology.devices)
+    _COMPILE_ONLY_TARGET.update(dict.fromkeys(found, name))
+    return found
+
+
+# Compiler options for programs compiled for NVIDIA GPUs (passed per jit, never process-wide).
+# From NVIDIA's JAX GPU performance guide and MaxText's GPU recipes: the latency-hiding scheduler
+# overlaps collectives (FSDP all-gathers, reduce-scatters) with compute; the thresholds let XLA
+# combine the many small per-parameter collectives into few large ones. XLA:GPU schedules a
+# step's temporaries into (80% of the device - its inputs and outputs) x slop factor / 100, the
+# factor 95 by default (60.4 GiB of an H100), and runs the collectives of a step above that with
+# nothing beside them; a factor of 100 x JAX's pool / 80% keeps the whole step within that pool
+# (`lm.GPU_MEMORY_FRACTION`) and lets the scheduler use it. Measured on llama_70b over 128 H100s
+# (PERFORMANCE.md): MaxText's layout (70 GiB) had 6 of its 19 all-gathers beside a GEMM, now 10
+# (72 GiB); the planner's first choice (67 GiB) 1 of its 37 collectives, now 9.
+XLA_SCHEDULING_FRACTION = 0.8  # of the device's memory: XLA:GPU's base (GetSchedulerMemoryLimit)
+GPU_COMPILER_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 67108864,
+    "xla_gpu_all_reduce_combine_threshold_bytes": 134217728,
+    "xla_gpu_memory_limit_slop_factor": int(100 * GPU_MEMORY_FRACTION / XLA_SCHEDULING_FRACTION),
+}
+
+
+def compiler_options(device) -> dict:
+    """The compiler options meshlm sets for programs compiled for `device` (one of a mesh's); for
+    a compile-only GPU, XLA's kernel cache too (`lm.kernel_cache`)."""
+    if device.platform != "gpu":
+        return {}
+    options = dict(GPU_COMPILER_OPTIONS)
+    target = _COMPILE_ONLY_TARGET.get(device)
+    if target and (path := kernel_cache.working_file(target)):
+        options["xla_gpu_kernel_cache_file"] = path
+    return options

@@ -1,0 +1,258 @@
+"""Hugging Face checkpoints in and out of meshlm runs (the library of `python -m lm.convert`).
+
+    python -m lm.convert from_hf --hf=DIR --workdir=RUN [--config=configs/finetune_llama.py] [--config.mesh.fsdp=4 ...]
+    python -m lm.convert to_hf --workdir=RUN --out=DIR [--dtype=bfloat16] [--max_shard_size=5GB]
+
+Import reads `config.json` (the architecture, `lm.hf`), `tokenizer.json` and the safetensors,
+checks every tensor's presence and shape before writing anything, and places each parameter
+straight into its sharding on the run's mesh (`jax.make_array_from_callback`): a process reads
+only the slices its own devices hold, one checkpoint tensor at a time. The run directory gets
+config.json, tokenizer.json, the checkpoint's own config (`hf_config.json`, for export) and a
+step-0 checkpoint of the weights alone, which `lm.train` starts from (fresh optimizer state) and
+`lm.generate` samples from. Export gathers one tensor at a time and writes shard by shard.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+
+import sharding
+from lm import config as lm_config
+from lm import paths
+from lm.config import UserError
+from lm.data import tokenizer as lm_tokenizer
+from lm.hf import format as hf
+from lm.hf.safetensors_dir import Reader, Writer, parse_size
+from lm.program.checkpoint import Checkpointer
+from lm.program.restore import restore
+from lm.program.spec import RunSpec
+from lm.program.steps import AbstractModel, placed
+
+HF_CONFIG = "hf_config.json"  # the imported checkpoint's config.json, kept in the run directory
+
+
+def read_hf_config(hf_dir: str | Path, flag: str = "--hf") -> tuple[Path, dict]:
+    path = Path(hf_dir).expanduser()
+    if not path.is_dir():
+        raise UserError(f"{flag}={hf_dir} is not a directory; pass a Hugging Face model directory (save_pretrained writes one)")
+    file = path / "config.json"
+    if not file.is_file():
+        raise UserError(f"{flag}={hf_dir} has no config.json; pass a Hugging Face model directory (save_pretrained writes one)")
+    try:
+        config = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{file} is not JSON ({type(e).__name__}); pass a Hugging Face model directory") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{file} is not a model config (not a JSON object)")
+    return path, config
+
+
+def config_from_hf(base: ml_collections.ConfigDict, hf_dir: Path, hf_config: dict, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """`base` with the checkpoint's architecture and tokenizer (then `overrides`), validated."""
+    tokenizer = hf_dir / "tokenizer.json"
+    keys = {**hf.model_keys(hf_config), "data.tokenizer": str(tokenizer.absolute()) if tokenizer.is_file() else "none", "init.from_hf": None}
+    return lm_config.apply_overrides(base, {**keys, **(overrides or {})})
+
+
+def with_init_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A config whose `init.from_hf` names a Hugging Face checkpoint or a meshlm run, with that
+    model's architecture and tokenizer (the recipe's `model` keys give way; how the layers run,
+    remat / scan / attention kernel, stays the recipe's)."""
+    source = Path(config.init.from_hf).expanduser()
+    run = lm_config.load_run(source) if source.is_dir() and (source / "checkpoints").is_dir() else None
+    if run is None:
+        hf_dir, hf_config = read_hf_config(source, "--config.init.from_hf")
+        keys = hf.model_keys(hf_config)
+        tokenizer = hf_dir / "tokenizer.json"
+        keys["data.tokenizer"] = str(tokenizer.absolute()) if tokenizer.is_file() else "none"
+    else:
+        keys = {f"model.{k}": v for k, v in run.model.items() if k not in ("remat", "scan_layers", "attention")}
+        kept = source / "tokenizer.json"
+        keys["data.tokenizer"] = str(kept.absolute()) if kept.is_file() else run.data.tokenizer
+    return lm_config.apply_overrides(config, keys)
+
+
+def initial_params(source: str, layout: AbstractModel) -> dict:
+    """The weights `init.from_hf` names, placed as `layout` says."""
+    path = Path(source).expanduser()
+    if (path / "checkpoints").is_dir():
+        ckpt = Checkpointer(path / "checkpoints")
+        try:
+            return ckpt.restore_part({"params": placed(layout.abstract_params, layout.param_shardings)})["params"]
+        finally:
+            ckpt.close()
+    return load_params(Reader(path), layout)
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _nested(flat: dict) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        *groups, key = path.split("/")
+        node = out
+        for g in groups:
+            node = node.setdefault(g, {})
+        node[key] = value
+    return out
+
+
+def _resolve(reader: Reader, name: str) -> str:
+    """`name`, or its form without GPT2LMHeadModel's `transformer.` prefix (GPT2Model's own)."""
+    short = name.removeprefix("transformer.")
+    return short if name not in reader and short in reader else name
+
+
+def check_tensors(reader: Reader, cfg, our_shapes: dict) -> None:
+    """Every tensor the config implies is in the checkpoint, with the implied shape."""
+    for name, want, _ in tensor_plan(cfg, our_shapes, None):
+        name = _resolve(reader, name)
+        if name not in reader:
+            raise UserError(f"{reader.directory}: tensor {name} is missing from the checkpoint; its config.json implies it")
+        if reader.shape(name) != want:
+            raise UserError(f"{reader.directory}: tensor {name} has shape {reader.shape(name)}, but config.json implies {want}")
+
+
+def load_params(reader: Reader, layout: AbstractModel) -> dict:
+    """The checkpoint's weights as meshlm parameters, each placed straight into its sharding:
+    every device's slice is read (and converted) from the checkpoint tensors it covers."""
+    cfg, dtype = layout.spec.model, layout.spec.policy.param_dtype
+    shapes = {p: a.shape for p, a in _flat(layout.abstract_params).items()}
+    check_tensors(reader, cfg, shapes)
+    owner = {path: (link, j) for link in hf.links(cfg) for j, path in enumerate(link.ours)}
+
+    @functools.lru_cache(maxsize=1)  # the devices of one parameter ask for the same tensors in turn
+    def converted(link: hf.Link, layer: int | None) -> tuple[np.ndarray, ...]:
+        return link.to_ours(reader.read(_resolve(reader, hf.tensor_name(link, layer))))
+
+    def device_slice(path: str, index: tuple) -> np.ndarray:
+        link, j = owner[path]
+        if link.stacked:
+            layers = range(shapes[path][0])[index[0]]
+            return np.stack([np.asarray(converted(link, i)[j][index[1:]], dtype) for i in layers])
+        return np.asarray(converted(link, None)[j][index], dtype)
+
+    shardings = _flat(layout.param_shardings)
+    return _nested({p: jax.make_array_from_callback(shape, shardings[p], functools.partial(device_slice, p)) for p, shape in shapes.items()})
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """One tensor whole on the host (gathered from every process when the mesh spans several)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _tensors(cfg):
+    """(link, layer) of every checkpoint tensor of `cfg`'s family, in the order they are written."""
+    return [(link, layer) for link in hf.links(cfg) for layer in (range(cfg.num_layers) if link.stacked else [None])]
+
+
+def tensor_plan(cfg, our_shapes: dict, dtype) -> list[tuple[str, tuple, np.dtype]]:
+    """(name, shape, dtype) of every checkpoint tensor, in writing order."""
+    return [(hf.tensor_name(link, layer), hf.expected_shapes(link, our_shapes), dtype) for link, layer in _tensors(cfg)]
+
+
+def save_params(params: dict, cfg, writer: Writer | None, dtype) -> None:
+    """Every checkpoint tensor of `cfg`'s family, one at a time, into `writer` (None: this
+    process only contributes its shards)."""
+    flat = _flat(params)
+    for link, layer in _tensors(cfg):
+        parts = [_fetch(flat[p] if layer is None else flat[p][layer]) for p in link.ours]
+        if writer is not None:
+            writer.add(hf.tensor_name(link, layer), link.to_theirs(*parts).astype(dtype))
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def import_hf(hf_dir: str | Path, workdir: str | Path, base: ml_collections.ConfigDict, overrides: dict | None = None, devices=None) -> Path:
+    """A new meshlm run in `workdir` holding the Hugging Face checkpoint in `hf_dir`."""
+    hf_dir, hf_config = read_hf_config(hf_dir)
+    config = config_from_hf(base, hf_dir, hf_config, overrides)
+    workdir = paths.new_output_dir(workdir, "--workdir")
+    reader = Reader(hf_dir)
+    tokenizer = lm_tokenizer.tokenizer_for(config.data, None)
+    spec = RunSpec.parse(config, tokenizer.vocab_size)
+    layout = AbstractModel(spec, sharding.make_mesh(spec.mesh, devices))
+    if isinstance(tokenizer, lm_tokenizer.NoTokenizer):
+        say(f"warning: {hf_dir} has no tokenizer.json; the run works on token ids (lm.generate --prompt_ids)")
+    params = load_params(reader, layout)  # every check is done: now the run directory is written
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        if isinstance(tokenizer, lm_tokenizer.HFTokenizer):
+            shutil.copyfile(tokenizer.path, workdir / "tokenizer.json")
+        (workdir / HF_CONFIG).write_text(json.dumps(hf_config, indent=2))
+        lm_config.save_run(config, workdir)
+    ckpt = Checkpointer(workdir / "checkpoints", async_save=False)
+    ckpt.save(0, {"params": params})
+    ckpt.wait()
+    ckpt.close()
+    return workdir
+
+
+def export_hf(workdir: str | Path, out: str | Path, dtype: str | None = None, max_shard_size: str = "5GB", step: int | None = None) -> Path:
+    """A Hugging Face model directory in `out` from a meshlm run's checkpoint."""
+    max_bytes = parse_size(max_shard_size)
+    config, tokenizer, layout, restored = _restore_for_export(workdir, step)
+    cfg = layout.spec.model
+    dtype = dtype or config.precision.param_dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"--dtype={dtype!r} is not one of float32, bfloat16, float16")
+    kept = Path(workdir) / HF_CONFIG
+    base = json.loads(kept.read_text()) if kept.is_file() else None
+    hf_config = hf.hf_config(cfg, dtype, base)  # a model without an HF equivalent fails here, before writing
+    out = paths.new_output_dir(out, "--out")
+    lead = jax.process_index() == 0
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+    np_dtype = np.dtype(jax.numpy.dtype(dtype))
+    shapes = {p: a.shape for p, a in _flat(restored["params"]).items()}
+    writer = Writer(out, tensor_plan(cfg, shapes, np_dtype), max_bytes) if lead else None
+    save_params(restored["params"], cfg, writer, np_dtype)
+    if not lead:
+        return out
+    writer.close()
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    generation = {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if base and base.get(k) is not None}
+    if not generation and tokenizer.eos_id is not None:
+        generation["eos_token_id"] = tokenizer.eos_id
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if isinstance(tokenizer, lm_tokenizer.HFTokenizer):
+        shutil.copyfile(tokenizer.path, out / "tokenizer.json")
+    elif isinstance(tokenizer, lm_tokenizer.ByteTokenizer):
+        tokenizer.save_hf(out / "tokenizer.json")
+    else:
+        say(f"warning: run {workdir} has no tokenizer; {out} holds no tokenizer.json")
+    return out
+
+
+def _restore_for_export(workdir, step):
+    """The run's weights: on one device, or over every process's devices when there are several
+    (each then holds its slices, and every tensor is gathered in turn)."""
+    return restore(workdir, step, own_mesh=jax.process_count() > 1)
+
+
+def say(text: str) -> None:
+    if jax.process_index() == 0:
+        print(text, flush=True)

@@ -1,0 +1,319 @@
+"""The Hugging Face `transformers` format: which of its models meshlm represents exactly, how a
+`config.json` maps onto meshlm's `model` keys (and back), and how each checkpoint tensor maps
+onto meshlm's parameters (`links`). No I/O and no torch here: `lm.convert` moves the tensors.
+
+Families: Llama (2, 3, 3.1's `llama3` RoPE scaling), Mistral (sliding-window attention), Qwen2
+(biases on q / k / v) and GPT-2 (LayerNorm, learned positions, GELU, biases, fused `c_attn`
+in Conv1D's `(in, out)` layout). A `config.json` meshlm cannot represent exactly is a UserError
+naming the field; an import is never approximate.
+
+RoPE: meshlm's rotary embedding is the rotate-half form `transformers` uses, so q / k weights are
+copied as they are (Meta's original Llama weights, in the interleaved form, would need the row
+permutation that `transformers`' own conversion script applies; we read HF checkpoints only).
+Grouped-query heads: query head j uses kv head j // (num_heads / num_kv_heads) in both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from lm.config import UserError
+from lm.model.config import ModelConfig
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+FAMILIES = (*LLAMA_LIKE, "gpt2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+def _unsupported(field: str, value, why: str) -> UserError:
+    return UserError(f"config.json: {field}={value!r} cannot be represented exactly by meshlm ({why})")
+
+
+def _require(hf: dict, field: str, allowed, default, why: str):
+    value = hf.get(field, default)
+    if value not in allowed:
+        raise _unsupported(field, value, why)
+    return value
+
+
+def family(hf: dict) -> str:
+    kind = hf.get("model_type")
+    if kind not in FAMILIES:
+        raise UserError(f"config.json: model_type={kind!r} is not supported; meshlm imports {', '.join(FAMILIES)}")
+    return kind
+
+
+def _rope_keys(hf: dict) -> dict:
+    """`model.rope_*` keys from transformers 5's `rope_parameters` or 4.x's `rope_theta` and
+    `rope_scaling` (either spelling is read)."""
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = hf.get(field) or {}
+    if hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise _unsupported("partial_rotary_factor", hf.get("partial_rotary_factor", params.get("partial_rotary_factor")), "RoPE on every head feature only")
+    kind = params.get("rope_type", params.get("type", "default"))
+    keys = {"model.rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))}
+    if kind == "default":
+        return {**keys, "model.rope_scaling": "none"}
+    if kind == "linear":
+        return {**keys, "model.rope_scaling": "linear", "model.rope_factor": float(params["factor"])}
+    if kind == "llama3":
+        return {
+            **keys,
+            "model.rope_scaling": "llama3",
+            "model.rope_factor": float(params["factor"]),
+            "model.rope_low_freq_factor": float(params["low_freq_factor"]),
+            "model.rope_high_freq_factor": float(params["high_freq_factor"]),
+            "model.rope_original_max_len": int(params["original_max_position_embeddings"]),
+        }
+    raise _unsupported(f"{field}.rope_type", kind, "meshlm scales RoPE as default, linear or llama3")
+
+
+def model_keys(hf: dict) -> dict:
+    """The meshlm `model.*` config keys (dotted, as overrides) that represent `hf` exactly."""
+    kind = family(hf)
+    try:
+        return _model_keys(hf, kind)
+    except KeyError as e:
+        raise UserError(f"config.json: a {kind} config needs {e.args[0]!r}, which this one lacks; pass the config.json "
+                        "that transformers' save_pretrained wrote") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise UserError(f"config.json: a {kind} field has a value of the wrong kind ({e}); pass the config.json "
+                        "that transformers' save_pretrained wrote") from None
+
+
+def _model_keys(hf: dict, kind: str) -> dict:
+    if kind == "gpt2":
+        d = hf.get("n_embd", 768)
+        _require(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new", "meshlm's GELU is the tanh approximation")
+        _require(hf, "scale_attn_weights", (True,), True, "attention scores are scaled by 1/sqrt(head_dim)")
+        _require(hf, "scale_attn_by_inverse_layer_idx", (False,), False, "no per-layer attention scaling")
+        heads = hf.get("n_head", 12)
+        return {
+            "model.num_layers": hf.get("n_layer", 12),
+            "model.embed_dim": d,
+            "model.num_heads": heads,
+            "model.num_kv_heads": heads,
+            "model.head_dim": d // heads,
+            "model.mlp_dim": hf.get("n_inner") or 4 * d,
+            "model.norm": "layernorm",
+            "model.norm_eps": float(hf.get("layer_norm_epsilon", 1e-5)),
+            "model.position": "learned",
+            "model.max_positions": hf.get("n_positions", 1024),
+            "model.mlp": "gelu",
+            "model.use_bias": True,
+            "model.qkv_bias": False,
+            "model.tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+            "model.vocab_size": hf["vocab_size"],
+            "model.sliding_window": 0,
+            "model.rope_scaling": "none",
+        }
+    _require(hf, "hidden_act", ("silu",), "silu", "meshlm's SwiGLU gates with SiLU")
+    if kind == "llama":
+        _require(hf, "attention_bias", (False,), False, "no attention biases in a Llama block")
+        _require(hf, "mlp_bias", (False,), False, "no MLP biases in a Llama block")
+    window = 0
+    if kind == "mistral":
+        window = hf.get("sliding_window") or 0
+    if kind == "qwen2":
+        _require(hf, "use_sliding_window", (False, None), False, "Qwen2's per-layer sliding windows are not modelled")
+        layer_types = set(hf.get("layer_types") or ["full_attention"])
+        if layer_types != {"full_attention"}:
+            raise _unsupported("layer_types", sorted(layer_types), "every layer must use full attention")
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    return {
+        "model.num_layers": hf["num_hidden_layers"],
+        "model.embed_dim": d,
+        "model.num_heads": heads,
+        "model.num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "model.head_dim": hf.get("head_dim") or d // heads,
+        "model.mlp_dim": hf["intermediate_size"],
+        "model.norm": "rmsnorm",
+        "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "model.position": "rope",
+        "model.max_positions": 0,
+        "model.mlp": "swiglu",
+        "model.use_bias": False,
+        "model.qkv_bias": kind == "qwen2",
+        "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "model.vocab_size": hf["vocab_size"],
+        "model.sliding_window": window,
+        **_rope_keys(hf),
+    }
+
+
+def family_of(cfg: ModelConfig) -> str:
+    """The `transformers` family that represents a meshlm model exactly, or a UserError."""
+    if cfg.position == "learned":
+        if cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.use_bias and cfg.num_kv_heads == cfg.num_heads and cfg.num_heads * cfg.head_dim == cfg.embed_dim:
+            return "gpt2"
+    elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias:
+        if cfg.qkv_bias:
+            if not cfg.sliding_window:
+                return "qwen2"
+        else:
+            return "mistral" if cfg.sliding_window else "llama"
+    raise UserError(
+        f"this model (norm={cfg.norm}, position={cfg.position}, mlp={cfg.mlp}, use_bias={cfg.use_bias}, qkv_bias={cfg.qkv_bias}, "
+        f"sliding_window={cfg.sliding_window}) has no exact Hugging Face equivalent; export supports Llama-, Mistral-, "
+        "Qwen2- and GPT-2-shaped models"
+    )
+
+
+def _transformers_major() -> int:
+    """The installed `transformers`' major version (5 when it is not installed): decides how RoPE
+    settings are written."""
+    from importlib import metadata
+
+    try:
+        return int(metadata.version("transformers").split(".")[0])
+    except (metadata.PackageNotFoundError, ValueError):
+        return 5
+
+
+def hf_config(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
+    """A `config.json` for `cfg` (its family from `family_of`), over `base` (the imported model's
+    own config.json, keeping its token ids and other settings) when it is of the same family."""
+    kind = family_of(cfg)
+    out = dict(base) if base and base.get("model_type") == kind else {}
+    for stale in ("rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype"):
+        out.pop(stale, None)
+    major = _transformers_major()
+    out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=cfg.used_vocab, tie_word_embeddings=cfg.tie_embeddings)
+    out["dtype" if major >= 5 else "torch_dtype"] = dtype
+    if kind == "gpt2":
+        out.update(
+            n_layer=cfg.num_layers, n_embd=cfg.embed_dim, n_head=cfg.num_heads, n_inner=cfg.mlp_dim,
+            n_positions=cfg.max_len, layer_norm_epsilon=cfg.norm_eps, activation_function="gelu_new",
+            scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+        )
+        return out
+    out.update(
+        num_hidden_layers=cfg.num_layers, hidden_size=cfg.embed_dim, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
+        rms_norm_eps=cfg.norm_eps, hidden_act="silu",
+    )
+    out.setdefault("max_position_embeddings", max(cfg.max_len, cfg.rope_original_max_len if cfg.rope_scaling == "llama3" else 0))
+    if kind == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    if kind == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    if kind == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.num_layers)
+    rope = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling}
+    if cfg.rope_scaling != "none":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_len,
+        )
+    if major >= 5:
+        out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
+    else:
+        out.update(rope_theta=cfg.rope_theta, rope_scaling=rope if cfg.rope_scaling != "none" else None)
+    return out
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One checkpoint tensor and the meshlm parameters it holds (several for GPT-2's fused q/k/v).
+
+    `ours` are parameter paths ('blocks/attn/wq'); those under `blocks/` are stacked over layers
+    and `theirs` then has an `{i}` for the layer. `to_ours(tensor)` gives one array per path, as
+    one layer's slice; `to_theirs(*arrays)` inverts it."""
+
+    ours: tuple[str, ...]
+    theirs: str
+    to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+    to_theirs: Callable[..., np.ndarray]
+
+    @property
+    def stacked(self) -> bool:
+        return self.ours[0].startswith("blocks/")
+
+
+def _same(path: str, name: str) -> Link:
+    return Link((path,), name, lambda w: (w,), lambda x: x)
+
+
+def links(cfg: ModelConfig) -> list[Link]:
+    """Every checkpoint tensor of `cfg`'s family, each with the parameters it maps onto."""
+    kind = family_of(cfg)
+    d, h, g, k, v, vp = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.used_vocab, cfg.vocab_size
+
+    def pad_rows(w):  # padding ids get zero rows; export drops them
+        return np.pad(w, ((0, vp - w.shape[0]), (0, 0)))
+
+    embedding = lambda name: Link(("embedding",), name, lambda w: (pad_rows(w),), lambda x: x[:v])  # noqa: E731
+    head = Link(("head",), "lm_head.weight", lambda w: (pad_rows(w).T,), lambda x: x[:, :v].T)
+    # A (out, in) torch Linear weight <-> meshlm's (in, *out) / (*in, out) layouts.
+    columns = lambda *shape: (lambda w: (w.T.reshape(shape),), lambda x: x.reshape(shape[0], -1).T)  # noqa: E731
+    rows = lambda *shape: (lambda w: (w.T.reshape(shape),), lambda x: x.reshape(-1, shape[-1]).T)  # noqa: E731
+    if kind == "gpt2":
+        p = "transformer."
+        layer = p + "h.{i}."
+        # Conv1D stores (in, out): c_attn's columns are q, k, v one after another, each head-major.
+        fused = Link(
+            ("blocks/attn/wq", "blocks/attn/wk", "blocks/attn/wv"), layer + "attn.c_attn.weight",
+            lambda w: tuple(x.reshape(d, h, k) for x in np.split(w, 3, axis=1)),
+            lambda *qkv: np.concatenate([x.reshape(d, h * k) for x in qkv], axis=1),
+        )
+        fused_bias = Link(
+            ("blocks/attn/bq", "blocks/attn/bk", "blocks/attn/bv"), layer + "attn.c_attn.bias",
+            lambda b: tuple(x.reshape(h, k) for x in np.split(b, 3)),
+            lambda *qkv: np.concatenate([x.reshape(-1) for x in qkv]),
+        )
+        out = [
+            embedding(p + "wte.weight"),
+            _same("pos_embedding", p + "wpe.weight"),
+            _same("final_norm/scale", p + "ln_f.weight"),
+            _same("final_norm/bias", p + "ln_f.bias"),
+            _same("blocks/attn_norm/scale", layer + "ln_1.weight"),
+            _same("blocks/attn_norm/bias", layer + "ln_1.bias"),
+            _same("blocks/mlp_norm/scale", layer + "ln_2.weight"),
+            _same("blocks/mlp_norm/bias", layer + "ln_2.bias"),
+            fused,
+            fused_bias,
+            Link(("blocks/attn/wo",), layer + "attn.c_proj.weight", lambda w: (w.reshape(h, k, d),), lambda x: x.reshape(h * k, d)),
+            _same("blocks/attn/bo", layer + "attn.c_proj.bias"),
+            _same("blocks/mlp/w_in", layer + "mlp.c_fc.weight"),
+            _same("blocks/mlp/b_in", layer + "mlp.c_fc.bias"),
+            _same("blocks/mlp/w_out", layer + "mlp.c_proj.weight"),
+            _same("blocks/mlp/b_out", layer + "mlp.c_proj.bias"),
+        ]
+        return out if cfg.tie_embeddings else [*out, head]
+    layer = "model.layers.{i}."
+    out = [
+        embedding("model.embed_tokens.weight"),
+        _same("final_norm/scale", "model.norm.weight"),
+        _same("blocks/attn_norm/scale", layer + "input_layernorm.weight"),
+        _same("blocks/mlp_norm/scale", layer + "post_attention_layernorm.weight"),
+        Link(("blocks/attn/wq",), layer + "self_attn.q_proj.weight", *columns(d, h, k)),
+        Link(("blocks/attn/wk",), layer + "self_attn.k_proj.weight", *columns(d, g, k)),
+        Link(("blocks/attn/wv",), layer + "self_attn.v_proj.weight", *columns(d, g, k)),
+        Link(("blocks/attn/wo",), layer + "self_attn.o_proj.weight", *rows(h, k, d)),
+        Link(("blocks/mlp/w_gate",), layer + "mlp.gate_proj.weight", *columns(d, cfg.mlp_dim)),
+        Link(("blocks/mlp/w_in",), layer + "mlp.up_proj.weight", *columns(d, cfg.mlp_dim)),
+        Link(("blocks/mlp/w_out",), layer + "mlp.down_proj.weight", *rows(cfg.mlp_dim, d)),
+    ]
+    if cfg.qkv_bias:
+        for name, heads in (("q", h), ("k", g), ("v", g)):
+            out.append(Link((f"blocks/attn/b{name}",), layer + f"self_attn.{name}_proj.bias", lambda b, n=heads: (b.reshape(n, k),), lambda x: x.reshape(-1)))
+    return out if cfg.tie_embeddings else [*out, head]
+
+
+def tensor_name(link: Link, layer: int | None) -> str:
+    return link.theirs.format(i=layer) if link.stacked else link.theirs
+
+
+def expected_shapes(link: Link, our_shapes: dict[str, tuple]) -> tuple:
+    """The checkpoint tensor's shape implied by one layer's slices of `link.ours` (computed on
+    zero-stride views: no memory)."""
+    views = [np.broadcast_to(np.zeros((), np.float32), our_shapes[p][1:] if link.stacked else our_shapes[p]) for p in link.ours]
+    return link.to_theirs(*views).shape

@@ -1,0 +1,132 @@
+"""The attention computation inside `layers.Attention`: the causal (sliding-window) mask from
+positions, and which kernel runs it for the compile target: cuDNN flash attention, XLA's fused
+attention, or the einsums written out for CPU. Shape suffixes as in `lm.layers`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import sharding
+from lm.errors import UserError
+from lm.model.precision import Policy
+
+
+def causal_mask(q_positions_bt: jax.Array, k_positions_bs: jax.Array, window: int = 0) -> jax.Array:
+    """[b, t, s] True where a query may attend to a key: not later than itself and, with a sliding
+    `window`, among its latest `window` positions (itself included). From positions, not array
+    indices: it holds for a sequence in any order (context parallelism reorders it)."""
+    q, k = q_positions_bt[:, :, None], k_positions_bs[:, None, :]
+    mask = k <= q
+    return mask & (k > q - window) if window else mask
+
+
+@functools.cache
+def cudnn_available() -> bool:
+    """Whether cuDNN's library can be loaded here (to run, or to compile for a GPU target)."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    try:
+        fused_attention_stablehlo.check_cudnn_version()
+    except (RuntimeError, ImportError, AttributeError):
+        return False
+    return True
+
+
+def cudnn_missing(platform: str, dtype, head_dim: int) -> str | None:
+    """What cuDNN's fused attention needs that a program for `platform` with `dtype` queries of
+    `head_dim` lacks (the first such need, as a phrase), or None when it can run there."""
+    needs = {
+        f"a GPU target (this program is for {platform})": platform == "gpu",
+        "cuDNN installed": platform != "gpu" or cudnn_available(),
+        f"bfloat16 or float16 inputs (precision.compute_dtype gives {jnp.dtype(dtype)})": dtype in (jnp.bfloat16, jnp.float16),
+        f"a head dim that is a multiple of 8 up to 128 (the model's is {head_dim})": head_dim % 8 == 0 and head_dim <= 128,
+    }
+    return next((need for need, met in needs.items() if not met), None)
+
+
+def check_cudnn(platform: str, dtype, head_dim: int) -> None:
+    """The UserError for `model.attention=cudnn` where cuDNN cannot run."""
+    missing = cudnn_missing(platform, dtype, head_dim)
+    if missing:
+        raise UserError(f"model.attention=cudnn needs {missing}; use model.attention=auto (cuDNN where it can run) or xla")
+
+
+def attention_kernel(requested: str, q_bthk: jax.Array, decoding: bool = False) -> str:
+    """Which attention runs: `einsum` (written out, the CPU default), `xla` (XLA's own fused
+    attention) or `cudnn` (cuDNN flash attention). `auto` takes cuDNN when compiling for a GPU
+    and it can take the call (`cudnn_missing`: cuDNN loadable here, bf16 / float16 inputs, a
+    head dim that is a multiple of 8 up to 128) and not decoding (the cache's mask goes to XLA);
+    a training mask (packed documents, a reordered sequence) reaches cuDNN as a bias. Otherwise
+    XLA on accelerators and einsum on CPU. `cudnn` asked for where it cannot run is a
+    `UserError` (`check_cudnn`, also run by `lm.program.setup` before anything is written);
+    decoding takes `auto`'s choice."""
+    backend = sharding.platform()  # the compile target's, not necessarily this machine's
+    if requested == "cudnn" and not decoding:
+        check_cudnn(backend, q_bthk.dtype, q_bthk.shape[-1])
+        return requested
+    if requested not in ("auto", "cudnn"):
+        return requested
+    if backend == "cpu":
+        return "einsum"
+    return "xla" if decoding or cudnn_missing(backend, q_bthk.dtype, q_bthk.shape[-1]) else "cudnn"
+
+
+@jax.custom_jvp
+def softmax(logits: jax.Array) -> jax.Array:
+    """`jax.nn.softmax` over the last axis, differentiated as y * (dx - sum(y * dx)): with no
+    division in the backward, XLA compiles it alike in every program (its simplifier turns a
+    division by a broadcast sum into a multiplication in some and not in others, an ulp apart),
+    which makes pipelined gradients bitwise the one-device run's. (JAX's own softmax does this
+    under `jax_softmax_custom_jvp`, off by default.)"""
+    unnormalized = jnp.exp(logits - jax.lax.stop_gradient(logits.max(-1, keepdims=True)))
+    return unnormalized / unnormalized.sum(-1, keepdims=True)
+
+
+@softmax.defjvp
+def _softmax_jvp(primals, tangents):
+    (logits,), (dlogits,) = primals, tangents
+    y = softmax(logits)
+    return y, y * (dlogits - (y * dlogits).sum(-1, keepdims=True))
+
+
+def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0, decoding: bool = False) -> jax.Array:
+    """Softmax attention with grouped-query heads; `mask_bts` None means causal (within a sliding
+    `window` of keys when it is > 0); `decoding`: the queries continue a KV cache.
+
+    On GPU this is `jax.nn.dot_product_attention` (cuDNN flash attention where it applies, see
+    `attention_kernel`). On CPU the same maths is written out: XLA:CPU fuses the library
+    version's softmax backward into a slow reduction, and the einsums here run on the policy's
+    matmul (bf16 units).
+    """
+    kernel = attention_kernel(kernel, q_bthk, decoding)
+    if kernel != "einsum":
+        local = (window - 1, 0) if window and mask_bts is None else None
+
+        def fused(q_bthk, k_bsgk, v_bsgk, *mask_bts):
+            mask = mask_bts[0][:, None] if mask_bts else None
+            return jax.nn.dot_product_attention(
+                q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=mask is None, local_window_size=local, implementation=kernel
+            )
+
+        args = (q_bthk, k_bsgk, v_bsgk, *([] if mask_bts is None else [mask_bts]))
+        if (mask_bts is None or sharding.split_ways("length") == 1) and not sharding.manual_axes():
+            return fused(*args)
+        # Context parallelism: queries split along the sequence, keys and values whole. cuDNN's
+        # partitioner takes the three split alike only, and inside a partly manual shard_map (the
+        # per-stage pipeline) cannot partition at all: each device runs its own part.
+        queries, keys = ("batch", "length", "heads", "head_dim"), ("batch", "kv_length", "kv_heads", "head_dim")
+        return sharding.per_shard(fused, (queries, keys, keys, ("batch", "length", "kv_length"))[: len(args)], queries)(*args)
+    b, t, h, k = q_bthk.shape
+    g = k_bsgk.shape[2]
+    q = (q_bthk * jnp.asarray(k**-0.5, q_bthk.dtype)).reshape(b, t, g, h // g, k)
+    logits = policy.matmul("btgrk,bsgk->bgrts", q, k_bsgk, out_dtype=jnp.float32)
+    if mask_bts is None:
+        mask_bts = causal_mask(jnp.arange(t)[None], jnp.arange(k_bsgk.shape[1])[None], window)
+    logits = jnp.where(mask_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
+    probs = softmax(logits)
+    out = policy.matmul("bgrts,bsgk->btgrk", probs, v_bsgk)
+    return out.reshape(b, t, h, k)

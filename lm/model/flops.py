@@ -1,0 +1,35 @@
+"""How many FLOPs a model costs per trained token, the convention MFU is measured in.
+
+FLOPs per trained token, the convention used for MFU (`flops_per_token`):
+  * every matmul weight (Q, K, V, O, the MLP matrices, the output head) costs 2 FLOPs per
+    weight per token forward and 4 backward: 6 * matmul_params;
+  * attention scores (Q K^T) and the weighted sum (A V) each cost 2 * T * heads * head_dim
+    FLOPs per token forward for a full T x T attention; causal attention halves that (each
+    query sees T/2 keys on average), so forward is 2 * T * heads * head_dim per layer and
+    training, at 3x forward, is 6 * layers * T * heads * head_dim;
+  * embedding lookups, norms, activations, softmax and the optimizer are not counted.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from lm.model.config import ModelConfig
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    d, h, g, k, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    attention = d * h * k + 2 * d * g * k + h * k * d
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    return cfg.num_layers * (attention + mlp) + d * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token; see the module docstring."""
+    attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+    return 6.0 * matmul_params(cfg) + attention
+
+
+def param_count(params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

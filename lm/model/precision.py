@@ -1,0 +1,69 @@
+"""Dtype policies: which dtype parameters are kept in, which dtype the matmuls compute in, and
+whether the Transformer blocks' dense matmuls run in fp8 with delayed scaling (`lm.fp8`).
+
+The model takes its matmul (`Policy.matmul`) and dtypes from the policy, so switching number
+formats never touches model code. Softmax, normalisation statistics, the logits fed to the loss
+and the loss itself stay float32 whatever the policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from lm.model.fp8 import (
+    ROLES,
+    Fp8Recipe,
+    MatmulSite,
+    SiteMode,
+    is_suspended,
+    site_matmul,
+)
+from lm.model.matmul import F32, has_batch_dims
+from lm.model.matmul import matmul as plain_matmul
+from sharding.remat import name_matmul
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    param_dtype: jnp.dtype = jnp.float32
+    compute_dtype: jnp.dtype = jnp.float32
+    fp8: Fp8Recipe | None = None
+    observe: bool = False  # every site records OBSERVED_STATS for the numerics report (`lm.numerics`)
+
+    @classmethod
+    def from_config(cls, precision) -> Policy:
+        fp8 = None
+        if precision.fp8 == "delayed":
+            skip = tuple(int(i) for i in str(precision.fp8_skip).replace(" ", "").split(",") if i)
+            fp8 = Fp8Recipe(precision.fp8_history, precision.fp8_margin, skip)
+        return cls(jnp.dtype(precision.param_dtype), jnp.dtype(precision.compute_dtype), fp8)
+
+    def cast(self, x: jax.Array) -> jax.Array:
+        """An input or weight in the compute dtype."""
+        return x.astype(self.compute_dtype)
+
+    def site(self) -> MatmulSite | None:
+        """The state of one dense matmul in a block (None when the policy keeps none)."""
+        return MatmulSite(self) if self.fp8 or self.observe else None
+
+    def fp8_layer_mask(self, num_layers: int) -> list[bool]:
+        """Per layer of the stack: does it compute in fp8?"""
+        return self.fp8.layer_mask(num_layers) if self.fp8 else [False] * num_layers
+
+    def matmul(self, spec: str, x: jax.Array, w: jax.Array, out_dtype=None, site: MatmulSite | None = None) -> jax.Array:
+        """`einsum(spec, x, w)` on compute-dtype inputs, accumulated in float32 forward and
+        backward; the result is in `out_dtype` (default: the compute dtype). At a `site`, in fp8
+        when the policy says so (and no `fp8_suspended()` is in force)."""
+        x, w = self.cast(x), self.cast(w)
+        out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
+        quantize = self.fp8 is not None and not is_suspended()
+        if site is None or not (quantize or self.observe):
+            y = plain_matmul(spec, out_dtype, x, w)
+        else:
+            scales = site.scale[...] if self.fp8 else jnp.zeros(len(ROLES), F32)  # zero: current amax
+            mode = SiteMode(quantize, self.observe, self.compute_dtype)
+            y = site_matmul(spec, out_dtype, mode, x, w, scales, site.probe[...])
+        return name_matmul(y, batched=has_batch_dims(spec))  # what remat `dots` saves

@@ -1,0 +1,219 @@
+"""A decoder-only Transformer in Flax NNX, Llama-style or GPT-2-style by config.
+
+`ModelConfig` (`lm.model.config`) says what the model *is*; the dtype policy (`lm.model.precision`) and the pipeline plan
+(`sharding.schedules.PipelinePlan`) are given to `Transformer` beside it. The layers are stacked
+along a leading `layers` axis and run by `lax.scan`: one compiled block whatever the depth. The
+blocks themselves are in `lm.model.layers`. Shape suffixes as there; `n` is the number of layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lm.model.config import ModelConfig
+from lm.model.fp8 import Probe, fp8_suspended
+from lm.model.layers import (
+    RESIDUAL_AXES,
+    Block,
+    Embedding,
+    Norm,
+    _param,
+    gather_length,
+    lookup,
+)
+from lm.model.precision import Policy
+from sharding import constrain
+from sharding.pipeline import pipeline, pipeline_loss
+from sharding.pipeline_1f1b import pipeline_1f1b
+from sharding.pipeline_per_stage import pipeline_per_stage
+from sharding.remat import remat
+from sharding.schedules import PipelinePlan
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, policy: Policy = Policy(), pipeline: PipelinePlan = PipelinePlan()):
+        self.cfg, self.policy, self.pipeline = cfg, policy, pipeline
+        dt = policy.param_dtype
+        self.embedding = _param(rngs.params(), (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), 0.02, dt, kind=Embedding)
+        if cfg.position == "learned":
+            self.pos_embedding = _param(rngs.params(), (cfg.max_len, cfg.embed_dim), (None, "embed"), 0.01, dt, kind=Embedding)
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(layer_rngs):
+            return Block(cfg, policy, layer_rngs)
+
+        self.blocks = stacked_blocks(rngs.split(cfg.num_layers))
+        self.final_norm = Norm(cfg, policy)
+        if not cfg.tie_embeddings:
+            self.head = _param(rngs.params(), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), 0.02, dt)
+
+    def init_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
+        """An empty KV cache for `length` positions: {'k', 'v'} of shape [n, b, s, g, k]."""
+        c, dtype = self.cfg, self.policy.compute_dtype
+        shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def __call__(self, tokens_bt: jax.Array, cache=None, cache_index=0, segments_bt=None, positions_bt=None):
+        """Float32 logits [b, t, v] and the updated cache (None when not decoding).
+
+        With a cache, `tokens_bt` continues the sequence at position `cache_index`. With
+        `segments_bt` (which document each token is from, packed windows), attention stays
+        within a document and positions restart at each document's first token. `positions_bt`
+        given: the tokens' positions, in whatever order they come (context parallelism's
+        load-balanced order, `sharding.context`); attention's mask is built from them.
+        """
+        if segments_bt is not None:
+            segments_bt = constrain(segments_bt, ("batch", "length"), "segment ids")
+        if positions_bt is not None:
+            positions_bt = constrain(positions_bt, ("batch", "length"), "positions")
+        elif segments_bt is not None:
+            positions_bt = segment_positions(segments_bt)
+        elif cache is not None:
+            positions_bt = cache_index + jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        # positions_bt None from here: in order from 0, attention causal by index
+        x = self._embed(tokens_bt, positions_bt)
+        x, cache = self._layers(x, positions_bt, cache, cache_index, segments_bt)
+        return self._logits(x, self.final_norm, self._head_weight()), cache
+
+    def _embed_tables(self) -> tuple:
+        return self.embedding[...], self.pos_embedding[...] if self.cfg.position == "learned" else None
+
+    def _embed(self, tokens_bt, positions_bt=None, tables=None) -> jax.Array:
+        """The embedded tokens (and positions); `tables` given: (token table, position table)."""
+        table_vd, positions_td = tables or self._embed_tables()
+        x = lookup(table_vd, tokens_bt, self.policy.compute_dtype)
+        if self.cfg.position == "learned":
+            table_td = constrain(positions_td, (None, None), "position table")
+            in_order = jnp.arange(tokens_bt.shape[1])[None] if positions_bt is None else positions_bt
+            x = x + self.policy.cast(jnp.take(table_td, in_order, axis=0))
+        return constrain(x, RESIDUAL_AXES, "embeddings")
+
+    def _head_weight(self) -> jax.Array:
+        return self.embedding[...] if self.cfg.tie_embeddings else self.head[...]
+
+    def _logits(self, x_btd, final_norm: Norm, head_weight) -> jax.Array:
+        """Float32 logits of the last layer's output (norm and weight given: the 1F1B pipeline
+        differentiates them explicitly)."""
+        cfg = self.cfg
+        x = gather_length(final_norm(x_btd))
+        spec = "btd,vd->btv" if cfg.tie_embeddings else "btd,dv->btv"
+        logits = self.policy.matmul(spec, x, head_weight, out_dtype=jnp.float32)
+        if cfg.used_vocab < cfg.vocab_size:  # padding ids: out of the loss's softmax and of sampling
+            logits = jnp.where(jnp.arange(cfg.vocab_size) < cfg.used_vocab, logits, jnp.finfo(jnp.float32).min)
+        return constrain(logits, ("batch", "length", "vocab"), "logits")
+
+    def pipelined_loss(self, loss_fn, tokens_bt, targets_bt, positions_bt=None, loss_scale=1.0, differentiated=True) -> jax.Array:
+        """`loss_fn(logits, targets)` averaged over the pipeline's microbatches. The 1F1B pipelines
+        embed each microbatch on their first stage, apply the head and loss on their last and
+        compute their own gradients (`sharding.pipeline_1f1b`, `sharding.pipeline_per_stage`);
+        GPipe / circular apply them after the pipeline, one microbatch at a time
+        (`sharding.pipeline.pipeline_loss`). The backward runs at `loss_scale` (differentiate
+        `loss * loss_scale`). `differentiated=False` (evaluation): GPipe's forward under every
+        schedule, no backward computed."""
+        stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
+        norm_graph, norm_state = nnx.split(self.final_norm)
+
+        def head_loss(head_params, y_btd, targets_mb):
+            norm, weight = head_params
+            return loss_fn(self._logits(y_btd, nnx.merge(norm_graph, norm), weight), targets_mb)
+
+        def embed(tables, tokens_mb):
+            positions = None if positions_bt is None else positions_bt[: tokens_mb.shape[0]]
+            return self._embed(tokens_mb, positions, tables)
+
+        if not differentiated:
+            run = functools.partial(pipeline_loss, differentiated=False)
+        else:
+            run = {"gpipe": pipeline_loss, "1f1b": pipeline_1f1b, "1f1b_per_stage": pipeline_per_stage}[self.pipeline.schedule]
+        return run(
+            stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
+            loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,
+            x_axes=RESIDUAL_AXES, batch_axes=("batch", "length"), probes=probes, probes_axes=probes_axes,
+            seed=loss_scale,
+        )
+
+    def _pipeline_stage(self, positions_bt):
+        """The stacked layers as a pipeline takes them: (stage fn, their states and logical axes,
+        the statistics probes and theirs, None without any). The probes are apart because the
+        pipeline gives each tick its own (`sharding.pipeline`)."""
+        graphdef, probes, stacked = nnx.split(self.blocks, Probe, ...)
+
+        def stage(chunk, chunk_probes, x_btd, chunk_index):  # a chunk of consecutive layers on one microbatch
+            positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
+            return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None, chunk=chunk_index)[0]
+
+        axes = nnx.get_partition_spec
+        probes_given = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
+        return stage, stacked, axes(stacked), *probes_given
+
+    def _layers(self, x, positions_bt, cache, cache_index, segments_bt=None):
+        if self.pipeline.stages > 1 and cache is None:
+            stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
+            return pipeline(stage, stacked, stacked_axes, x, RESIDUAL_AXES, self.pipeline, probes, probes_axes), None
+        graphdef, stacked = nnx.split(self.blocks)
+        return self._run_stack(graphdef, (stacked,), x, positions_bt, cache, cache_index, segments_bt)
+
+    def _run_stack(self, graphdef, stacked: tuple, x, positions_bt, cache, cache_index, segments_bt=None, chunk=None):
+        """The stacked layers (all of them, or pipeline chunk `chunk`, a traced index: layers
+        chunk * n .. of the model's; `stacked`: their states) applied in order; layers that
+        `precision.fp8_skip` keeps out of fp8 run as separate segments."""
+
+        def layer(x, params_and_cache):
+            params, layer_cache = params_and_cache
+            return nnx.merge(graphdef, *[p for p in params if p is not None])(x, positions_bt, layer_cache, cache_index, segments_bt)
+
+        # Also inside a pipeline tick: one layer's internals at a time.
+        layer = remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
+
+        def run(x, segment, in_fp8: bool):
+            with fp8_suspended(self.policy.fp8 is not None and not in_fp8):
+                if self.cfg.scan_layers:
+                    return jax.lax.scan(layer, x, segment)
+                caches = []
+                for i in range(jax.tree.leaves(segment)[0].shape[0]):
+                    x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], segment))
+                    caches.append(jax.tree.map(lambda a: a[None], layer_cache))
+                return x, jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
+
+        def either(x, segment, in_fp8):  # fp8 or not as the chunk's layer is: chosen at run time
+            # Under the vmap over stages both branches run; jax masks each one's gradients (and
+            # so the statistics probes') to the stages that took it.
+            return jax.lax.cond(in_fp8, lambda x: run(x, segment, True)[0], lambda x: run(x, segment, False)[0], x), None
+
+        num_layers = jax.tree.leaves(stacked)[0].shape[0]
+        in_fp8 = self._fp8_positions(num_layers, chunk)
+        runs, new_caches = _runs(in_fp8), []
+        for start, stop in runs:
+            segment = (stacked, cache) if len(runs) == 1 else jax.tree.map(lambda a: a[start:stop], (stacked, cache))
+            x, segment_cache = (run if isinstance(in_fp8[start], bool) else either)(x, segment, in_fp8[start])
+            new_caches.append(segment_cache)
+        if cache is None:
+            return x, None
+        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *new_caches)
+
+    def _fp8_positions(self, size: int, chunk) -> list:
+        """Per layer of a stack of `size`: in fp8 (True / False), or, in a pipeline chunk whose
+        layer at that position is skipped in some chunks only, a traced bool (`fp8_skip` indices
+        are the model's layer indices, whatever the schedule)."""
+        mask = self.policy.fp8_layer_mask(self.cfg.num_layers if chunk is not None else size)
+        columns = [[mask[c * size + j] for c in range(len(mask) // size)] for j in range(size)]
+        return [column[0] if len(set(column)) == 1 else jnp.asarray(column)[chunk] for column in columns]
+
+
+def segment_positions(segments_bt: jax.Array) -> jax.Array:
+    """Each token's position within its document: 0 at every change of segment id."""
+    index = jnp.broadcast_to(jnp.arange(segments_bt.shape[1]), segments_bt.shape)
+    starts = jnp.concatenate([jnp.ones_like(segments_bt[:, :1], bool), segments_bt[:, 1:] != segments_bt[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def _runs(flags: list) -> list[tuple[int, int]]:
+    """[start, stop) ranges of equal consecutive flags, each traced flag alone: [T, T, F, T] ->
+    [(0, 2), (2, 3), (3, 4)]."""
+    alone = lambda f: not isinstance(f, bool)  # noqa: E731
+    bounds = [0] + [i for i in range(1, len(flags)) if alone(flags[i]) or alone(flags[i - 1]) or flags[i] != flags[i - 1]] + [len(flags)]
+    return list(zip(bounds[:-1], bounds[1:]))

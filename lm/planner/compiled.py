@@ -1,0 +1,101 @@
+"""A config's sharding plan and its compiled train step's memory and HLO, without training (the library of `python -m lm.layout`).
+
+    python -m lm.layout --config=configs/llama_1b.py --config.mesh.fsdp=8 --devices=8
+
+Prints every parameter's logical axes, PartitionSpec, global and per-device shape and bytes;
+per-device totals for parameters, gradients and optimizer state; and XLA's compiled memory
+analysis of the train step on one device. Nothing is allocated: the state is abstract and the
+step is only compiled. `--devices=N` plans on N fake CPU devices (a GPU or TPU cluster's mesh
+can be checked from a laptop); the last stdout line is the summary as one JSON object.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from lm import GPU_MEMORY_FRACTION
+from lm.compiler import hlo, targets
+from lm.data import corpus as lm_data
+from lm.program.steps import placed, setup
+from sharding import report
+from sharding.schedules import report as pipeline_report
+
+
+def step_report(config, devices=None, compile_step: bool = True, save_hlo: str | None = None, target: str | None = None) -> tuple[list[report.Row], dict]:
+    """(parameter rows, summary): per-device bytes and the compiled train step's memory analysis
+    (and, compiled for a GPU, what its optimized HLO runs: GEMM operand types, custom calls,
+    collectives); `save_hlo`: a directory to write that HLO into; `target`: the GPU target the
+    devices are of, whose memory the step is checked against."""
+    program = setup(config, lm_data.nominal_vocab_size(config.data), devices)
+    state = program.abstract_sharded_state()
+    params = report.device_bytes(state.params)
+    summary = {
+        "mesh": dict(program.mesh.shape),
+        "devices": program.mesh.size,
+        "params": sum(int(np.prod(r.shape)) for r in report.rows(state.params)),
+        "param_bytes_total": report.total_bytes(state.params),
+        "per_device": {
+            "params_bytes": params,
+            # As the update takes them: the parameters' placement, or with ZeRO-1 the optimizer state's.
+            "grads_bytes": report.device_bytes(placed(state.params, program.grad_shardings)),
+            "opt_state_bytes": report.device_bytes(state.opt_state),
+        },
+    }
+    summary["per_device"]["total_state_bytes"] = sum(summary["per_device"].values())
+    summary["pipeline"] = pipeline_report(program.spec.pipeline, program.spec.model.num_layers)
+    if compile_step:
+        batch = jax.ShapeDtypeStruct(
+            (config.train.batch_size, config.train.seq_len + 1), np.int32, sharding=program.batch_sharding
+        )
+        executable = program.train_step.lower(state, batch).compile()
+        memory, text = executable.memory_analysis(), executable.as_text()
+        if save_hlo:
+            hlo.save(text, save_hlo)
+        fields = ("argument", "output", "alias", "temp", "generated_code")
+        compiled = {f"{f}_bytes": getattr(memory, f"{f}_size_in_bytes", None) for f in fields}
+        if None not in compiled.values():
+            # Donated state aliases the outputs: live at the peak are arguments, new outputs, temporaries.
+            compiled["peak_estimate_bytes"] = (
+                compiled["argument_bytes"] + compiled["output_bytes"] - compiled["alias_bytes"] + compiled["temp_bytes"]
+            )
+        summary["compiled_train_step_per_device"] = compiled
+        summary["hlo"] = hlo.summary(text)
+        if target:
+            summary.update(target=target, device_memory_bytes=targets.memory_bytes(target))
+            # Against the pool JAX runs meshlm in, not the whole device.
+            summary["fits"] = compiled.get("peak_estimate_bytes", 0) <= GPU_MEMORY_FRACTION * summary["device_memory_bytes"]
+    return report.rows(state.params, program.abstract_model.logical_axes), summary
+
+
+def describe(param_rows: list[report.Row], summary: dict) -> str:
+    fmt = report.format_bytes
+    per_device = summary["per_device"]
+    lines = [
+        report.table(param_rows),
+        "",
+        f"mesh {summary['mesh']} ({summary['devices']} devices), {summary['params'] / 1e6:.1f}M parameters "
+        f"({fmt(summary['param_bytes_total'])} in all)",
+        "per device:",
+        *(f"  {name.removesuffix('_bytes'):<18} {fmt(b)}" for name, b in per_device.items()),
+    ]
+    pipe = summary["pipeline"]
+    if pipe["schedule"] != "none":
+        lines.append(f"pipeline: {pipe['schedule']}, bubble {pipe['bubble']:.3f}, {pipe['stash_depth']} microbatches' {pipe['stash']} kept per stage")
+    compiled = summary.get("compiled_train_step_per_device")
+    if compiled:
+        lines.append("compiled train step, per device (XLA memory analysis):")
+        lines += [f"  {name.removesuffix('_bytes'):<18} {fmt(b)}" for name, b in compiled.items() if b is not None]
+    if "target" in summary:
+        verdict = "fits" if summary["fits"] else "does NOT fit"
+        pool = f"JAX's pool: {GPU_MEMORY_FRACTION:.0%}, {fmt(int(GPU_MEMORY_FRACTION * summary['device_memory_bytes']))}"
+        lines.append(f"target {summary['target']}: {fmt(summary['device_memory_bytes'])} per device ({pool}); the step {verdict}")
+    if summary.get("hlo", {}).get("gemm_operand_types"):
+        lines.append("GEMMs (operand types -> result): " + ", ".join(f"{k}: {n}" for k, n in summary["hlo"]["gemm_operand_types"].items()))
+        overlapped = summary["hlo"]["collectives_overlapped"]
+        lines.append("collectives (of them overlapped with compute): "
+                     + (", ".join(f"{k}: {n} ({overlapped.get(k, 0)})" for k, n in summary["hlo"]["collectives"].items()) or "none"))
+        if moved := {k: b for k, b in summary["hlo"]["collective_bytes"].items() if b}:
+            lines.append("collective bytes per step and device (by replica group size): "
+                         + ", ".join(f"{k} devices: {fmt(int(b))}" for k, b in sorted(moved.items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines)

@@ -1,0 +1,338 @@
+"""What one layout of a training run costs each GPU, from formulas: memory and step time.
+
+Memory per device: the state (parameters, optimizer state, fp8 state) exactly, from the sharding
+rules and the abstract state's shapes, as `lm.layout` reports it; the step's temporaries as a
+sum of modelled terms (gradients and their accumulator, the activations each remat policy keeps,
+one layer's working set, the weights' compute-dtype copies, the logits, the head's table whole
+under FSDP), each weighted by a coefficient fitted once to XLA's memory analysis of small
+compiles (`lm.calibrate --memory`). Its inputs (Parallelism, System, Run) are `lm.cost_inputs`.
+
+Step time: FLOPs (`lm.metrics.flops_per_token`, plus what remat recomputes) at one calibrated
+share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
+pipeline bubble (a per-stage 1F1B slot lasts its longest piece of work: the wait counted with it) and its
+stash's memory traffic, and the exposed time of each collective from ring formulas over the link its
+group spans (NVLink inside a host, the network across hosts: one NIC per GPU, as many at once as
+the group has GPUs on a host). FSDP's gathers and
+reduce-scatters overlap the layer they feed (XLA's latency-hiding scheduler); tensor, context,
+pipeline and data-parallel collectives are counted as exposed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from functools import cached_property
+
+from lm.hardware import data_file
+from lm.hardware.systems import System
+from lm.planner.network import ring_seconds, send_bandwidth
+from lm.planner.parallelism import Parallelism
+from lm.planner.run import Run, StateLeaf
+from sharding.mesh import MESH_AXES
+from sharding.schedules import PipelinePlan, balanced_slots, report
+
+MEMORY_TERMS = ("grads", "accumulator", "saved", "layer", "weights", "logits", "head")
+
+
+@functools.cache
+def mesh_state_bytes(state: tuple[StateLeaf, ...], mesh: tuple[tuple[str, int], ...], spread: bool) -> dict:
+    """`Cost.state_bytes` of a mesh (its (axis, size) pairs), remembered: the planner costs many
+    layouts of one mesh."""
+    sizes = dict(mesh)
+    out = {"params": 0, "opt_state": 0, "other": 0, "grads": 0}
+    for leaf in state:
+        out[leaf.kind] += leaf.device_bytes(sizes, spread and leaf.kind == "opt_state")
+        if leaf.kind == "params":
+            out["grads"] += leaf.device_bytes(sizes, spread)
+    return out
+
+
+@functools.cache
+def pipeline_report(plan: PipelinePlan, layers: int) -> dict:
+    """`sharding.schedules.report` of a plan (bubble, stash depth), remembered."""
+    return report(plan, layers)
+
+
+def calibration() -> dict:
+    """The fitted constants: the matmul efficiency and each platform's memory coefficients."""
+    return json.loads(data_file("calibration.json").read_text())
+
+
+class Cost:
+    """One layout of one run on one system: memory per device (bytes) and step time (seconds).
+    `platform` picks the memory coefficients: `gpu` (flash attention) or `cpu` (einsum)."""
+
+    def __init__(self, run: Run, parallelism: Parallelism, system: System, platform: str = "gpu", constants: dict | None = None):
+        self.run, self.parallelism, self.system, self.platform = run, parallelism, system, platform
+        self.constants = constants or calibration()
+        m, lay = run.model, parallelism
+        self.replica_batch = run.batch // (lay.data * lay.fsdp)
+        self.passes = lay.microbatches if lay.stage > 1 else lay.grad_accum  # forward-backward passes per step
+        self.microbatch = self.replica_batch // self.passes
+        self.local_tokens = self.microbatch * run.seq_len // lay.context  # per pass, on each device
+        self.layers = m.num_layers // lay.stage
+
+    # ---- memory -------------------------------------------------------------------------------
+
+    @cached_property
+    def state_bytes(self) -> dict:
+        """Per device: the state's parameters, optimizer state and the rest (`other`), and the
+        gradients as the update takes them (`grads`: the parameters' placement, or with ZeRO-1
+        the optimizer state's)."""
+        return dict(mesh_state_bytes(self.run.state, tuple(self.parallelism.mesh.items()), self.parallelism.optimizer_over_data))
+
+    def _kept_bytes(self, sequence_parallel: bool | None = None) -> dict:
+        """Bytes per local token of what one block keeps for its backward pass, by remat policy,
+        re-derived for this block (Korthikanti et al. 2022's accounting; checked against
+        `jax.ad_checkpoint` residuals): q / k / v and attention widths are per tensor shard, the
+        residual stream per sequence-parallel shard; cuDNN attention keeps only its output and
+        softmax statistics, einsum attention (CPU) its float32 scores."""
+        m, lay, e = self.run.model, self.parallelism, self.run.compute_bytes
+        sequence_parallel = lay.sequence_parallel if sequence_parallel is None else sequence_parallel
+        t, sp, cpu = lay.tensor, lay.tensor if sequence_parallel else 1, self.platform == "cpu"
+        d, q, kv, f = m.embed_dim, m.num_heads * m.head_dim / t, m.num_kv_heads * m.head_dim / t, m.mlp_dim / t
+        hidden = 4 if cpu else e  # the MLP's up projections leave the matmul in float32 on CPU
+        up = 2 if m.mlp == "swiglu" else 1
+        residual = d * e / sp
+        projections = (q + 2 * kv) * e
+        gathered_kv = 2 * kv * (lay.context - 1) * e  # the other context shards' keys and values
+        scores = m.num_heads / t * self.run.seq_len * 4 if cpu else 0.0  # einsum attention only
+        statistics = m.num_heads / t * 4  # flash attention's float32 softmax statistics, per query
+        # The attention and MLP output projections are kept as their reduced results: split along
+        # the sequence under sequence parallelism (reduce-scattered), else whole.
+        matmul_outputs = residual + projections + 2 * d * e / sp + up * f * hidden
+        return {
+            "full": residual,
+            "qkv_proj": residual + projections,
+            "dots_no_batch": matmul_outputs,
+            # Attention's output too: einsum attention's matmuls, or flash attention's results by name.
+            "dots": matmul_outputs + q * e + (scores if cpu else statistics),
+            # Both norms' float32 input, normalised and scaled copies and their output; queries,
+            # keys, values and the attention output; the MLP's projections, activation internals
+            # and product.
+            "none": 2 * (12 + e) * d / sp + (2 * q + 2 * kv) * e + gathered_kv + (up + 3) * f * hidden + f * e + scores,
+        }
+
+    @property
+    def _recomputes_ticks(self) -> bool:
+        """Whether a pipeline recomputes each tick's forward in its backward (pipeline.remat full)."""
+        return self.parallelism.stage > 1 and self.parallelism.pipeline_remat == "full"
+
+    def memory_terms(self) -> dict:
+        """Bytes per device of each modelled term of the step's temporaries (before coefficients)."""
+        lay, kept = self.parallelism, self._kept_bytes()
+        saved = self.layers * kept[lay.remat] * self.local_tokens
+        if lay.stage > 1:
+            stash = pipeline_report(lay.plan, self.run.model.num_layers)["stash_depth"]
+            if self._recomputes_ticks:  # every stage input the schedule keeps, plus one tick's layers on recompute
+                saved += stash * kept["full"] * self.local_tokens
+            else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash),
+                # and the set a forward has just made or a backward is using, apart from the ring
+                saved *= (stash + 1) / lay.repeats
+        # The gradients as the update takes them (spread over the replicas with ZeRO-1). Several
+        # passes per step (accumulation, pipeline microbatches): a float32 accumulator too. With
+        # ZeRO-1, XLA carries the update's placement back into the accumulation loop (each pass's
+        # gradients reduce-scattered, the accumulator spread), but not into a pipeline's loop.
+        grads = self.state_bytes["grads"]
+        accumulator = grads if lay.stage == 1 else self.state_bytes["params"]
+        return {
+            "grads": grads,
+            "accumulator": accumulator if self.passes > 1 else 0.0,
+            "saved": saved,
+            # One block's intermediates, alive in its backward; the compiled working set does not
+            # shrink with sequence parallelism (measured: tensor 8 with and without it).
+            "layer": self._kept_bytes(sequence_parallel=False)["none"] * self.local_tokens,
+            "weights": self._weight_copies(),
+            "logits": self._logits_bytes(),
+            "head": self._gathered_head_bytes(),
+        }
+
+    def _gathered_head_bytes(self) -> float:
+        """Under FSDP the head is gathered whole for its matmul (its vocabulary split over `stage` x
+        `tensor`), in the parameters' dtype, and its gradient computed whole before the
+        reduce-scatter: seen in XLA's buffer assignment, a large share of small models' memory."""
+        lay, m = self.parallelism, self.run.model
+        if lay.fsdp * lay.context == 1:
+            return 0.0
+        return m.vocab_size * m.embed_dim / (lay.stage * lay.tensor) * self.run.param_bytes
+
+    def _logits_bytes(self) -> float:
+        """The float32 logits alive at once, split over `stage` x `tensor` (the vocabulary rule): a
+        microbatch's (every pipeline runs the head one microbatch at a time)."""
+        lay, vocab = self.parallelism, self.run.model.vocab_size
+        return self.local_tokens * vocab / (lay.stage * lay.tensor) * 4
+
+    def _weight_copies(self) -> float:
+        """The blocks' weights in the compute dtype (every local shard cast), plus under FSDP a
+        gathered layer in use and the next one arriving (gathered in the parameters' dtype)."""
+        lay, layer = self.parallelism, self.run.layer_params / self.parallelism.tensor
+        fsdp = lay.fsdp * lay.context
+        gathered = 2 * layer * self.run.param_bytes if fsdp > 1 else 0.0
+        return self.layers * layer / fsdp * self.run.compute_bytes + gathered
+
+    @cached_property
+    def memory(self) -> dict:
+        """Per-device bytes: state (exact), temporaries (modelled), and their sum."""
+        state = self.state_bytes
+        coefficients = self.constants["memory"][self.platform]
+        terms = self.memory_terms()
+        temporaries = coefficients.get("constant", 0.0) + sum(coefficients[k] * terms[k] for k in MEMORY_TERMS)
+        out = {"params": state["params"], "opt_state": state["opt_state"] + state["other"], "temporaries": int(temporaries)}
+        out["total"] = sum(out.values())
+        return out
+
+    # ---- step time ----------------------------------------------------------------------------
+
+    def _ring(self, axes: tuple[str, ...], gathered_bytes: float, kind: str = "gather") -> float:
+        """`lm.network.ring_seconds` over this layout's mesh."""
+        return ring_seconds(self.system, self._mesh_sizes, axes, gathered_bytes, kind)
+
+    @property
+    def _mesh_sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self.parallelism, a) for a in MESH_AXES)
+
+    def _forward_flops(self) -> tuple[float, float]:
+        """Forward FLOPs per token of the blocks' matmuls and of their attention."""
+        run, m = self.run, self.run.model
+        # Causal: cuDNN skips the masked half. Under context parallelism the reordered sequence's
+        # mask reaches cuDNN as a bias (lm.attention) and every (query, key) pair is computed:
+        # twice the work.
+        attention = 2 * m.num_layers * run.seq_len * m.num_heads * m.head_dim * (2 if self.parallelism.context > 1 else 1)
+        return 2 * run.layer_params * m.num_layers, attention
+
+    def flops(self) -> dict:
+        """FLOPs per device per step: block matmuls, the head, attention, each with recompute."""
+        run, lay, m = self.run, self.parallelism, self.run.model
+        tokens = run.batch * run.seq_len / lay.gpus
+        block, attention = self._forward_flops()
+        qkv = 2 * m.num_layers * m.embed_dim * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        recompute = {"none": 0.0, "dots": 0.0, "dots_no_batch": 0.0, "qkv_proj": block - qkv, "full": block}[lay.remat]
+        recompute_attention = attention if lay.remat in ("full", "qkv_proj", "dots_no_batch") else 0.0
+        if self._recomputes_ticks:  # each tick is recomputed whole in the backward
+            recompute, recompute_attention = recompute + block, recompute_attention + attention
+        return {
+            "block": tokens * (3 * block + recompute),
+            "head": tokens * 6 * m.embed_dim * m.vocab_size,
+            "attention": tokens * (3 * attention + recompute_attention),
+        }
+
+    def bubble_fraction(self) -> float:
+        """The idle share of the pipeline's work slots (0 without one)."""
+        lay = self.parallelism
+        return pipeline_report(lay.plan, self.run.model.num_layers)["bubble"] if lay.stage > 1 else 0.0
+
+    @cached_property
+    def step_time(self) -> dict:
+        """Seconds per step: compute, bubble and each collective's exposed time, and their sum."""
+        run, lay, m, s = self.run, self.parallelism, self.run.model, self.system
+        efficiency = self.constants["matmul_efficiency"]
+        flops = self.flops()
+        block_peak = s.peak("float8" if run.fp8 else run.compute_dtype)
+        other_peak = s.peak(run.compute_dtype)
+        compute = (flops["block"] / block_peak + (flops["head"] + flops["attention"]) / other_peak) / efficiency
+        fraction = self.bubble_fraction()
+        bubble = compute * fraction / (1 - fraction)
+        if lay.schedule == "1f1b_per_stage":
+            block_forward, attention_forward = self._forward_flops()
+            forward = run.batch * run.seq_len / lay.gpus * (block_forward / block_peak + attention_forward / other_peak)
+            layers = flops["block"] / block_peak + flops["attention"] / other_peak
+            # Its slots run one piece of work, a forward or a backward, on every stage in step (one
+            # SPMD program), so a slot lasts the longest: each microbatch's F + B takes 2 max(F, B),
+            # or in balanced slots (the backward in two parts) 3 max(F, B / 2).
+            backward, parts = layers - forward, 2 if balanced_slots(lay.plan, m.num_layers) else 1
+            bubble = (compute + bubble) * (1 + parts) * max(forward, backward / parts) / layers - compute
+        e = run.compute_bytes
+        per_layer_compute = (flops["block"] / block_peak + flops["attention"] / other_peak) / efficiency / (self.layers * self.passes)
+        volume = self._collective_volume()
+        fsdp_axes = ("context", "fsdp")
+        fsdp_layer = 2 * self._ring(fsdp_axes, volume["fsdp_gather"]) + self._ring(fsdp_axes, volume["fsdp_scatter"])
+        tables = self._ring(fsdp_axes, volume["table_gather"]) + self._ring(fsdp_axes, volume["table_scatter"])
+        fsdp = self.passes * (self.layers * max(0.0, fsdp_layer - per_layer_compute) + tables)
+        tp_per_layer = volume["tensor_reductions"] * self._ring(("tensor",), volume["tensor"], "reduce")
+        kv = self.microbatch * run.seq_len * 2 * m.num_kv_heads * m.head_dim / lay.tensor * e
+        cp_per_layer = 3 * self._ring(("context",), kv)
+        # The gradients' all-reduce over the replicas; with ZeRO-1 a reduce-scatter and the new
+        # parameters' all-gather: in a ring, the same bytes. Gradients already split over fsdp
+        # XLA all-reduces over the replicas and then slices (its H100 compile): the gather is extra.
+        data = self._ring(("data",), self.state_bytes["params"], "reduce")
+        if lay.optimizer_over_data and lay.fsdp * lay.context > 1:
+            data += self._ring(("data",), self.state_bytes["params"])
+        pipeline = 0.0
+        if lay.stage > 1:
+            bandwidth = send_bandwidth(s, self._mesh_sizes, ("stage",))
+            ticks = 2 * (lay.repeats * lay.microbatches + lay.stage - 1)
+            pipeline = ticks * (volume["tensor"] / (lay.tensor if lay.sequence_parallel else 1) / bandwidth + s.nvlink_latency_s)
+        out = {
+            "compute": compute,
+            "bubble": bubble,
+            "stash": self._stash_traffic() / s.hbm_bytes_per_s,
+            "update": self._update_traffic() / s.hbm_bytes_per_s,
+            "fsdp": fsdp,
+            "tensor": self.passes * self.layers * tp_per_layer,
+            "context": self.passes * self.layers * cp_per_layer,
+            "data": data,
+            "pipeline": pipeline,
+        }
+        out["total"] = sum(out.values())
+        return out
+
+    def _collective_volume(self) -> dict:
+        """What FSDP and tensor parallelism move per pass, in bytes per device (each collective's
+        whole, gathered buffer): one layer's weights gathered (twice: forward and backward) and
+        gradients scattered, the embedding and head tables' likewise, once; the activation each
+        tensor-parallel reduction carries and how many a layer runs."""
+        run, lay, m = self.run, self.parallelism, self.run.model
+        layer, e = run.layer_params / lay.tensor, run.compute_bytes
+        tables = m.embed_dim * m.vocab_size / (lay.stage * lay.tensor) * (1 if m.tie_embeddings else 2)
+        # All-reduce equivalents per layer (an all-gather plus a reduce-scatter under sequence
+        # parallelism): one per sublayer forward, one per sublayer backward (plus the gathered
+        # output gradient under sequence parallelism), and the forward again when recomputed.
+        recomputed = lay.remat in ("full", "qkv_proj") or self._recomputes_ticks
+        return {
+            # Weights are gathered in the compute dtype (XLA casts before the all-gather), gradients
+            # reduce-scattered in the parameters' (float32): both seen in the H100 compile.
+            "fsdp_gather": layer * e,
+            "fsdp_scatter": layer * run.param_bytes,
+            "table_gather": tables * e,
+            "table_scatter": tables * run.param_bytes,
+            "tensor": self.local_tokens * m.embed_dim * e,
+            "tensor_reductions": 4 + (1 if lay.sequence_parallel else 0) + (2 if recomputed else 0),
+        }
+
+    def collective_bytes(self) -> dict:
+        """Bytes per step each device's FSDP and tensor-parallel collectives carry (whole buffers,
+        all-reduces as an all-gather plus a reduce-scatter), as `step_time` counts them: what
+        `lm.hlo.collective_traffic` reads from the compiled program (tests/test_gpu_compile.py)."""
+        v, layer_passes = self._collective_volume(), self.passes * self.layers
+        fsdp = self.parallelism.fsdp * self.parallelism.context > 1
+        return {
+            "fsdp_gather": fsdp * self.passes * (2 * self.layers * v["fsdp_gather"] + v["table_gather"]),
+            "fsdp_scatter": fsdp * self.passes * (self.layers * v["fsdp_scatter"] + v["table_scatter"]),
+            "tensor": (self.parallelism.tensor > 1) * 2 * layer_passes * v["tensor_reductions"] * v["tensor"],
+        }
+
+    def _update_traffic(self) -> float:
+        """Bytes the step moves through HBM outside its passes, on each device: the optimizer
+        update reads the gradients and reads and writes the parameters and the optimizer state
+        where the update runs (3 x the gradients' bytes, which are in that placement, + 2 x the
+        state's); with several passes each adds its gradients into the float32 accumulator (a read
+        and a write). On one H100 it was part of the gap between batch 8 and larger batches of
+        `llama_1b` that the matmul model missed (PERFORMANCE.md, "On a real H100")."""
+        state = self.state_bytes
+        accumulation = 2 * state["grads"] * self.passes if self.passes > 1 else 0.0
+        return 3 * state["grads"] + 2 * state["opt_state"] + accumulation
+
+    def _stash_traffic(self) -> float:
+        """Bytes a pipeline's stash moves per step on each device: every forward writes its chunk's
+        stash entry (a select reads the slot first) and its backward reads it. With the update's,
+        the only memory traffic the model counts apart (the rest is in the matmul efficiency)."""
+        lay, kept = self.parallelism, self._kept_bytes()
+        if lay.stage == 1:
+            return 0.0
+        # Per forward (R x M of them): the chunk's input when the tick is recomputed, else what
+        # the chunk's layers keep.
+        entry = kept["full"] if self._recomputes_ticks else self.layers / lay.repeats * kept[lay.remat]
+        return 3 * lay.microbatches * lay.repeats * entry * self.local_tokens
+
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.run.batch * self.run.seq_len / self.step_time["total"] / self.parallelism.gpus

@@ -1,0 +1,170 @@
+"""Checkpoints with orbax: asynchronous saves of the train state plus the data iterator's position.
+
+Parallelism: WORKDIR/checkpoints/<step>/{state, data}. Orbax writes each step into a temporary
+directory and renames it when complete, so an unfinished save (a process killed mid-write) is
+never taken as the latest. A complete checkpoint whose files were later damaged is reported,
+renamed `<step>.unreadable` (kept for inspection, never deleted) and the previous one is used.
+Restoring takes an abstract state carrying target shardings, so a checkpoint restores onto any
+mesh and process count the arrays fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from lm.config import UserError
+from sharding.rules import path_name
+
+
+class UnreadableCheckpoint(UserError):
+    """A checkpoint whose files cannot be read back (truncated, corrupted)."""
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def saved_fields(self, step: int) -> set[str]:
+        """The top-level entries of a step's state: {'params'} alone for imported weights."""
+        try:
+            return set(self.manager.item_metadata(step)["state"] or ())
+        except Exception as e:
+            raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} has unreadable metadata: {_first_line(e)}") from None
+
+    def save(self, step: int, state, data_state: dict | None = None) -> None:
+        """Starts writing `state` for `step` (every process takes part); returns before the write
+        is durable when async. A step already saved is left as it is."""
+        if step in self.manager.all_steps():
+            return
+        args = {"state": ocp.args.StandardSave(_as_tree(state))}
+        if data_state is not None:
+            args["data"] = ocp.args.JsonSave(data_state)
+        self.manager.save(step, args=ocp.args.Composite(**args))
+
+    def restore(self, abstract_state, step: int | None = None, need_data: bool = False) -> tuple[object, dict | None]:
+        """(state placed as `abstract_state`'s shardings, data iterator state) at `step` (default
+        latest). A `TrainState` comes back as one (it is stored as the dict of its fields).
+        `need_data`: a checkpoint without the data iterator's position is damaged (training
+        always saves it; resuming without it would replay the data from its start)."""
+        step = self._step(step)
+        path = self.directory / str(step)
+        tree = _as_tree(abstract_state)
+        self._check_layout(tree, step)
+        items = {"state": ocp.args.StandardRestore(tree)}
+        has_data = (path / "data").exists()
+        if need_data and not has_data:
+            raise UnreadableCheckpoint(f"checkpoint {path} has no data iterator position (its 'data' item is missing)")
+        if has_data:
+            items["data"] = ocp.args.JsonRestore()
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # orbax / tensorstore raise many kinds; all mean "cannot read"
+            raise UnreadableCheckpoint(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
+        state = restored["state"]
+        if hasattr(abstract_state, "from_dict"):
+            state = type(abstract_state).from_dict(state)
+        return state, (restored["data"] if has_data else None)
+
+    def restore_part(self, abstract_part: dict, step: int | None = None) -> dict:
+        """Only the named top-level entries of a step's state (e.g. `params`), read from disk
+        alone: the rest (optimizer moments) is never loaded."""
+        step = self._step(step)
+        self._check_layout(abstract_part, step, partial=True)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_part)
+        args = ocp.args.PyTreeRestore(item=abstract_part, restore_args=restore_args, partial_restore=True)
+        try:
+            # Bytes in flight bounded near the largest array: the host holds little beyond the
+            # restored arrays themselves (orbax's default lets 96 GB be read at once).
+            largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_part))
+            handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=math.ceil(largest / 1e9) + 1)
+            with ocp.Checkpointer(handler) as reader:
+                return reader.restore(self.directory / str(step) / "state", args=args)
+        except Exception as e:  # orbax / tensorstore raise many kinds; all mean "cannot read"
+            raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} cannot be read: {_first_line(e)}") from None
+
+    def restore_latest(self, abstract_state, warn: Callable[[str], None]) -> tuple[int, object, dict | None] | None:
+        """(step, state, data state) of the newest readable checkpoint, or None if there is none.
+
+        Unreadable ones are reported through `warn` and renamed `<step>.unreadable`.
+        """
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                return step, *self.restore(abstract_state, step, need_data=True)
+            except UnreadableCheckpoint as e:
+                warn(f"warning: {e}; it is kept as {step}.unreadable and the previous checkpoint is used")
+                self._set_aside(step)
+        return None
+
+    def _step(self, step: int | None) -> int:
+        """`step`, or the latest one; a UserError when there is no such checkpoint."""
+        steps = sorted(self.manager.all_steps())
+        if not steps:
+            raise UserError(f"no checkpoint in {self.directory}; train first")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise UserError(f"no checkpoint of step {step} in {self.directory}; it holds steps {', '.join(map(str, steps))}")
+        return step
+
+    def _check_layout(self, abstract_state, step: int, partial: bool = False) -> None:
+        """A checkpoint of another state layout (config or meshlm version) is a user error, not damage."""
+        try:
+            saved = self.manager.item_metadata(step)["state"]
+        except Exception as e:
+            raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} has unreadable metadata: {_first_line(e)}") from None
+        if saved is None:
+            raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} has no state metadata")
+        ours, theirs = _paths(abstract_state), _paths(saved)
+        if partial:
+            theirs = {p for p in theirs if p.split("/")[0] in abstract_state}
+        if ours != theirs:
+            diff = sorted(ours ^ theirs)[:3]
+            raise UserError(
+                f"checkpoint {self.directory / str(step)} holds a different train state layout (e.g. {', '.join(diff)}); "
+                "it was written by another config or meshlm version: use a new --workdir"
+            )
+
+    def _set_aside(self, step: int) -> None:
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(self.directory / f"{step}.unreadable")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"meshlm: checkpoint {step} set aside")
+        self.manager.reload()
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _paths(tree) -> set[str]:
+    """Paths of the arrays in a state tree, the same for its abstract form and orbax's metadata
+    (which also lists empty optimizer states: those hold no array and are left out)."""
+    return {path_name(path) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(leaf, "shape")}
+
+
+def _first_line(error: BaseException) -> str:
+    """The innermost cause's first line: tensorstore's message says what is wrong with which file."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _as_tree(state):
+    """What is written: a `TrainState` as the dict of its fields in use, anything else as it is."""
+    return state.to_dict() if hasattr(state, "to_dict") else state

@@ -1,0 +1,49 @@
+"""A run's weights read back: the parameters (and fp8 scales) of its latest or a given
+checkpoint, never the optimizer's moments, on one device or over the run's own mesh. The one
+reader of a run's weights (sampling, export, numerics, `init.from_hf` from a run)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+import sharding
+from lm import config as lm_config
+from lm import paths
+from lm.data import tokenizer as lm_tokenizer
+from lm.program.checkpoint import Checkpointer
+from lm.program.spec import RunSpec
+from lm.program.steps import AbstractModel, placed
+from sharding.schedules import PipelinePlan
+
+
+def load(workdir: str | Path, step: int | None = None):
+    """(config, tokenizer, model) of the latest (or given) checkpoint in `workdir`, on one device."""
+    config, tokenizer, layout, restored = restore(workdir, step)
+    return config, tokenizer, layout.model(restored["params"], restored.get("fp8"))
+
+
+def restore(workdir: str | Path, step: int | None = None, *, own_mesh: bool = False):
+    """(config, tokenizer, layout, {'params', 'fp8'?}) of a run's latest (or given) checkpoint, on
+    one device (or, `own_mesh`, split over every process's devices as the run's mesh config
+    says). Only the parameters (and fp8 scales) are read, never the optimizer's moments:
+    sampling or exporting needs a third of a training run's memory."""
+    workdir = paths.existing_run_dir(workdir)
+    config = lm_config.load_run(workdir)
+    tokenizer = lm_tokenizer.tokenizer_for(config.data, workdir)
+    spec = RunSpec.parse(config, tokenizer.vocab_size)
+    if own_mesh:
+        mesh = sharding.make_mesh(spec.mesh)
+    else:
+        spec = dataclasses.replace(spec, pipeline=PipelinePlan())
+        mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
+    layout = AbstractModel(spec, mesh)
+    part = {"params": placed(layout.abstract_params, layout.param_shardings)}
+    if layout.fp8_shardings is not None:
+        part["fp8"] = placed(layout.abstract_fp8, layout.fp8_shardings)
+    ckpt = Checkpointer(workdir / "checkpoints")
+    restored = ckpt.restore_part(part, step)
+    ckpt.close()
+    return config, tokenizer, layout, restored

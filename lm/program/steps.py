@@ -1,0 +1,326 @@
+"""The compiled program of one training setup: the train state's layout and shardings, and the
+pure init / train / eval steps, jitted with the mesh and rules bound in (`sharding.jit`).
+
+Nothing here reads files or loops over steps (that is `lm.train`). `lm.bench`, `lm.layout` and
+`lm.numerics` build a `Program`; `lm.generate` needs only `AbstractModel` (no optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import sharding
+from lm.compiler import targets
+from lm.model.attention import check_cudnn
+from lm.model.fp8 import Fp8Meta, Probe, update_fp8
+from lm.model.layers import Embedding
+from lm.model.transformer import Transformer, segment_positions
+from lm.program.mesh_checks import check_batch_split
+from lm.program.optimizer import optimizer, schedule
+from lm.program.spec import RunSpec
+from sharding import constrain
+from sharding.pipeline import split_microbatches
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes; checkpointed whole (`to_dict`)."""
+
+    step: jax.Array
+    params: dict
+    opt_state: Any
+    fp8: dict | None = None  # delayed-scaling scales and amax histories, with precision.fp8
+    loss_scale: dict | None = None  # {scale, good_steps}, with dynamic loss scaling
+
+    def to_dict(self) -> dict:
+        """The checkpoint's form: a dict of the fields in use."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainState:
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    """Fault injection for tests: how a run should misbehave, and when."""
+
+    kill_at_step: int | None = None  # SIGKILL once this step's checkpoint is durable
+    kill_during_save_at_step: int | None = None  # SIGKILL as soon as this step's save has started
+    nonfinite_steps: tuple[int, ...] = ()  # these steps' loss and gradients are NaN
+    overflow_steps: tuple[int, ...] = ()  # these steps' gradients are 1e30 times too large
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy in float32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+    return jnp.mean(losses)
+
+
+class AbstractModel:
+    """The model's variables, abstract: its graph, parameters (with logical axes), fp8 state and
+    statistics probes, and where each parameter lives on `mesh`."""
+
+    def __init__(self, spec: RunSpec, mesh: Mesh):
+        self.spec, self.mesh, self.rules = spec, mesh, spec.rules
+        abstract = sharding.abstract_module(lambda: self.build(0))
+        self.graphdef, params, fp8, probes = nnx.split(abstract, nnx.Param, Fp8Meta, Probe)
+        self.abstract_params, self.abstract_fp8 = nnx.to_pure_dict(params), nnx.to_pure_dict(fp8)
+        self.probes = nnx.to_pure_dict(probes)  # shapes: the probes are zeros each step
+        self.logical_axes = sharding.logical_axes(params)
+        self.param_shardings = sharding.state_shardings(params, mesh, spec.rules)
+        self.fp8_shardings = sharding.state_shardings(fp8, mesh, spec.rules) if spec.policy.fp8 else None
+        self.decay_mask = decay_mask(params)
+
+    def build(self, seed: int) -> Transformer:
+        """The model, initialised from `seed` (traced under jit or `eval_shape`)."""
+        return Transformer(self.spec.model, rngs=nnx.Rngs(seed), policy=self.spec.policy, pipeline=self.spec.pipeline)
+
+    def zero_probes(self) -> dict:
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.probes)
+
+    def model(self, params, fp8=None, probes=None) -> Transformer:
+        """The model on these parameters (and fp8 state; probes default to zeros)."""
+        return nnx.merge(self.graphdef, params, fp8 or {}, self.zero_probes() if probes is None else probes)
+
+
+def decay_mask(params: nnx.State) -> dict:
+    """True for the parameters weight decay applies to: matmul weights, told by their logical
+    axes (nanoGPT's rank >= 2 rule, where a weight's rank counts its logical axes other than the
+    stacked `layers`, and one of them is the model width `embed`). Norm scales, biases (also the
+    per-head ones of q/k/v) and lookup tables (`Embedding`) are not decayed."""
+    flat = {}
+    for path, var in nnx.to_flat_state(params):
+        axes = [a for a in var.get_metadata().get("out_sharding") or () if a != "layers"]
+        flat[path] = len(axes) >= 2 and "embed" in axes and not isinstance(var, Embedding)
+    return nnx.to_pure_dict(nnx.from_flat_state(flat))
+
+
+class Program:
+    """A training setup compiled for a mesh: the state's shardings and the jitted steps."""
+
+    def __init__(self, spec: RunSpec, mesh: Mesh, faults: Faults = Faults()):
+        c = spec.config
+        self.spec, self.config, self.mesh, self.rules, self.faults = spec, c, mesh, spec.rules, faults
+        self.model_cfg, self.policy, self.loss_scaling = spec.model, spec.policy, spec.loss_scaling
+        self.abstract_model = layout = AbstractModel(spec, mesh)
+        self.tx = optimizer(c, layout.decay_mask)
+        self.schedule = schedule(c)
+        self.abstract_state = jax.eval_shape(lambda: self._init(0))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        sharding.check_rules(self.rules, mesh)  # also the rules no parameter uses
+        # The gradients' and optimizer state's placement: the parameters', or with ZeRO-1 spread
+        # over the data replicas as well (the update then runs on each replica's share).
+        self.grad_shardings = layout.param_shardings
+        if c.sharding.optimizer_over_data:
+            self.grad_shardings = jax.tree.map(
+                lambda s, leaf: sharding.spread_sharding(s, leaf.shape), layout.param_shardings, self.abstract_state.params
+            )
+        opt_shardings = optax.tree_map_params(
+            self.tx, lambda _, s: s, self.abstract_state.opt_state, self.grad_shardings, transform_non_params=lambda _: replicated
+        )
+        loss_scale = self.abstract_state.loss_scale
+        self.state_shardings = TrainState(
+            step=replicated,
+            params=layout.param_shardings,
+            opt_state=opt_shardings,
+            fp8=layout.fp8_shardings,
+            loss_scale=None if loss_scale is None else jax.tree.map(lambda _: replicated, loss_scale),
+        )
+        batch_size, length = c.train.batch_size, c.train.seq_len + 1
+        # Rows split over `batch`, each row whole (it is l = seq_len + 1 long, and a context shard
+        # takes its part only after the load-balancing reorder).
+        self.batch_sharding = sharding.named_sharding(mesh, ("batch", None), self.rules, shape=(batch_size, length), name="batch")
+        self.replicated = replicated
+        # Context parallelism: the order that balances causal attention over the sequence's shards.
+        shards = sharding.axis_size(mesh, self.rules, "length")
+        self.sequence_order = sharding.load_balanced_order(c.train.seq_len, shards) if shards > 1 else None
+        options = targets.compiler_options(mesh.devices.flat[0])
+        jit = lambda fn, **kw: sharding.jit(fn, mesh, self.rules, compiler_options=options or None, **kw)  # noqa: E731
+        self.init_state = jit(self._init, static_argnums=0, out_shardings=self.state_shardings)
+        # A fresh state around given (e.g. imported) parameters, which it takes over.
+        self.init_from = jit(self._init, static_argnums=0, out_shardings=self.state_shardings, donate_argnums=1)
+        self.train_step = jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        self.eval_step = jit(
+            lambda state, tokens: self._loss(state.params, tokens, state.fp8, differentiated=False),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=replicated,
+        )
+        self.grads = jit(self._grads)  # loss, gradients and statistics alone (tests, inspection)
+
+    # -- pure functions, traced under jit
+
+    def _init(self, seed: int, params: dict | None = None) -> TrainState:
+        model = self.abstract_model.build(seed)  # with `params` given, XLA drops the unused random init
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param)) if params is None else params
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.tx.init(params),
+            fp8=nnx.to_pure_dict(nnx.state(model, Fp8Meta)) if self.policy.fp8 else None,
+            loss_scale=self.loss_scaling.init(),
+        )
+
+    def model_inputs(self, batch) -> tuple[dict, jax.Array]:
+        """(the model's keyword inputs, the targets) of a batch: tokens [b, l], or {'tokens',
+        'segments'} with document masking, where `l` is the sequence length + 1 (inputs are
+        tokens[:, :-1], targets tokens[:, 1:]). Under context parallelism the sequence is put in
+        `self.sequence_order` here, once, with its positions (and segment ids)."""
+        tokens_bl, segments_bl = (batch["tokens"], batch["segments"]) if isinstance(batch, dict) else (batch, None)
+        inputs = {"tokens_bt": tokens_bl[:, :-1], "segments_bt": None if segments_bl is None else segments_bl[:, :-1]}
+        targets_bt = tokens_bl[:, 1:]
+        if self.sequence_order is not None:
+            segments_bt = inputs["segments_bt"]
+            in_order = jnp.broadcast_to(jnp.arange(targets_bt.shape[1]), targets_bt.shape)
+            inputs["positions_bt"] = in_order if segments_bt is None else segment_positions(segments_bt)
+            inputs = {k: None if a is None else sharding.reorder(a, self.sequence_order) for k, a in inputs.items()}
+            targets_bt = sharding.reorder(targets_bt, self.sequence_order)
+        return inputs, constrain(targets_bt, ("batch", "length"), "targets")
+
+    def _loss(self, params, batch, fp8=None, probes=None, loss_scale=1.0, differentiated=True) -> jax.Array:
+        """Mean cross entropy of a batch (see `model_inputs`); the mean does not depend on the
+        tokens' order, so nothing is undone after a reorder. `loss_scale`: what the loss will be
+        multiplied by before differentiation (the pipelines run their backward with it);
+        `differentiated=False` (evaluation): the pipelines run their forward alone."""
+        inputs, targets_bt = self.model_inputs(batch)
+        model = self.abstract_model.model(params, fp8, probes)
+        if self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe":  # the head and loss per microbatch
+            return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated)
+        logits, _ = model(**inputs)
+        return cross_entropy(logits, targets_bt)
+
+    def _grads(self, params, batch, fp8=None, loss_scale=1.0):
+        """(mean loss, mean grads of `loss * loss_scale`, matmul statistics) over the batch. A
+        step of several passes (accumulation, pipeline microbatches) on several data replicas
+        sums each replica's gradients locally and combines the replicas once
+        (`sharding.per_replica`), not at every pass."""
+        # ZeRO-1 with plain accumulation keeps XLA's way: each pass's gradients reduce-scattered,
+        # so the float32 accumulator is a replica's share, not the whole (llama_8b {data 4,
+        # tensor 2}: 22.7 GiB of temporaries against 43.8).
+        pipelined = self.spec.pipeline.stages > 1
+        passes = pipelined or self.config.train.grad_accum > 1
+        if not passes or (self.config.sharding.optimizer_over_data and not pipelined):
+            return self._replica_grads(params, batch, fp8, loss_scale)
+        # (`_replica_grads` itself where `data` is 1.)
+        grads = sharding.per_replica(self._replica_grads, self.mesh, split=(False, True, False, False), combine=("mean", "sum", "max"))
+        return grads(params, batch, fp8, loss_scale / self.mesh.shape["data"])
+
+    def _replica_grads(self, params, batch, fp8=None, loss_scale=1.0):
+        """`_grads` on the rows given, accumulated over `train.grad_accum` microbatches
+        (statistics: amaxes, the maximum). Each microbatch's loss is differentiated divided by
+        their number, so every gradient inside (and its fp8 scaling and statistics) is the one
+        the whole batch would give."""
+        accum = self.config.train.grad_accum
+        seed = loss_scale / accum
+
+        def scaled_loss(params, probes, tokens):
+            loss = self._loss(params, tokens, fp8, probes, seed)
+            return loss * seed, loss / accum
+
+        grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
+
+        def one(tokens):
+            (grads, stats), loss = grad_fn(params, self.abstract_model.zero_probes(), tokens)
+            return loss, grads, stats
+
+        if accum == 1:
+            return one(batch)
+        micro = jax.tree.map(lambda a: split_microbatches(a, accum, ("batch", None)), batch)
+
+        def add(carry, tokens):
+            loss, grads, stats = one(tokens)
+            summed = jax.tree.map(jnp.add, carry[:2], (loss, grads))
+            return (*summed, jax.tree.map(jnp.maximum, carry[2], stats)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), self.abstract_model.zero_probes())
+        (loss, grads, stats), _ = jax.lax.scan(add, zeros, micro)
+        return loss, grads, stats
+
+    def _train_step(self, state: TrainState, batch):
+        step = state.step + 1
+        scale = self.loss_scaling.current(state.loss_scale)
+        applied_scale = scale
+        if self.faults.overflow_steps:  # fault injection (tests): gradients far too large
+            applied_scale = scale * jnp.where(jnp.isin(step, jnp.asarray(self.faults.overflow_steps)), 1e30, 1.0)
+        loss, grads, stats = self._grads(state.params, batch, state.fp8, applied_scale)
+        if self.loss_scaling.kind != "none":
+            grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+        if self.config.sharding.optimizer_over_data:  # reduce-scattered over the replicas, not all-reduced
+            grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+        if self.faults.nonfinite_steps:  # fault injection (tests): these steps' loss and gradients are NaN
+            poison = jnp.where(jnp.isin(step, jnp.asarray(self.faults.nonfinite_steps)), jnp.nan, 1.0)
+            loss, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (loss, grads))
+        # A non-finite update is not applied (optax.apply_if_finite); the step still counts.
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        metrics = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            "lr": self.schedule(state.step),
+            "nonfinite_in_a_row": opt_state.notfinite_count,
+            "skipped_steps": opt_state.total_notfinite,
+        }
+        fp8 = state.fp8
+        if fp8 is not None:  # delayed scaling learns from applied steps only
+            updated = update_fp8(fp8, stats, self.policy.fp8)
+            fp8 = jax.tree.map(lambda n, o: jnp.where(opt_state.last_finite, n, o), updated, fp8)
+        if self.loss_scaling.kind != "none":
+            metrics["loss_scale"] = scale
+        if self.policy.observe:
+            metrics["matmul_stats"] = stats
+        params = optax.apply_updates(state.params, updates)
+        if self.config.sharding.optimizer_over_data:  # each replica's updated share, all-gathered
+            params = jax.lax.with_sharding_constraint(params, self.abstract_model.param_shardings)
+        new_state = TrainState(
+            step=step,
+            params=params,
+            opt_state=opt_state,
+            fp8=fp8,
+            loss_scale=self.loss_scaling.update(state.loss_scale, opt_state.last_finite),
+        )
+        return new_state, metrics
+
+    # -- host side
+
+    def global_batch(self, local) -> jax.Array | dict:
+        """This process's rows (an array, or a batch from `lm.data`) -> global arrays sharded over
+        `batch`: the tokens, or {'tokens', 'segments'} when the batch carries segments."""
+        make = lambda rows: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(rows))  # noqa: E731
+        if not isinstance(local, dict):
+            return make(local)
+        if "segments" in local:
+            return {"tokens": make(local["tokens"]), "segments": make(local["segments"])}
+        return make(local["tokens"])
+
+    def abstract_sharded_state(self) -> TrainState:
+        """ShapeDtypeStructs of the state placed by its shardings: a restore or compile target."""
+        return placed(self.abstract_state, self.state_shardings)
+
+
+def placed(tree, shardings):
+    """ShapeDtypeStructs of `tree`'s arrays carrying `shardings`: a restore or compile target."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), observe: bool = False) -> Program:
+    """Config -> typed spec (parsed once) -> mesh (checked against the batch) -> the Program.
+
+    `observe`: every step also returns the block matmuls' statistics (`lm.numerics`)."""
+    spec = RunSpec.parse(config, vocab_size, observe=observe)
+    mesh = sharding.make_mesh(spec.mesh, devices)
+    check_batch_split(spec, mesh)
+    if spec.model.attention == "cudnn":  # before a run directory is written, not at the first trace
+        check_cudnn(mesh.devices.flat[0].platform, spec.policy.compute_dtype, spec.model.head_dim)
+    return Program(spec, mesh, faults)

@@ -1,0 +1,217 @@
+"""The host loop of `python -m lm.train`: data, checkpoints, metrics, the verdicts on skipped
+steps. The same workdir again resumes from its latest checkpoint. The compiled program the loop
+drives (state layout, steps) is `lm.program.steps`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import sharding
+import sharding.distributed
+from lm import config as lm_config
+from lm import paths
+from lm.config import UserError
+from lm.data import corpus as lm_data
+from lm.hf.checkpoint import initial_params, with_init_model
+from lm.model.flops import flops_per_token, param_count
+from lm.program.checkpoint import Checkpointer
+from lm.program.spec import RunSpec
+from lm.program.steps import Faults, Program, placed, setup
+from lm.training.metrics import (
+    MetricsWriter,
+    StepRate,
+    peak_dtype,
+    peak_flops,
+    perplexity,
+)
+
+
+def check_workdir(config, workdir: Path) -> None:
+    """A workdir trained with a different model shape is an error; nothing in it is touched."""
+    saved = lm_config.load_run(workdir)
+    if saved is None:
+        return
+    saved, now = lm_config.shape_fields(saved), lm_config.shape_fields(config)
+    diffs = [f"{k}: {saved.get(k)!r} saved, {now.get(k)!r} now" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diffs:
+        raise UserError(
+            f"workdir {workdir} holds a run of an incompatible config ({'; '.join(diffs)}); "
+            "use a new --workdir or the saved settings"
+        )
+
+
+class TrainingHalted(UserError):
+    """The run stopped itself (non-finite steps); its last good state is checkpointed."""
+
+    exit_code = 3
+
+
+def _kill_self(step: int, when: str) -> None:
+    print(f"debug: SIGKILL at step {step} ({when})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _prepare_in_turn(config, workdir: Path) -> lm_data.Corpus:
+    """Process 0 tokenises (and trains a BPE) first; the others then read what it cached."""
+    if jax.process_count() == 1:
+        return lm_data.open_corpus(config, workdir)
+    from jax.experimental import multihost_utils
+
+    prepared = lm_data.open_corpus(config, workdir) if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices("meshlm: data prepared")
+    return prepared or lm_data.open_corpus(config, workdir, progress=False)
+
+
+def _nonfinite_verdict(spec: RunSpec, first_step: int, host_metrics: list[dict], say) -> str | None:
+    """Reports skipped steps; returns why the run must stop, or None.
+
+    Under dynamic loss scaling, gradients overflowing from a finite loss are the scaler's
+    business (it backs off), not a reason to stop."""
+    t = spec.config.train
+    skipped = [(first_step + i, m) for i, m in enumerate(host_metrics) if m["nonfinite_in_a_row"] > 0]
+    dynamic = spec.loss_scaling.kind == "dynamic"
+    overflows = [(step, m) for step, m in skipped if dynamic and np.isfinite(m["loss"])]
+    for step, m in overflows:
+        say(f"step {step}: gradients overflowed at loss scale {m['loss_scale']:g}, update skipped and the scale lowered ({m['skipped_steps']} skipped in all)")
+    skipped = [s for s in skipped if s not in overflows]
+    for step, m in skipped:
+        say(f"step {step}: non-finite loss or gradients, update skipped ({m['nonfinite_in_a_row']} in a row, {m['skipped_steps']} in all)")
+    if skipped and t.on_nonfinite == "stop":
+        return f"step {skipped[0][0]}: non-finite loss or gradients (train.on_nonfinite=stop)"
+    worst = max((int(m["nonfinite_in_a_row"]) for _, m in skipped), default=0)
+    if worst >= t.max_consecutive_nonfinite:
+        return f"{worst} steps in a row had non-finite loss or gradients (train.max_consecutive_nonfinite={t.max_consecutive_nonfinite})"
+    return None
+
+
+def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = Faults()) -> dict:
+    """Trains (or resumes) the run in `workdir` on `devices` (default: all); returns the last
+    logged metrics (with `eval_loss`). SIGTERM / SIGINT end it after the current step with a
+    durable checkpoint."""
+    config = lm_config.checked(config)
+    if config.init.from_hf:
+        config = with_init_model(config)
+    config = lm_data.with_store_tokenizer(config)
+    workdir = paths.new_or_run_dir(workdir)
+    check_workdir(config, workdir)
+    # The mesh is checked before the corpus is read: a bad mesh fails fast.
+    sharding.MeshConfig.from_mapping(config.mesh).resolve(len(devices or jax.devices()))
+    corpus = _prepare_in_turn(config, workdir)
+    program = setup(config, corpus.tokenizer.vocab_size, devices, faults)
+    ckpt = Checkpointer(workdir / "checkpoints", config.checkpoint.keep, config.checkpoint.async_save)
+    pi, pc, t = jax.process_index(), jax.process_count(), config.train
+    batches = corpus.train_batches(t.batch_size, t.seed, pi, pc, config.data.prefetch)
+    val_rows = corpus.eval_batches(t.batch_size, t.eval_batches, pi, pc)
+    if pi == 0:
+        lm_config.save_run(config, workdir)
+    writer = MetricsWriter(workdir, enabled=pi == 0)
+    stop = sharding.distributed.StopRequest()
+    try:
+        return _loop(program, ckpt, batches, val_rows, writer, stop, faults)
+    finally:
+        stop.close()
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
+
+
+def _say(text: str) -> None:
+    """Console output from the lead process, around the progress bar."""
+    from tqdm import tqdm
+
+    if jax.process_index() == 0:
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+
+
+def _start(program: Program, ckpt: Checkpointer):
+    """(step, state, data iterator state) to begin from: the latest checkpoint; weights alone
+    (an imported model's step-0 checkpoint, or `init.from_hf`) with a fresh optimizer; or a
+    random initialisation."""
+    config, layout = program.config, program.abstract_model
+    latest = ckpt.latest_step()
+    if latest is not None and ckpt.saved_fields(latest) == {"params"}:
+        params = ckpt.restore_part({"params": placed(layout.abstract_params, layout.param_shardings)}, latest)["params"]
+        _say(f"starting from the weights in {ckpt.directory / str(latest)} (fresh optimizer state)")
+        return latest, program.init_from(config.train.seed, params), None
+    restored = ckpt.restore_latest(program.abstract_sharded_state(), _say)
+    if restored is not None:
+        _say(f"resuming from step {restored[0]} ({ckpt.directory / str(restored[0])})")
+        return restored
+    if config.init.from_hf:
+        _say(f"starting from the weights of {config.init.from_hf}")
+        return 0, program.init_from(config.train.seed, initial_params(config.init.from_hf, layout)), None
+    return 0, program.init_state(config.train.seed), None
+
+
+def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: MetricsWriter, stop, faults: Faults) -> dict:
+    from tqdm import tqdm
+
+    config = program.config
+    t, mesh, mcfg = config.train, program.mesh, program.model_cfg
+    val_batches = [program.global_batch(rows) for rows in val_rows]  # on device once, reused
+    start, state, data_state = _start(program, ckpt)
+    if data_state is not None:
+        batches.set_state(data_state)
+    tokens_per_step = t.batch_size * t.seq_len
+    rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(peak_dtype(config.precision))[0] * mesh.size)
+    _say(
+        f"model: {param_count(state.params) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
+        f"mesh {dict(mesh.shape)}, {t.steps} steps of {tokens_per_step} tokens"
+    )
+    if start >= t.steps:
+        _say(f"already trained to step {start}; raise --config.train.steps to continue")
+    else:
+        step_fn = program.train_step.lower(state, val_batches[0]).compile()
+    bar = tqdm(total=t.steps, initial=start, disable=jax.process_index() != 0, unit="step", dynamic_ncols=True, file=sys.stdout)
+    pending, last = [], {}
+    for step in range(start + 1, t.steps + 1):
+        state, metrics = step_fn(state, program.global_batch(next(batches)))
+        pending.append(metrics)
+        if step % t.log_every == 0 or step == t.steps:
+            host = jax.device_get(pending)  # the one device->host transfer
+            last = {**rate.row(step, host), **batches.source_tokens()}
+            writer.write(last)
+            bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
+            halt = _nonfinite_verdict(program.spec, step - len(host) + 1, host, _say)
+            pending = []
+            if halt:
+                ckpt.save(step, state, batches.get_state())
+                ckpt.wait()
+                bar.close()
+                raise TrainingHalted(f"{halt}; no non-finite update was applied: the state is checkpointed at step {step} ({ckpt.directory / str(step)})")
+        if step % t.eval_every == 0 or step == t.steps:
+            eval_start = time.perf_counter()
+            losses = jax.device_get([program.eval_step(state, b) for b in val_batches])
+            last["eval_loss"] = float(np.mean(losses))
+            writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": perplexity(last["eval_loss"])})
+            _say(f"step {step}: eval loss {last['eval_loss']:.4f}")
+            rate.exclude(time.perf_counter() - eval_start)  # evaluation time is not training time
+        if step % config.checkpoint.every_steps == 0 or step == t.steps:
+            ckpt.save(step, state, batches.get_state())
+            if faults.kill_during_save_at_step == step:
+                _kill_self(step, "during the checkpoint write")
+        bar.update(1)
+        if faults.kill_at_step == step:
+            ckpt.wait()
+            _kill_self(step, "after the checkpoint is durable")
+        if stop.reached(step):
+            if pending:
+                writer.write(rate.row(step, jax.device_get(pending)))
+            ckpt.save(step, state, batches.get_state())
+            ckpt.wait()
+            bar.close()
+            _say(f"{stop.signal_name}: stopped after step {step}; checkpoint {ckpt.directory / str(step)} is written; run the same command to resume")
+            break
+    bar.close()
+    _say(f"checkpoints: {ckpt.directory}")
+    _say(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})")
+    return last

@@ -1,0 +1,149 @@
+"""Timing a config's train step (the library of `python -m lm.bench`): step time, tokens/s, MFU, memory.
+
+    python -m lm.bench --config=configs/shakespeare_char.py [--config.KEY=VALUE ...] [--steps=N]
+
+Runs `--warmup` steps (compilation included), then N timed steps, each timed to completion, on
+synthetic tokens (speed does not depend on the text), or with `--data` on the config's corpus
+through the real input pipeline (prepared into the cache first), each step's time then
+including the host's wait for its batch (`data_wait_s`; prefetching should make it ~0), and the
+pipeline's own time per global batch measured back to back (`data_time_s`). `--data_only`
+measures that alone, without a model (e.g. `llama_1b`-shaped batches on a laptop). The last
+stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from lm.compiler import hlo, profile
+from lm.data import corpus as lm_data
+from lm.model.flops import flops_per_token, param_count
+from lm.program.steps import setup
+from lm.training.metrics import (
+    peak_dtype,
+    peak_flops,
+    peak_memory_bytes,
+)
+from sharding.schedules import report as pipeline_report
+
+
+def _corpus_batches(config, workdir: Path):
+    """The config's training batches through the real pipeline (prepared first), as lm.train
+    reads them, and the corpus's vocabulary size."""
+    t = config.train
+    corpus = lm_data.open_corpus(config, workdir, progress=jax.process_index() == 0)
+    return corpus.train_batches(t.batch_size, t.seed, jax.process_index(), jax.process_count(), config.data.prefetch), corpus.tokenizer.vocab_size
+
+
+def _time_batches(batches, count: int) -> dict:
+    """The pipeline's time per global batch, pulled back to back (after one to start it)."""
+    next(batches)
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        next(batches)
+        times.append(time.perf_counter() - start)
+    return {"data_time_s": statistics.median(times), "data_time_max_s": max(times)}
+
+
+def data_bench(config, batches: int = 50) -> dict:
+    """Host time to produce a global batch of this config's shape, without a model."""
+    with tempfile.TemporaryDirectory() as workdir:
+        iterator, _ = _corpus_batches(config, Path(workdir))
+        timing = _time_batches(iterator, batches)
+    t = config.train
+    return {"batch_size": t.batch_size, "seq_len": t.seq_len, "document_masking": config.data.document_masking, **timing}
+
+
+def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str | None = None, with_data: bool = False,
+          profile: str | None = None) -> dict:
+    if with_data:
+        with tempfile.TemporaryDirectory() as workdir:
+            return _bench(config, steps, warmup, devices, save_hlo, profile, *_corpus_batches(config, Path(workdir)))
+    return _bench(config, steps, warmup, devices, save_hlo, profile, None, lm_data.nominal_vocab_size(config.data))
+
+
+def _profiled(compiled, state, batches, directory: str, steps: int) -> dict:
+    """`steps` more steps under JAX's profiler (trace in `directory`), summed by `lm.profile`."""
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for i in range(steps):
+            state, metrics = compiled(state, batches[i % len(batches)])
+        jax.block_until_ready(metrics)
+    return profile.summary(profile.trace_file(directory), compiled.as_text(), steps)
+
+
+def _bench(config, steps, warmup, devices, save_hlo, profile_dir, data_batches, vocab_size) -> dict:
+    program = setup(config, vocab_size, devices)
+    mesh, mcfg = program.mesh, program.model_cfg
+    rng = np.random.default_rng(config.train.seed)
+    local_rows = config.train.batch_size // jax.process_count()
+    if data_batches is None:
+        make_batch = lambda: program.global_batch(  # noqa: E731
+            rng.integers(0, mcfg.vocab_size, (local_rows, config.train.seq_len + 1), dtype=np.int32)
+        )
+    else:
+        make_batch = lambda: program.global_batch(next(data_batches))  # noqa: E731
+    state = program.init_state(config.train.seed)
+    start = time.perf_counter()
+    compiled = program.train_step.lower(state, make_batch()).compile()
+    compile_s = time.perf_counter() - start
+    if save_hlo:
+        hlo.save(compiled.as_text(), save_hlo)
+    batches = [make_batch() for _ in range(4)]
+    for i in range(warmup):
+        state, metrics = compiled(state, batches[i % 4])
+    jax.block_until_ready(metrics)
+    times, waits = [], []
+    for i in range(steps):
+        start = time.perf_counter()
+        batch = batches[i % 4] if data_batches is None else make_batch()  # the real pipeline: a fresh batch each step
+        waits.append(time.perf_counter() - start)
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    step_time = statistics.median(times)
+    data = {} if data_batches is None else {"data_wait_s": statistics.median(waits), **_time_batches(data_batches, 20)}
+    if profile_dir:  # after the timed steps, so tracing does not slow them
+        data["profile"] = _profiled(compiled, state, batches, profile_dir, min(steps, 3))
+    tokens = config.train.batch_size * config.train.seq_len
+    fpt = flops_per_token(mcfg, config.train.seq_len)
+    peak, source = peak_flops(peak_dtype(config.precision))
+    memory = compiled.memory_analysis()
+    plan = program.spec.pipeline
+    pipelined = pipeline_report(plan, mcfg.num_layers)  # its schedule, bubble and stash depth
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": jax.devices()[0].device_kind,
+        "devices": mesh.size,
+        "mesh": dict(mesh.shape),
+        "params": param_count(state.params),
+        "tokens_per_step": tokens,
+        "compute_dtype": config.precision.compute_dtype,
+        "fp8": config.precision.fp8,
+        "loss_scale": program.loss_scaling.kind,
+        "compile_time_s": round(compile_s, 3),
+        "step_time_s": step_time,
+        "step_time_min_s": min(times),
+        "tokens_per_sec": tokens / step_time,
+        "flops_per_token": fpt,
+        "mfu": fpt * tokens / step_time / (peak * mesh.size),
+        "peak_flops": peak,
+        "peak_flops_source": source,
+        "peak_memory_bytes": peak_memory_bytes(),
+        "compiled_temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+        "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+        "final_loss": float(metrics["loss"]),
+        "pipeline": dataclasses.asdict(plan),
+        "pipeline_schedule": pipelined["schedule"],
+        "pipeline_bubble": pipelined["bubble"],
+        "pipeline_stash_depth": pipelined["stash_depth"],
+        "pipeline_stash": pipelined["stash"],
+        **data,
+    }
