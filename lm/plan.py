@@ -23,8 +23,8 @@ from lm import GPU_MEMORY_FRACTION, cli
 from lm.cli import Parser
 from lm.compiler import targets
 from lm.config import UserError
-from lm.planner import cost
-from lm.planner.cost import System
+from lm.hardware.systems import System
+from lm.planner.run import run_of
 from lm.planner.search import (
     MEMORY_FRACTION,
     describe,
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
     if unknown := [r for r in remats if r not in REMAT]:
         raise UserError(f"--remat={unknown[0]!r} is not a remat policy; choose from {', '.join(REMAT)}")
     devices = targets.command_devices("lm.plan", argv, args.target, args.gpus, hosts) if args.verify else None
-    run = cost.run_of(args.config)
+    run = run_of(args.config)
     if not 0 < args.memory_fraction <= 1:
         raise UserError(f"--memory_fraction={args.memory_fraction} must be in (0, 1]")
     device_memory = args.memory_gib * 2**30 or targets.memory_bytes(args.target)

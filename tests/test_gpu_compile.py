@@ -1,5 +1,5 @@
 """GPU readiness, checked on the real XLA GPU compiler with no GPU: the train step compiled for 8
-H100s (configs/targets) and its optimized HLO read (lm.hlo). Each detector has a negative
+H100s (lm/hardware) and its optimized HLO read (lm.compiler.hlo). Each detector has a negative
 control that shows it can fail. Skipped, with the reason, where `make gpu-compiler` has not
 installed the compiler."""
 

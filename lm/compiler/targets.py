@@ -1,6 +1,6 @@
 """GPU compile targets as data, and compiling for them on a machine without the GPU.
 
-A target is a `GpuTargetConfigProto` in `configs/targets/` (see its README), selected by name.
+A target is a `GpuTargetConfigProto` in `lm/hardware/` (see its README), selected by name.
 The XLA GPU compiler comes as JAX's CUDA plugin (with cuDNN, for its fused attention);
 `make gpu-compiler` (run by `make test`) installs it into `.venv/gpu-compiler`, apart from the
 environment's packages, so CPU runs never load it. A process that compiles for a GPU target
@@ -17,14 +17,13 @@ import os
 import re
 import sys
 import warnings
-from pathlib import Path
 
 from lm import GPU_COMPILER_DIR, GPU_MEMORY_FRACTION
 from lm.compiler import kernel_cache
 from lm.config import UserError
+from lm.hardware import data_file
 from lm.model.attention import cudnn_available
 
-TARGETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "targets"
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
 
 
@@ -58,7 +57,7 @@ def command_devices(module: str, argv: list[str], name: str, count: int, hosts: 
 def target_config(name: str) -> str:
     if name not in TARGETS:
         raise UserError(f"--target={name!r} is not a known GPU target; choose one of {', '.join(TARGETS)}")
-    return (TARGETS_DIR / TARGETS[name]).read_text()
+    return data_file(TARGETS[name]).read_text()
 
 
 def memory_bytes(name: str) -> int:

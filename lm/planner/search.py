@@ -21,9 +21,12 @@ from collections import Counter
 from collections.abc import Iterator
 
 from lm.config import apply_overrides
-from lm.planner import cost
+from lm.hardware.systems import System
 from lm.planner.compiled import step_report
-from lm.planner.cost import Cost, Parallelism, Run, System
+from lm.planner.cost import Cost, calibration
+from lm.planner.parallelism import Parallelism
+from lm.planner.run import Run
+from sharding.mesh import MESH_AXES
 from sharding.remat import REMAT
 
 # (schedule, pipeline.remat): what a tick or slot keeps, `full` recomputing it.
@@ -51,7 +54,7 @@ def meshes(gpus: int) -> Iterator[tuple[int, ...]]:
             for rest in split(n // d, axes - 1):
                 yield (d, *rest)
 
-    yield from split(gpus, len(cost.MESH_AXES))
+    yield from split(gpus, len(MESH_AXES))
 
 
 def mesh_problem(run: Run, mesh: dict, gpus_per_host: int) -> str | None:
@@ -71,7 +74,7 @@ def mesh_problem(run: Run, mesh: dict, gpus_per_host: int) -> str | None:
 def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[Parallelism | tuple[Parallelism, str]]:
     """Every candidate layout, or (layout, why it cannot run) for the ones the run cannot take."""
     for sizes in meshes(gpus):
-        mesh = dict(zip(cost.MESH_AXES, sizes))
+        mesh = dict(zip(MESH_AXES, sizes))
         # Replicas spread the optimizer state (ZeRO-1) where that costs no traffic: without FSDP
         # (under it XLA all-reduces the gradients over the replicas, then gathers the parameters).
         zero = mesh["data"] > 1 and mesh["fsdp"] * mesh["context"] == 1
@@ -117,7 +120,7 @@ def plan(run: Run, gpus: int, system: System, device_memory: int, gpus_per_host:
     """Every layout of `run` on `gpus` GPUs of `system`, costed; those that fit ranked."""
     gpus_per_host = gpus_per_host or system.gpus_per_host
     system = dataclasses.replace(system, gpus_per_host=gpus_per_host)
-    constants = cost.calibration()
+    constants = calibration()
     fitting, dropped, evaluated = [], Counter(), 0
     for candidate in layouts(run, gpus, gpus_per_host, remats):
         evaluated += 1
@@ -154,7 +157,7 @@ def smallest_fit(run: Run, gpus: int, system: System, device_memory: int, remats
     """(GPUs, a fitting layout's bytes per GPU) for the smallest GPU count above `gpus`, among its
     power-of-two multiples and the powers of two (a count like 3 may divide nothing), on which
     some layout's memory fits, counting memory only (None: none up to MAX_SEARCHED_GPUS)."""
-    constants = cost.calibration()
+    constants = calibration()
     counts = {n << k for n in (gpus, 1) for k in range(MAX_SEARCHED_GPUS.bit_length())}
     for n in sorted(c for c in counts if gpus < c <= MAX_SEARCHED_GPUS):
         for candidate in layouts(run, n, system.gpus_per_host, remats):
