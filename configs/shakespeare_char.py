@@ -26,5 +26,7 @@ def get_config():
     c.train.update(steps=2000, batch_size=12, seq_len=64, log_every=50, eval_every=250, eval_batches=20)
     c.optim.update(lr=1e-3, min_lr_ratio=0.1, warmup_steps=100, b2=0.99, weight_decay=0.1, clip_norm=1.0)
     c.checkpoint.every_steps = 1000
-    c.precision.compute_dtype = "bfloat16"  # float32 master weights; bf16 matmuls (AMX on x86)
+    # float32 master weights; bf16 matmuls: faster on CPUs with AMX or AVX-512 BF16 (`lm.bench`
+    # says: cpu_bf16_units), slower elsewhere: there --config.precision.compute_dtype=float32.
+    c.precision.compute_dtype = "bfloat16"
     return c

@@ -99,6 +99,10 @@ def test_bench_prints_json_last_and_profiles_where_the_step_spends_its_time(tmp_
     for key in ("step_time_s", "tokens_per_sec", "flops_per_token", "mfu", "peak_flops", "peak_flops_source", "peak_memory_bytes"):
         assert key in report
     assert report["tokens_per_sec"] > 0 and 0 < report["mfu"] < 1 and report["peak_flops_source"].startswith("measured")
+    # Beside the run's own measured peak, the best this machine has measured: never a higher MFU.
+    assert report["reference_peak_flops"] >= report["peak_flops"] and report["mfu_at_reference_peak"] <= report["mfu"]
+    assert report["pipeline"] is None and report["remat"] == "none" and isinstance(report["cpu_bf16_units"], bool)
+    assert "final_loss" not in report and "synthetic_batches_loss" in report
     # The profile: XLA:CPU's thunks (no device here), attributed to the step's instructions.
     p = report["profile"]
     assert p["source"] == "host" and p["steps"] == 2 and list((tmp_path / "trace").glob("plugins/profile/*/perfetto_trace.json.gz"))
