@@ -1,6 +1,6 @@
 """The config schema: every key meshlm reads, its default, the checks run before training, and
 overrides (`--config.KEY=VALUE`) applied with their types checked. Recipe files are read by
-`lm.recipe`; `lm.spec.RunSpec` is what a config is parsed into.
+`lm.recipe`; `lm.program.spec.RunSpec` is what a config is parsed into.
 
 Recipe files in `configs/` start from `default_config()` and change what they need;
 `apply_overrides` validates the result and locks it, so a misspelt key (in a file or on the

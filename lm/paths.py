@@ -1,8 +1,8 @@
 """The boundary for paths a user names: each kind is checked where it enters, in one place, so
 every command (and every new one) gives the same one-line `UserError` for the same mistake.
 
-Recipe files are `lm.config.load_file`'s; data paths `lm.sources.corpus_files`'; checkpoints
-`lm.checkpoint`'s. Here: work directories (a new or resumed run, an existing run to read),
+Recipe files are `lm.recipe.load_file`'s; data paths `lm.data.sources.corpus_files`'; checkpoints
+`lm.program.checkpoint`'s. Here: work directories (a new or resumed run, an existing run to read),
 output directories, and readable files (tokenizers, and anything else read whole). Only the
 mistakes listed are caught; anything else is a bug and keeps its traceback.
 """

@@ -192,7 +192,7 @@ def test_fsdp_gathers_weights_per_layer_and_reduce_scatters_gradients(h100s):
     ({"fsdp": 8}, {"model__remat": "full"}),
 ])
 def test_the_cost_models_collective_bytes_are_the_compiled_programs(h100s, mesh, overrides):
-    """What lm.cost times FSDP and tensor parallelism by, per step and device, against what the
+    """What lm.planner.cost times FSDP and tensor parallelism by, per step and device, against what the
     compiled program's collectives move (loop bodies counted per iteration): the weights gathered
     in bf16 and the gradients scattered in float32, each reduction's activation. Within 2% for
     the gathers; 6% for the scatters (the embedding's gradient leaves by an all-to-all of its

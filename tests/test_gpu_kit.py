@@ -31,7 +31,7 @@ def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
     assert case["ok"] and case["compute_dtype"] == "bfloat16" and case["tokens_per_sec"] > 0
     assert sum(n for types, n in case["hlo"]["gemm_operand_types"].items() if types.startswith("bf16 x bf16")) > 0
     assert (tmp_path / "hlo" / "bf16_xla_b8" / "train_step.hlo.txt").stat().st_size > 0  # kept beside gpu.json
-    assert case["profile"]["by_kind_ms_per_step"]["gemm"] > 0  # where its step's time went (lm.profile)
+    assert case["profile"]["by_kind_ms_per_step"]["gemm"] > 0  # where its step's time went (lm.compiler.profile)
     # The batch sweep (with XLA's attention, the main kernel having failed) doubles from 16 up to
     # --max_batch, then fp8 runs at the largest that fit.
     assert list(report["batch_sweep_bf16_xla"]) == ["16"] and report["batch_sweep_bf16_xla"]["16"]["ok"]

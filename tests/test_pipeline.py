@@ -297,7 +297,7 @@ def test_fp8_state_under_every_schedule_is_bitwise_the_one_device_runs_at_each_o
     after every step. The reference adds the same two microbatches' gradients
     (`train.grad_accum=2`), and the vocabulary stays whole, since split over the stages the
     loss's logsumexp adds in another order by design. (Two things made it possible:
-    `lm.attention.softmax`, and GPipe's head run per microbatch, `microbatch_loss`; with its
+    `lm.model.attention.softmax`, and GPipe's head run per microbatch, `microbatch_loss`; with its
     head on the whole batch, its weight gradient summed in another order: equal for 3 steps.)"""
     ref = fp8_one_device_in_two_microbatches
     run = fp8_states({"stage": 2}, jax.devices()[:2], **WHOLE_VOCABULARY, **extra)

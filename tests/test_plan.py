@@ -1,4 +1,4 @@
-"""The layout planner (lm.plan) and its cost model (lm.cost): the state exact, memory checked
+"""The layout planner (lm.plan) and its cost model (lm.planner.cost): the state exact, memory checked
 against the compiler (deviceless H100 compiles, or CPU compiles without the plugin), every listed
 layout buildable, the ranking against published runs, and its one-line answers."""
 

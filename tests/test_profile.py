@@ -1,4 +1,4 @@
-"""lm.profile: a trace's kernel time attributed to the step's HLO instructions and their kinds
+"""lm.compiler.profile: a trace's kernel time attributed to the step's HLO instructions and their kinds
 (on a GPU-shaped module and trace written here; `tests/test_cli.py` profiles a real CPU step)."""
 
 import gzip

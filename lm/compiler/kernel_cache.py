@@ -1,6 +1,6 @@
-"""XLA's GPU kernel cache for programs compiled for compile-only GPUs (`lm.targets.devices`).
+"""XLA's GPU kernel cache for programs compiled for compile-only GPUs (`lm.compiler.targets.devices`).
 
-JAX's persistent cache cannot hold such programs (`lm.targets`), and most of a compile's time
+JAX's persistent cache cannot hold such programs (`lm.compiler.targets`), and most of a compile's time
 goes to ptxas, run once per kernel (a small train step has about 120). XLA can keep compiled
 kernels in a file (`xla_gpu_kernel_cache_file`), keyed by each fusion's fingerprint, and link
 them into any later program that has the same fusion: a model's layouts share many, a re-run all

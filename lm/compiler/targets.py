@@ -129,7 +129,7 @@ GPU_COMPILER_OPTIONS = {
 
 def compiler_options(device) -> dict:
     """The compiler options meshlm sets for programs compiled for `device` (one of a mesh's); for
-    a compile-only GPU, XLA's kernel cache too (`lm.kernel_cache`)."""
+    a compile-only GPU, XLA's kernel cache too (`lm.compiler.kernel_cache`)."""
     if device.platform != "gpu":
         return {}
     options = dict(GPU_COMPILER_OPTIONS)

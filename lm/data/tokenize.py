@@ -3,7 +3,7 @@
     python -m lm.prepare --config=configs/X.py --out=DIR [--workers=N]
 
 The data source (`data.path`, `data.text_field`, `data.skip_bad_records`) and tokenizer
-(`data.tokenizer`) come from the config, as for training. Units of work (`lm.sources`) are
+(`data.tokenizer`) come from the config, as for training. Units of work (`lm.data.sources`) are
 tokenised by N worker processes (default: every core), each writing its own unit's shard
 straight to disk: no process holds the corpus or all its tokens. A killed prepare resumes where
 it stopped (finished units are kept, the plan must match); a finished store is never rewritten:

@@ -1,6 +1,6 @@
 """The attention computation inside `layers.Attention`: the causal (sliding-window) mask from
 positions, and which kernel runs it for the compile target: cuDNN flash attention, XLA's fused
-attention, or the einsums written out for CPU. Shape suffixes as in `lm.layers`.
+attention, or the einsums written out for CPU. Shape suffixes as in `lm.model.layers`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def attention_kernel(requested: str, q_bthk: jax.Array, decoding: bool = False) 
     head dim that is a multiple of 8 up to 128) and not decoding (the cache's mask goes to XLA);
     a training mask (packed documents, a reordered sequence) reaches cuDNN as a bias. Otherwise
     XLA on accelerators and einsum on CPU. `cudnn` asked for where it cannot run is a
-    `UserError` (`check_cudnn`, also run by `lm.program.setup` before anything is written);
+    `UserError` (`check_cudnn`, also run by `lm.program.steps.setup` before anything is written);
     decoding takes `auto`'s choice."""
     backend = sharding.platform()  # the compile target's, not necessarily this machine's
     if requested == "cudnn" and not decoding:

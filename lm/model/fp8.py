@@ -173,12 +173,12 @@ def _quantize(t, dtype, scale, compute_dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def site_matmul(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
-    """`einsum(spec, x, w)` as `lm.matmul.matmul`, quantised and observed as `mode` says; the
+    """`einsum(spec, x, w)` as `lm.model.matmul.matmul`, quantised and observed as `mode` says; the
     gradient of `probe` is the statistics [roles, stats].
 
     Quantised, the GEMMs take the fp8 arrays themselves (e4m3 x e4m3 forward, e5m2 x e4m3 for
     dx, e4m3 x e5m2 for dw), accumulate in float32 and apply the two scales to the result
-    (`lm.matmul.einsum`; on GPUs the forward and dx results leave the GEMM in the compute
+    (`lm.model.matmul.einsum`; on GPUs the forward and dx results leave the GEMM in the compute
     dtype, dw's in float32): the form XLA runs as fp8 GEMMs on GPUs that have them (and
     emulates exactly elsewhere). What the backward pass keeps are the fp8 copies of x and w:
     half the bytes of bf16 ones."""

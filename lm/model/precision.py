@@ -1,5 +1,5 @@
 """Dtype policies: which dtype parameters are kept in, which dtype the matmuls compute in, and
-whether the Transformer blocks' dense matmuls run in fp8 with delayed scaling (`lm.fp8`).
+whether the Transformer blocks' dense matmuls run in fp8 with delayed scaling (`lm.model.fp8`).
 
 The model takes its matmul (`Policy.matmul`) and dtypes from the policy, so switching number
 formats never touches model code. Softmax, normalisation statistics, the logits fed to the loss

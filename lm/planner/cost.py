@@ -5,9 +5,9 @@ rules and the abstract state's shapes, as `lm.layout` reports it; the step's tem
 sum of modelled terms (gradients and their accumulator, the activations each remat policy keeps,
 one layer's working set, the weights' compute-dtype copies, the logits, the head's table whole
 under FSDP), each weighted by a coefficient fitted once to XLA's memory analysis of small
-compiles (`lm.calibrate --memory`). Its inputs (Parallelism, System, Run) are `lm.cost_inputs`.
+compiles (`lm.calibrate --memory`). Its inputs (Parallelism, System, Run) are `lm.planner.run`.
 
-Step time: FLOPs (`lm.metrics.flops_per_token`, plus what remat recomputes) at one calibrated
+Step time: FLOPs (`lm.model.flops.flops_per_token`, plus what remat recomputes) at one calibrated
 share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
 pipeline bubble (a per-stage 1F1B slot lasts its longest piece of work: the wait counted with it) and its
 stash's memory traffic, and the exposed time of each collective from ring formulas over the link its
@@ -184,7 +184,7 @@ class Cost:
     # ---- step time ----------------------------------------------------------------------------
 
     def _ring(self, axes: tuple[str, ...], gathered_bytes: float, kind: str = "gather") -> float:
-        """`lm.network.ring_seconds` over this layout's mesh."""
+        """`lm.planner.network.ring_seconds` over this layout's mesh."""
         return ring_seconds(self.system, self._mesh_sizes, axes, gathered_bytes, kind)
 
     @property
@@ -195,7 +195,7 @@ class Cost:
         """Forward FLOPs per token of the blocks' matmuls and of their attention."""
         run, m = self.run, self.run.model
         # Causal: cuDNN skips the masked half. Under context parallelism the reordered sequence's
-        # mask reaches cuDNN as a bias (lm.attention) and every (query, key) pair is computed:
+        # mask reaches cuDNN as a bias (lm.model.attention) and every (query, key) pair is computed:
         # twice the work.
         attention = 2 * m.num_layers * run.seq_len * m.num_heads * m.head_dim * (2 if self.parallelism.context > 1 else 1)
         return 2 * run.layer_params * m.num_layers, attention
@@ -302,7 +302,7 @@ class Cost:
     def collective_bytes(self) -> dict:
         """Bytes per step each device's FSDP and tensor-parallel collectives carry (whole buffers,
         all-reduces as an all-gather plus a reduce-scatter), as `step_time` counts them: what
-        `lm.hlo.collective_traffic` reads from the compiled program (tests/test_gpu_compile.py)."""
+        `lm.compiler.hlo.collective_traffic` reads from the compiled program (tests/test_gpu_compile.py)."""
         v, layer_passes = self._collective_volume(), self.passes * self.layers
         fsdp = self.parallelism.fsdp * self.parallelism.context > 1
         return {

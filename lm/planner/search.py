@@ -7,9 +7,9 @@ tensor, with the optimizer state over the data replicas (ZeRO-1) where data > 1 
 sequence parallelism, remat policy, gradient accumulation or pipeline microbatches and
 schedule (`SCHEDULES`, with two chunks per stage where the layers allow), for the config's
 global batch), predicts each one's memory per GPU and step time with
-`lm.cost`, and prints the K fastest that fit (by predicted tokens/s per GPU), why the others
+`lm.planner.cost`, and prints the K fastest that fit (by predicted tokens/s per GPU), why the others
 were dropped, the `lm.train` command line for the first, and a JSON line last. `--verify` compiles the train steps for the target
-(deviceless, `lm.targets`) in rank order and prints XLA's memory per device beside the
+(deviceless, `lm.compiler.targets`) in rank order and prints XLA's memory per device beside the
 prediction, and whether it is within the pool JAX gives a run (`lm.GPU_MEMORY_FRACTION` of the
 GPU); a layout over it is dropped and the next one compiled, until K fit (`verified`).
 """
@@ -205,7 +205,7 @@ def verify(config, costs: list[Cost], devices: list, platform: str) -> list[dict
 def collective_check(c: Cost, moved: dict) -> dict:
     """{kind: [model's, compiled] bytes per step and device} for FSDP's gathers and scatters and
     tensor parallelism's reductions (an all-reduce as a gather plus a scatter); `moved`: the
-    compiled step's `lm.hlo.summary` collective bytes, told apart by replica group size (FSDP's
+    compiled step's `lm.compiler.hlo.summary` collective bytes, told apart by replica group size (FSDP's
     groups are fsdp x context devices, tensor parallelism's tensor: equal sizes are compared
     together, as `fsdp and tensor`)."""
     model = c.collective_bytes()

@@ -2,7 +2,7 @@
 wrapped in `optax.apply_if_finite` so that an update from non-finite gradients is never applied.
 
 Weight decay applies where `decay_mask` says (a tree of booleans shaped like the parameters;
-`lm.program.decay_mask` derives it from the model's logical axes: matmul weights only).
+`lm.program.steps.decay_mask` derives it from the model's logical axes: matmul weights only).
 """
 
 from __future__ import annotations

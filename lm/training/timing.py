@@ -73,7 +73,7 @@ def bench(config, steps: int = 20, warmup: int = 2, devices=None, save_hlo: str 
 
 
 def _profiled(compiled, state, batches, directory: str, steps: int) -> dict:
-    """`steps` more steps under JAX's profiler (trace in `directory`), summed by `lm.profile`."""
+    """`steps` more steps under JAX's profiler (trace in `directory`), summed by `lm.compiler.profile`."""
     with jax.profiler.trace(directory, create_perfetto_trace=True):
         for i in range(steps):
             state, metrics = compiled(state, batches[i % len(batches)])
