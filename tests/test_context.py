@@ -188,7 +188,7 @@ def test_resume_and_evaluation_under_context_parallelism(tmp_path, small_corpus)
     ],
 )
 def test_context_parallelism_bad_input_is_one_line(tmp_path, capsys, small_corpus, overrides, fragments):
-    from lm.training import loop as lm_train
+    from lm import train as lm_train
 
     args = [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]
     args += [f"--config.{k}={v}" for k, v in overrides.items()]

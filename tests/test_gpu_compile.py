@@ -111,7 +111,7 @@ def test_compile_only_devices_warn_when_cudnn_cannot_load_and_stay_out_of_the_pe
     """JAX imported before meshlm finds no cuDNN: attention would compile as XLA's, not as on a
     GPU (a 7x larger step for llama_1b), so asking for the target's devices says so. Programs for
     them cannot be read back from JAX's persistent cache, so that is turned off."""
-    code = ("import sys, warnings; {first}import lm, jax; jax.config.update('jax_platforms', 'cpu'); from lm import targets\n"
+    code = ("import sys, warnings; {first}import lm, jax; jax.config.update('jax_platforms', 'cpu'); from lm.compiler import targets\n"
             "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always'); targets.devices('h100', 1)\n"
             "print([str(x.message) for x in w], jax.config.jax_enable_compilation_cache)")
     said = {first: subprocess.run([sys.executable, "-c", code.format(first=first)], cwd=ROOT, capture_output=True, text=True,
@@ -271,7 +271,7 @@ def test_compile_only_programs_take_their_kernels_from_xlas_kernel_cache(h100s):
 
 
 def test_a_process_puts_its_kernel_cache_in_place_of_the_shared_one_at_exit(tmp_path):
-    code = ("import jax, numpy as np, lm; jax.config.update('jax_platforms', 'cpu'); from lm import targets\n"
+    code = ("import jax, numpy as np, lm; jax.config.update('jax_platforms', 'cpu'); from lm.compiler import targets\n"
             "(device,) = targets.devices('h100', 1); options = targets.compiler_options(device)\n"
             "x = jax.ShapeDtypeStruct((1024,), np.float32, sharding=jax.sharding.SingleDeviceSharding(device))\n"
             "jax.jit(lambda x: x * 2 + 1).lower(x).compile(compiler_options=options)\n"

@@ -109,9 +109,10 @@ def test_document_masking_trains_sharded_like_one_device(tmp_path, docs_corpus):
 def test_training_from_a_prepared_store_uses_its_tokenizer(tmp_path, docs_corpus, capsys):
     from conftest import run_cli
 
+    from lm import prepare
     from lm.config import load_run
-    from lm.data import tokenize as prepare
-    from lm.model.sampling import generate, load
+    from lm.model.sampling import generate
+    from lm.program.restore import load
 
     result = run_cli(capsys, prepare.main, f"--out={tmp_path / 'store'}", f"--config.data.path={docs_corpus}",
                      "--config.data.tokenizer=bpe", "--config.data.vocab_size=300", "--workers=2")
