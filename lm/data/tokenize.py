@@ -1,14 +1,7 @@
-"""Tokenising a corpus once into a token store (`lm.data.token_store`); `python -m lm.prepare` is its command.
-
-    python -m lm.prepare --config=configs/X.py --out=DIR [--workers=N]
-
-The data source (`data.path`, `data.text_field`, `data.skip_bad_records`) and tokenizer
-(`data.tokenizer`) come from the config, as for training. Units of work (`lm.data.sources`) are
-tokenised by N worker processes (default: every core), each writing its own unit's shard
-straight to disk: no process holds the corpus or all its tokens. A killed prepare resumes where
-it stopped (finished units are kept, the plan must match); a finished store is never rewritten:
-preparing into it again only checks that it was made from the same sources and tokenizer.
-`lm.train` prepares raw text through the same code, into a cache directory.
+"""Tokenising a corpus once into a token store (`lm.data.token_store`): units of work tokenised
+by worker processes (`python -m lm.data.tokenize JOB k n`, no JAX), each writing its own shard;
+resumable, and a finished store never rewritten (`prepare_store`). `python -m lm.prepare` is
+its command; `lm.train` prepares raw text through the same code, into a cache directory.
 """
 
 from __future__ import annotations

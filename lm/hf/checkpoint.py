@@ -1,15 +1,8 @@
-"""Hugging Face checkpoints in and out of meshlm runs (the library of `python -m lm.convert`).
-
-    python -m lm.convert from_hf --hf=DIR --workdir=RUN [--config=configs/finetune_llama.py] [--config.mesh.fsdp=4 ...]
-    python -m lm.convert to_hf --workdir=RUN --out=DIR [--dtype=bfloat16] [--max_shard_size=5GB]
-
-Import reads `config.json` (the architecture, `lm.hf`), `tokenizer.json` and the safetensors,
-checks every tensor's presence and shape before writing anything, and places each parameter
-straight into its sharding on the run's mesh (`jax.make_array_from_callback`): a process reads
-only the slices its own devices hold, one checkpoint tensor at a time. The run directory gets
-config.json, tokenizer.json, the checkpoint's own config (`hf_config.json`, for export) and a
-step-0 checkpoint of the weights alone, which `lm.train` starts from (fresh optimizer state) and
-`lm.generate` samples from. Export gathers one tensor at a time and writes shard by shard.
+"""Hugging Face checkpoints in and out of meshlm runs: import straight into the run's shardings
+(each process reads only its devices' slices) with a step-0 weights-only checkpoint
+(`import_hf`), export one gathered tensor at a time (`export_hf`), and `init.from_hf`'s
+architecture and weights (`with_init_model`, `initial_params`). `python -m lm.convert` is its
+command.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""The cost model's constants fitted, and its check against published runs (the library of `python -m lm.calibrate`).
-
-    python -m lm.calibrate --memory --target=h100   # compile small layouts for 8 H100s, fit
-    python -m lm.calibrate --memory --platform=cpu  # the same on 8 fake CPU devices
-    python -m lm.calibrate --published             # predicted vs published step times (table)
-
-`--memory` compiles the train step of small configurations under a spread of layouts and fits
-the coefficients of `lm.planner.cost`'s temporaries terms to XLA's memory analysis (non-negative least
-squares), per platform. The one step-time constant, the matmul efficiency (the share of the
-dense peak the model's FLOPs run at), is fitted to one published figure of the same compiler
-(`--published --fit`: MaxText's Llama-3-70B bf16 step on 128 H100s); every other row of
-`lm/hardware/published.json` is a prediction. Both write `lm/hardware/calibration.json`.
+"""The cost model's constants: the temporaries coefficients fitted to small compiles
+(`fit_memory`), the matmul efficiency fitted to one published run (`fit_efficiency`), and the
+predicted-vs-published table. `python -m lm.calibrate` is its command.
 """
 
 from __future__ import annotations

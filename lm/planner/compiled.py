@@ -1,12 +1,6 @@
-"""A config's sharding plan and its compiled train step's memory and HLO, without training (the library of `python -m lm.layout`).
-
-    python -m lm.layout --config=configs/llama_1b.py --config.mesh.fsdp=8 --devices=8
-
-Prints every parameter's logical axes, PartitionSpec, global and per-device shape and bytes;
-per-device totals for parameters, gradients and optimizer state; and XLA's compiled memory
-analysis of the train step on one device. Nothing is allocated: the state is abstract and the
-step is only compiled. `--devices=N` plans on N fake CPU devices (a GPU or TPU cluster's mesh
-can be checked from a laptop); the last stdout line is the summary as one JSON object.
+"""A config's sharding plan and its compiled train step, without training (`step_report`): every
+parameter's placement and bytes per device, XLA's memory analysis, and for a GPU target what
+the optimized HLO runs; `describe` prints it. `python -m lm.layout` is its command.
 """
 
 from __future__ import annotations

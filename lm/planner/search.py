@@ -1,17 +1,7 @@
-"""The planner's search (the library of `python -m lm.plan`): the best ways to train a config on N GPUs, ranked.
-
-    python -m lm.plan --config=configs/llama_70b.py --gpus=1024 --target=h100 --top=5 [--verify]
-
-Enumerates the layouts the config allows (mesh sizes for data / stage / context / fsdp /
-tensor, with the optimizer state over the data replicas (ZeRO-1) where data > 1 without FSDP,
-sequence parallelism, remat policy, gradient accumulation or pipeline microbatches and
-schedule (`SCHEDULES`, with two chunks per stage where the layers allow), for the config's
-global batch), predicts each one's memory per GPU and step time with
-`lm.planner.cost`, and prints the K fastest that fit (by predicted tokens/s per GPU), why the others
-were dropped, the `lm.train` command line for the first, and a JSON line last. `--verify` compiles the train steps for the target
-(deviceless, `lm.compiler.targets`) in rank order and prints XLA's memory per device beside the
-prediction, and whether it is within the pool JAX gives a run (`lm.GPU_MEMORY_FRACTION` of the
-GPU); a layout over it is dropped and the next one compiled, until K fit (`verified`).
+"""The planner's search: every layout of a config on N GPUs enumerated (`layouts`), costed by
+`lm.planner.cost`, the fitting ones ranked by predicted tokens/s per GPU (`plan`), and the best
+compiled for the target in rank order until K fit (`verified`). `python -m lm.plan` is its
+command, and its docstring says what the user sees.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Where a number format is about to fail, layer by layer (the library of `python -m lm.numerics`).
-
-    python -m lm.numerics --workdir=runs/shakespeare [--steps=5] [--config.precision.fp8=delayed]
-
-Runs a few training steps (nothing is saved) from the run's latest checkpoint, or from
-initialisation when there is none, with every dense matmul in the blocks recording its input
-activation (x), weight (w) and output gradient (g): the absolute maximum, and the fractions of
-values that would overflow (become inf/nan) or flush to zero in e4m3, e5m2, float16 and
-bfloat16 under the scaling in use (fp8: the delayed scales when `precision.fp8` is on, else
-each tensor's own amax; gradients carry the loss scale). Each figure is the worst over the
-steps (after one unrecorded step when the fp8 scales are new). Writes WORKDIR/numerics.json and WORKDIR/numerics.png (heat maps, layers x tensors) and
-prints the layers to keep out of fp8 or float16. The config is the run's own (config.json),
-with `--config.KEY=VALUE` overrides; a directory without one takes `--config`.
+"""Per-layer ranges of every block matmul's x / w / g over a few training steps, and which
+layers a number format would overflow or flush to zero (`report`, `advice`, `heat_map`).
+`python -m lm.numerics` is its command, and its docstring says what is measured.
 """
 
 from __future__ import annotations

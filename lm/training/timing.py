@@ -1,14 +1,6 @@
-"""Timing a config's train step (the library of `python -m lm.bench`): step time, tokens/s, MFU, memory.
-
-    python -m lm.bench --config=configs/shakespeare_char.py [--config.KEY=VALUE ...] [--steps=N]
-
-Runs `--warmup` steps (compilation included), then N timed steps, each timed to completion, on
-synthetic tokens (speed does not depend on the text), or with `--data` on the config's corpus
-through the real input pipeline (prepared into the cache first), each step's time then
-including the host's wait for its batch (`data_wait_s`; prefetching should make it ~0), and the
-pipeline's own time per global batch measured back to back (`data_time_s`). `--data_only`
-measures that alone, without a model (e.g. `llama_1b`-shaped batches on a laptop). The last
-stdout line is one JSON object.
+"""A config's train step timed on synthetic tokens or the real input pipeline (`bench`), and
+the pipeline alone (`data_bench`): step time, tokens/s, MFU, memory, as a dict.
+`python -m lm.bench` is its command, and its docstring says what each field means.
 """
 
 from __future__ import annotations
