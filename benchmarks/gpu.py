@@ -4,15 +4,16 @@
 
 On the first local GPU: the device and software (driver, CUDA, cuDNN, jax), the device's own
 target description (to check the one stored for deviceless compiles), measured dense bf16 and
-fp8 matmul peaks, then `python -m lm.bench` of the recipe in bf16 and fp8, with cuDNN and with
-XLA attention, at several remat policies, and the largest batch that fits (doubling until the
-device runs out of memory). Each benchmark runs in its own process (an out-of-memory failure
+fp8 matmul peaks, MoE's grouped matmul (`ragged_dot`, `benchmarks/grouped_gemm.py`) against a
+dense GEMM, then `python -m lm.bench` of the recipe in bf16 and fp8, with cuDNN and with XLA
+attention, at several remat policies, four layers of Llama-3-70B (`configs/llama_70b_layers.py`)
+in bf16 and fp8, and the largest batch that fits (doubling until the device runs out of memory). Each benchmark runs in its own process (an out-of-memory failure
 is a result, not a crash); the compiled HLO of the main cases is read for GEMM operand types
 (fp8 or bf16), cuDNN attention calls and collectives (`lm.compiler.hlo`), and a profiler trace of
 three more of their steps says where the time goes, by kind of work and by instruction
 (`lm.compiler.profile`). Cases run in priority order
-until `--budget_s` is spent. Everything goes to `DIR/gpu.json` as it arrives (each read HLO to
-`DIR/hlo/CASE/`), and at the end a Markdown table of it to `DIR/summary.md`; the last stdout
+until `--budget_s` is spent. Everything goes to `DIR/gpu.json` as it arrives (each read HLO and
+its raw trace to `DIR/hlo/CASE/`, for the step-time model's refit), and at the end a Markdown table of it to `DIR/summary.md`; the last stdout
 line is the same JSON.
 
 Where the main attention fails for another reason than memory (cuDNN missing, say), the batch
@@ -27,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,27 +51,34 @@ def attention(kind: str) -> list[str]:
 CUBLAS_ONLY = "--xla_gpu_enable_triton_gemm=false"
 
 
+# Four layers of Llama-3-70B: its GEMM shapes on one GPU, where fp8 should win (fp8 issue).
+WIDE = "configs/llama_70b_layers.py"
+
+
 class Case(NamedTuple):
     name: str
     overrides: list[str]
-    keep_hlo: bool = False  # read its HLO and profile it
+    keep_hlo: bool = False  # read its HLO and profile it (the trace kept beside the HLO)
     xla_flags: str = ""  # added to XLA_FLAGS for its process
+    config: str = ""  # another recipe than the kit's --config
 
 
 def cases(main: str) -> list[Case]:
     """In priority order, with `main` attention (cudnn on a GPU); XLA's attention once beside it
-    for comparison."""
+    for comparison. The first four are the step-time model's kernel profiles (remat `dots` and
+    `full` at batch 8, fp8, the recipe's batch 64), then the wide proxy in bf16 and fp8."""
     b8 = ["--config.train.batch_size=8"]
     dots = "--config.model.remat=dots"
     compare = [] if main == "xla" else [Case("bf16_xla_b8", [*BF16, *attention("xla"), *b8], True)]
     return [
-        Case(f"bf16_{main}_b8", [*BF16, *attention(main), *b8], True),
-        *compare,
-        Case(f"fp8_{main}_b8", [*FP8, *attention(main), *b8], True),
         Case(f"bf16_{main}_b8_remat_dots", [*BF16, *attention(main), *b8, dots], True),
+        Case(f"bf16_{main}_b8", [*BF16, *attention(main), *b8], True),
+        Case(f"fp8_{main}_b8", [*FP8, *attention(main), *b8], True),
+        Case(f"bf16_{main}_b64", [*BF16, *attention(main), "--config.train.batch_size=64"], True),
+        Case(f"wide_bf16_{main}", [*BF16, *attention(main)], True, config=WIDE),
+        Case(f"wide_fp8_{main}", [*FP8, *attention(main)], True, config=WIDE),
+        *compare,
         Case(f"bf16_{main}_b8_remat_none", [*BF16, *attention(main), *b8, "--config.model.remat=none"]),
-        # `dots` before flash attention's results were saved (its forward run again in the backward).
-        Case(f"bf16_{main}_b8_remat_dots_no_batch", [*BF16, *attention(main), *b8, "--config.model.remat=dots_no_batch"]),
         Case(f"bf16_{main}_b8_remat_dots_cublas_only", [*BF16, *attention(main), *b8, dots], xla_flags=CUBLAS_ONLY),
         Case(f"fp8_{main}_b8_cublas_only", [*FP8, *attention(main), *b8], xla_flags=CUBLAS_ONLY),
     ]
@@ -158,8 +167,9 @@ CHILD_ENV = dict(os.environ)
 
 def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo_dir: Path | None, xla_flags: str = "") -> dict:
     command = [sys.executable, "-m", "lm.bench", f"--config={config}", f"--steps={steps}", *overrides]
+    trace_dir = tempfile.mkdtemp(prefix="meshlm_trace_")
     if hlo_dir:  # the main cases: their HLO read, and where their step's time goes (lm.compiler.profile)
-        command += [f"--save_hlo={hlo_dir}", f"--profile={tempfile.mkdtemp(prefix='meshlm_trace_')}"]
+        command += [f"--save_hlo={hlo_dir}", f"--profile={trace_dir}"]
     start = time.perf_counter()
     try:
         env = {**CHILD_ENV, "XLA_FLAGS": f"{CHILD_ENV.get('XLA_FLAGS', '')} {xla_flags}".strip()} if xla_flags else CHILD_ENV
@@ -171,9 +181,13 @@ def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo
     if done.returncode == 0 and lines:
         result = {"ok": True, "wall_s": wall, **json.loads(lines[-1])}
         if hlo_dir and (hlo_dir / "train_step.hlo.txt").exists():
-            from lm.compiler import hlo
+            from lm.compiler import hlo, profile
 
             result["hlo"] = hlo.summary((hlo_dir / "train_step.hlo.txt").read_text())
+            try:  # the raw trace beside the HLO: the step-time model's refit reads its kernels
+                shutil.copy(profile.trace_file(trace_dir), hlo_dir / "trace.json.gz")
+            except FileNotFoundError as e:
+                result["trace_error"] = str(e)
         return result
     errors = [line for line in done.stderr.splitlines() if "Error" in line or "error" in line or "RESOURCE_EXHAUSTED" in line]
     out_of_memory = "RESOURCE_EXHAUSTED" in done.stderr or "out of memory" in done.stderr.lower()
@@ -212,6 +226,8 @@ def main() -> None:
     parser.add_argument("--max_batch", type=int, default=128)
     parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"), help="the main cases' attention")
     parser.add_argument("--matmul_size", type=int, default=8192, help="n of the n x n x n peak matmuls")
+    parser.add_argument("--grouped_gemm", default="16384,8,4096,14336",
+                        help="rows,experts,d,f of the ragged_dot benchmark (benchmarks/grouped_gemm.py); empty: skip it")
     parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all), e.g. for a rehearsal")
     args = parser.parse_args()
     chosen = cases(args.attention)
@@ -235,12 +251,20 @@ def main() -> None:
 
     save("device", device_info(out))
     save("matmul_peak_flops", matmul_peaks(args.matmul_size))
+    if args.grouped_gemm:  # MoE's grouped matmul against a dense GEMM of the same work
+        from benchmarks import grouped_gemm
+
+        try:
+            save("grouped_gemm", grouped_gemm.measure(*map(int, args.grouped_gemm.split(","))))
+        except Exception as e:  # noqa: BLE001 - a result, not a reason to lose the rest
+            save("grouped_gemm", {"error": f"{type(e).__name__}: {e}"})
     hlo_root = out / "hlo"  # each case's optimised train step, beside gpu.json
     for case in chosen:
         if time.perf_counter() - began > args.budget_s:
             break
         hlo_dir = hlo_root / case.name if case.keep_hlo else None
-        save(case.name, run_bench(args.config, case.overrides, args.steps, args.case_timeout_s, hlo_dir, case.xla_flags))
+        save(case.name, run_bench(case.config or args.config, case.overrides, args.steps, args.case_timeout_s, hlo_dir,
+                                  case.xla_flags))
     # The largest power-of-two batch that fits, bf16 with the main attention (the recipe's remat);
     # with XLA's where the main one failed for another reason than memory (cuDNN missing, say).
     headline = report.get(f"bf16_{args.attention}_b8", {"ok": True})  # the first case, if it ran
