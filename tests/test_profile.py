@@ -5,6 +5,7 @@ import gzip
 import json
 
 import pytest
+from conftest import ROOT
 
 from lm.compiler import profile
 
@@ -99,3 +100,42 @@ def test_without_device_events_the_hosts_are_summed(tmp_path):
 def test_a_missing_trace_says_where_it_looked(tmp_path):
     with pytest.raises(FileNotFoundError, match="plugins/profile"):
         profile.trace_file(tmp_path)
+
+
+# A real GPU step: `llama_1b` bf16 on one H200 (benchmarks/gpu.py, 2026-11-27), three steps traced.
+H200 = ROOT / "benchmarks" / "results" / "h200_2026-11-27"
+
+
+def stored_case(name):
+    hlo = gzip.open(H200 / name / "train_step.hlo.txt.gz").read().decode()
+    events = json.loads(gzip.open(H200 / name / "trace.json.gz").read())["traceEvents"]
+    step_s = json.loads((H200.parent / "h200_2026-11-27.json").read_text())[name]["step_time_s"]
+    return hlo, events, step_s
+
+
+def test_a_real_gpu_trace_of_cuda_graphs_is_attributed_kernel_by_kernel():
+    """XLA runs the step as CUDA graphs: every kernel's `hlo_op` names its command buffer, fusions'
+    kernels are named after (one of) their fusions, cuBLAS's and cuDNN's after their libraries.
+    Each kernel still lands on an instruction of its kind, and the step's time is all accounted for."""
+    hlo, events, step_s = stored_case("bf16_cudnn_b8")
+    s = profile.summary(H200 / "bf16_cudnn_b8" / "trace.json.gz", hlo, steps=3)
+    assert s["source"] == "device"
+    assert s["kernel_ms_per_step"] == pytest.approx(1000 * step_s, rel=0.03)  # one stream: kernels fill the step
+    assert sum(s["device_unattributed_ms_per_step"].values()) < 1.0  # of 261 ms: a few memcpys
+    assert s["by_kind_ms_per_step"]["gemm"] > 0.5 * 1000 * step_s and s["by_kind_ms_per_step"]["attention"] > 20
+    kinds = profile.instruction_kinds(hlo)
+    device = [e for e in events if e.get("ph") == "X" and e["pid"] == 1]
+    placed = profile.attribute(device, hlo)
+    libraries = {"cublas": "gemm", "cudnn": "attention"}
+    for op, e in placed:  # every cuBLAS kernel on a GEMM, every cuDNN kernel on an attention call
+        library = profile._library(e["name"])
+        if library and not profile._HELPER.search(e["name"]) and not e["name"].startswith("gemm_fusion"):
+            assert kinds[op] == libraries[library], (e["name"], op)
+    # One backward attention call per layer and step (16 layers).
+    backward = [t for t in s["top"] if t["op"].startswith("dot_product_attention_bwd")]
+    assert [t["calls_per_step"] for t in backward] == [16.0]
+    # Negative control: without the graphs' node numbers (kernel names alone), the library
+    # kernels, most of the step, are not placed.
+    unnumbered = [{**e, "args": {k: v for k, v in e["args"].items() if not k.startswith("cuda_graph")}} for e in device]
+    lost = sum(e["dur"] for op, e in profile.attribute(unnumbered, hlo) if op is None) / 3e3
+    assert lost > 0.5 * 1000 * step_s

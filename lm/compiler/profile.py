@@ -2,10 +2,16 @@
 instruction and per kind of work (GEMMs, attention, elementwise, reductions, collectives...).
 
 `lm.bench --profile=DIR` (and the GPU run kit) traces steps with `jax.profiler.trace`, then
-`summary` reads the Perfetto trace it wrote and the step's optimized HLO: each event that
-names an instruction of the step's module (`args.hlo_op`; on a GPU the kernels on the device's
-streams, on a CPU the thunks) is added to that instruction's time, and the instruction's kind is
-read from the HLO. Streams run side by side, so the kinds' sum can exceed the step's wall time.
+`summary` reads the Perfetto trace it wrote and the step's optimized HLO: each kernel on the
+device's streams (on a CPU, each thunk) is added to the time of the instruction it ran for, and
+the instruction's kind is read from the HLO. On a GPU, XLA runs the step as CUDA graphs, whose
+kernels name only their graph: `attribute` places them by graph node and kernel name (see there).
+Streams run side by side, so the kinds' sum can exceed the step's wall time.
+
+    python -m lm.compiler.profile DIR [DIR...]
+
+prints that summary for each directory holding a `train_step.hlo.txt(.gz)` and its
+`trace.json.gz`, as the GPU run kit stores them (`benchmarks/results/<device>_<date>/CASE/`).
 """
 
 from __future__ import annotations
@@ -73,6 +79,103 @@ def trace_file(directory: str | Path) -> Path:
     return found[-1]
 
 
+# Instructions that launch no kernel of their own.
+_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "add-dependency",
+              "opt-barrier", "partition-id", "replica-id"}
+# Kernels that serve a library call without being its main kernel (not counted as calls):
+# cuBLAS's workspace memsets, cuDNN's preprocessing, copies of results.
+_HELPER = re.compile(r"^(memset|memcpy)|compute_dot_do_o|convert_dq|reduce_head|splitk", re.IGNORECASE)
+
+
+# The library a kernel comes from, by its name, and the library an instruction calls.
+_LIBRARY_KERNEL = {"cublas": re.compile(r"nvjet|gemm|xmma|cutlass|cublas", re.IGNORECASE),
+                   "cudnn": re.compile(r"cudnn|sdpa|fmha", re.IGNORECASE)}
+
+
+def _library(text: str) -> str | None:
+    return next((lib for lib, pattern in _LIBRARY_KERNEL.items() if pattern.search(text)), None)
+
+
+def schedule(hlo: str) -> dict[str, list[tuple[str, str | None]]]:
+    """Each computation's instructions that become commands (kernels, library calls, loops; an
+    asynchronous pair is one, its start), in the order of the scheduled HLO, each with the library
+    it calls (cublas, cudnn or None)."""
+    out = {}
+    for comp, _, body in computations(hlo):
+        rows = [m.groups() for m in map(_INSTRUCTION.match, body) if m]
+        out[comp] = [(name, _library(target.group(1)) if (target := re.search(r'custom_call_target="([^"]+)"', rest)) else None)
+                     for name, op, rest in rows if op not in _NO_KERNEL and not op.endswith("-done")]
+    return out
+
+
+def _node(e: dict) -> int | None:
+    node = e.get("args", {}).get("cuda_graph_node_id")
+    return None if node is None else int(node) & 0xFFFFFFFF  # the graph's id is in the high bits
+
+
+def attribute(events: list[dict], hlo: str) -> list[tuple[str | None, dict]]:
+    """(instruction, event) for each device kernel.
+
+    A kernel outside a CUDA graph names its instruction (`args.hlo_op`). Inside one (XLA's command
+    buffers, where `hlo_op` names the buffer) the graph's node number is the command's position in
+    its computation's schedule; which computation is voted by the kernels whose names give their
+    fusion (XLA names a fusion's kernel after it, '.' written '_'; a kernel shared by identical
+    fusions carries one of their names, so the name alone is not enough). Library kernels (cuBLAS,
+    cuDNN, with their memsets) run in a child graph of the command's node, numbered after the
+    parent's nodes: each goes to the nearest call to its library after the last parent node that
+    ran. The kinds' totals are exact; per instruction, where a few calls of one library sit close
+    together, some kernels can land on a neighbour (on the stored H200 steps a few instructions
+    show 48 calls a step where 16 are expected). None where nothing matches."""
+    order = schedule(hlo)
+    where = {name: (comp, i) for comp, commands in order.items() for i, (name, _) in enumerate(commands)}
+    by_kernel_name = {name.replace(".", "_"): name for name in where}
+    graphs: dict[str, list[dict]] = defaultdict(list)
+    out: list[tuple[str | None, dict]] = []
+    for e in events:
+        graph = e.get("args", {}).get("cuda_graph_id")
+        if graph is not None and _node(e) is not None:
+            graphs[graph].append(e)
+            continue
+        op = e.get("args", {}).get("hlo_op")
+        out.append((op if op in where else by_kernel_name.get(e["name"].replace(".", "_")), e))
+    for members in graphs.values():
+        # Its computation: the one most of its named kernels belong to.
+        votes = Counter(where[n][0] for e in members if (n := by_kernel_name.get(e["name"].replace(".", "_"))))
+        if not votes:
+            out.extend((None, e) for e in members)
+            continue
+        comp = votes.most_common(1)[0][0]
+        commands = order[comp]
+        # Node numbers and schedule positions differ by an offset that moves along the schedule
+        # (a computation split into several buffers numbers each from 0; some instructions become no
+        # command): each named kernel of this computation sets it for the kernels after it.
+        offset, last = 0, -1
+        ran: set[int] = set()  # the library calls placed in this run of the graph
+        for e in sorted(members, key=lambda e: e["ts"]):
+            node, name = _node(e), by_kernel_name.get(e["name"].replace(".", "_"))
+            if name is not None and where[name][0] == comp:
+                if node < last:  # the graph's next run
+                    ran.clear()
+                offset, last = where[name][1] - node, node
+                out.append((name, e))
+                continue
+            library, helper = _library(e["name"]), bool(_HELPER.search(e["name"]))
+            if library is None and not helper and node < len(commands) - offset or node == last:
+                last = node  # a parent node whose kernel is shared with another computation's fusion
+                index = node + offset
+            else:  # a library's kernel, in the child graph of the command after the last one run:
+                # the nearest call to its library there not yet run (the offset can be a command or
+                # two off; adjacent calls, such as q / k / v projections, each run once)
+                guess = last + 1 + offset
+                calls = sorted((i for i in range(max(guess - 4, 0), min(guess + 5, len(commands))) if commands[i][1] == library),
+                               key=lambda i: (not helper and i in ran, abs(i - guess)))
+                index = calls[0] if library and calls else guess
+                if library and not helper:
+                    ran.add(index)
+            out.append((commands[index][0] if 0 <= index < len(commands) else None, e))
+    return out
+
+
 def summary(trace: str | Path, hlo: str, steps: int, top: int = 25) -> dict:
     """Per step: the time of each kind of work and of the `top` instructions, in ms, from a trace
     of `steps` runs of the program whose optimized HLO is `hlo`."""
@@ -80,29 +183,56 @@ def summary(trace: str | Path, hlo: str, steps: int, top: int = 25) -> dict:
     events = events["traceEvents"] if isinstance(events, dict) else events
     processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     kinds = instruction_kinds(hlo)
-    timed = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_op") in kinds]
-    # A GPU's kernels are on its device's streams; the host's events for them (launches) are not work.
-    on_device = [e for e in timed if processes.get(e["pid"], "").startswith("/device:")]
-    timed = on_device or timed
-    per_op, calls = defaultdict(float), Counter()
-    for e in timed:
-        per_op[e["args"]["hlo_op"]] += e["dur"] / 1e3 / steps  # us -> ms per step
-        calls[e["args"]["hlo_op"]] += 1
+    on_device = sorted((e for e in events if e.get("ph") == "X" and processes.get(e["pid"], "").startswith("/device:")),
+                       key=lambda e: (e["pid"], e.get("tid"), e["ts"]))
+    # A GPU's kernels are on its device's streams; the host's events for them (launches) are not
+    # work. On a CPU the host's thunks name their instructions.
+    if on_device:
+        timed = attribute(on_device, hlo)
+    else:
+        timed = [(e["args"]["hlo_op"], e) for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_op") in kinds]
+    per_op, calls, unnamed = defaultdict(float), Counter(), Counter()
+    for op, e in timed:
+        if op is None:  # a kernel this reader could not place: the largest are shown, not left out
+            unnamed[e["name"]] += e.get("dur", 0) / 1e3 / steps
+            continue
+        per_op[op] += e["dur"] / 1e3 / steps  # us -> ms per step
+        if not _HELPER.search(e["name"]):
+            calls[op] += 1
     by_kind = defaultdict(float)
     for op, ms in per_op.items():
-        by_kind[kinds[op]] += ms
+        by_kind[kinds.get(op, "other")] += ms
     ranked = sorted(per_op.items(), key=lambda item: -item[1])[:top]
-    # What the device ran that names no instruction of the program (a trace format this reader
-    # does not know, say): the largest, so a report shows it rather than leaving it out.
-    unnamed = Counter()
-    for e in events:
-        if e.get("ph") == "X" and processes.get(e["pid"], "").startswith("/device:") and e.get("args", {}).get("hlo_op") not in kinds:
-            unnamed[e["name"]] += e.get("dur", 0) / 1e3 / steps
     return {
         "steps": steps,
         "source": "device" if on_device else "host",
         "kernel_ms_per_step": round(sum(per_op.values()), 3),
         "by_kind_ms_per_step": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda item: -item[1])},
-        "top": [{"op": op, "kind": kinds[op], "ms_per_step": round(ms, 3), "calls_per_step": calls[op] / steps} for op, ms in ranked],
+        "top": [{"op": op, "kind": kinds.get(op, "other"), "ms_per_step": round(ms, 3), "calls_per_step": calls[op] / steps}
+                for op, ms in ranked],
         "device_unattributed_ms_per_step": {name: round(ms, 3) for name, ms in unnamed.most_common(10)},
     }
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="where each stored GPU step's time went, by kind and instruction")
+    parser.add_argument("dirs", nargs="+", help="directories with train_step.hlo.txt(.gz) and trace.json.gz")
+    parser.add_argument("--steps", type=int, default=3, help="steps the trace holds (the kit traces 3)")
+    parser.add_argument("--top", type=int, default=10)
+    args = parser.parse_args()
+    for directory in map(Path, args.dirs):
+        hlo_file = next((f for f in (directory / "train_step.hlo.txt", directory / "train_step.hlo.txt.gz") if f.exists()), None)
+        if hlo_file is None or not (directory / "trace.json.gz").exists():
+            raise SystemExit(f"error: {directory} has no train_step.hlo.txt(.gz) and trace.json.gz")
+        hlo = (gzip.open(hlo_file) if hlo_file.suffix == ".gz" else open(hlo_file, "rb")).read().decode()
+        s = summary(directory / "trace.json.gz", hlo, args.steps, args.top)
+        kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in s["by_kind_ms_per_step"].items())
+        print(f"{directory.name}: {s['kernel_ms_per_step']:.1f} ms of kernels per step: {kinds}")
+        for row in s["top"]:
+            print(f"  {row['ms_per_step']:8.2f} ms  {row['calls_per_step']:5.0f} calls  {row['kind']:12s} {row['op']}")
+
+
+if __name__ == "__main__":
+    main()
