@@ -122,10 +122,10 @@ def attribute(events: list[dict], hlo: str) -> list[tuple[str | None, dict]]:
     fusion (XLA names a fusion's kernel after it, '.' written '_'; a kernel shared by identical
     fusions carries one of their names, so the name alone is not enough). Library kernels (cuBLAS,
     cuDNN, with their memsets) run in a child graph of the command's node, numbered after the
-    parent's nodes: each goes to the nearest call to its library after the last parent node that
-    ran. The kinds' totals are exact; per instruction, where a few calls of one library sit close
-    together, some kernels can land on a neighbour (on the stored H200 steps a few instructions
-    show 48 calls a step where 16 are expected). None where nothing matches."""
+    parent's nodes: each goes to the call to its library nearest the node after the last parent
+    node that ran, among those not yet run in this run of the graph. The kinds' totals are exact;
+    per instruction, a kernel can land on a neighbouring call of its library, and a fusion kernel
+    shared by identical fusions on one of them. None where nothing matches."""
     order = schedule(hlo)
     where = {name: (comp, i) for comp, commands in order.items() for i, (name, _) in enumerate(commands)}
     by_kernel_name = {name.replace(".", "_"): name for name in where}
@@ -164,10 +164,10 @@ def attribute(events: list[dict], hlo: str) -> list[tuple[str | None, dict]]:
                 last = node  # a parent node whose kernel is shared with another computation's fusion
                 index = node + offset
             else:  # a library's kernel, in the child graph of the command after the last one run:
-                # the nearest call to its library there not yet run (the offset can be a command or
+                # the call to its library nearest there not yet run (the offset can be a command or
                 # two off; adjacent calls, such as q / k / v projections, each run once)
                 guess = last + 1 + offset
-                calls = sorted((i for i in range(max(guess - 4, 0), min(guess + 5, len(commands))) if commands[i][1] == library),
+                calls = sorted((i for i in range(len(commands)) if commands[i][1] == library),
                                key=lambda i: (not helper and i in ran, abs(i - guess)))
                 index = calls[0] if library and calls else guess
                 if library and not helper:
