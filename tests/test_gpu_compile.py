@@ -3,6 +3,7 @@ H100s (lm/hardware) and its optimized HLO read (lm.compiler.hlo). Each detector 
 control that shows it can fail. Skipped, with the reason, where `make gpu-compiler` has not
 installed the compiler."""
 
+import json
 import os
 import re
 import subprocess
@@ -431,3 +432,21 @@ def test_1f1b_temporaries_stay_flat_in_the_microbatches_on_h100s(h100s):
     assert gpipe[1] > 2 * gpipe[0]  # every microbatch's stage inputs
     assert max(one_f_one_b) <= 1.1 * min(one_f_one_b)  # the stages' in-flight inputs only
     assert max(per_stage) <= 1.1 * min(per_stage)
+
+
+@pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
+def test_the_step_time_model_predicts_the_real_h100_run_from_a_deviceless_compile():
+    """`llama_1b` bf16 on one H100 as the GPU run kit ran it (batch 8, remat `full` and `dots`),
+    compiled here for the stored `h100` target: the step-time model, fitted on another GPU (the
+    H200 run), predicts the measured steps (benchmarks/results/h100_2026-11-26.json) within 10%."""
+    from lm.compiler import steptime
+    from lm.recipe import load
+
+    measured = json.loads((ROOT / "benchmarks" / "results" / "h100_2026-11-26.json").read_text())
+    device = targets.devices("h100", 1)
+    for case, remat in (("bf16_cudnn_b8", "full"), ("bf16_cudnn_b8_remat_dots", "dots")):
+        config = load(str(ROOT / "configs" / "llama_1b.py"), {
+            "precision.compute_dtype": "bfloat16", "model.attention": "cudnn", "train.batch_size": "8", "model.remat": remat})
+        text = compiled_train_step(setup(config, nominal_vocab_size(config.data), device)).as_text()
+        predicted = steptime.predict(text, "h100").step_s
+        assert abs(predicted / measured[case]["step_time_s"] - 1) < 0.10, (case, predicted, measured[case]["step_time_s"])

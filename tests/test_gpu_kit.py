@@ -48,7 +48,7 @@ def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
 
 def test_the_gpu_kit_names_its_cases_when_asked_for_an_unknown_one(tmp_path):
     result = run_module("benchmarks.gpu", f"--out={tmp_path}", "--cases=bf16_cudnn_b8,bf16_fast")
-    assert result.returncode == 2 and "unknown case(s) bf16_fast; the cases are bf16_cudnn_b8, bf16_xla_b8" in result.stderr
+    assert result.returncode == 2 and "unknown case(s) bf16_fast; the cases are bf16_cudnn_b8_remat_dots, bf16_cudnn_b8, fp8_cudnn_b8" in result.stderr
     assert not (tmp_path / "gpu.json").exists()
 
 

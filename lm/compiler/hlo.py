@@ -142,7 +142,7 @@ _BUFFER = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s(all-gather|reduce-scatter|all-reduce)(-start)?\(")
 
 
-def _buffer_bytes(types: str) -> list[int]:
+def buffer_bytes(types: str) -> list[int]:
     return [_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _BUFFER.findall(types)]
 
 
@@ -165,7 +165,7 @@ def _collective_bytes(line: str) -> tuple[tuple[str, int], int] | None:
     if not (m := _COLLECTIVE.match(line)):
         return None
     types, op, start = m.groups()
-    sizes = _buffer_bytes(types)
+    sizes = buffer_bytes(types)
     if start and op != "all-reduce":  # (operands..., results...)
         half = len(sizes) // 2
         sizes = sizes[:half] if op == "reduce-scatter" else sizes[half:]

@@ -22,53 +22,14 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from lm.compiler.hlo import COLLECTIVES, computations
+from lm.compiler.kernels import NO_KERNEL, Module
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*.*?\s([a-z][\w\-]*)\((.*)$")
-
-
-def kind(op: str, rest: str, fused_ops: set[str] = frozenset()) -> str:
-    """The kind of work one optimized-HLO instruction does, from its opcode and attributes (and,
-    for a fusion, the opcodes of the computation it calls)."""
-    target = re.search(r'custom_call_target="([^"]+)"', rest)
-    if op == "custom-call" and target:
-        name = target.group(1)
-        return "gemm" if "matmul" in name or "gemm" in name else "attention" if "fmha" in name else "custom-call"
-    if op == "dot":
-        return "gemm"
-    if op == "fusion":
-        if "dot" in fused_ops or "convolution" in fused_ops:
-            return "gemm"
-        if fused_ops and fused_ops <= {"transpose", "copy", "bitcast", "parameter", "convert"} and "transpose" in fused_ops:
-            return "transpose"
-        fusion_kind = re.search(r"kind=k(\w+)", rest)
-        return {"Loop": "elementwise", "Input": "reduction", "Output": "elementwise"}.get(fusion_kind.group(1) if fusion_kind else "", "fusion")
-    if op.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
-        return "collective"
-    if op in ("copy", "copy-start", "copy-done", "transpose"):
-        return "copy"
-    if op in ("dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad", "gather", "scatter"):
-        return "slicing"
-    return "other"
 
 
 def instruction_kinds(hlo: str) -> dict[str, str]:
-    """{instruction name: kind} for every instruction of the module."""
-    parsed = {name: [m.groups() for m in map(_INSTRUCTION.match, body) if m] for name, _, body in computations(hlo)}
-    # The opcodes each computation holds, those of the computations it calls folded in (nested fusions).
-    direct = {name: ({op for _, op, _ in rows}, set(re.findall(r"calls=%?([\w.\-]+)", " ".join(r for _, _, r in rows))))
-              for name, rows in parsed.items()}
-
-    def opcodes(name: str, seen: frozenset = frozenset()) -> set[str]:
-        ops, called = direct.get(name, (set(), set()))
-        return ops.union(*(opcodes(c, seen | {name}) for c in called - seen - {name}))
-
-    kinds = {}
-    for rows in parsed.values():
-        for name, op, rest in rows:
-            called = re.search(r"calls=%?([\w.\-]+)", rest) if op == "fusion" else None
-            kinds[name] = kind(op, rest, opcodes(called.group(1)) if called else set())
-    return kinds
+    """{instruction name: kind} for every instruction of the module (`lm.compiler.kernels.kind`)."""
+    module = Module(hlo)
+    return {i.name: module.kind(i, fp8_apart=False) for rows in module.bodies.values() for i in rows}
 
 
 def trace_file(directory: str | Path) -> Path:
@@ -79,9 +40,6 @@ def trace_file(directory: str | Path) -> Path:
     return found[-1]
 
 
-# Instructions that launch no kernel of their own.
-_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "add-dependency",
-              "opt-barrier", "partition-id", "replica-id"}
 # Kernels that serve a library call without being its main kernel (not counted as calls):
 # cuBLAS's workspace memsets, cuDNN's preprocessing, copies of results.
 _HELPER = re.compile(r"^(memset|memcpy)|compute_dot_do_o|convert_dq|reduce_head|splitk", re.IGNORECASE)
@@ -100,12 +58,9 @@ def schedule(hlo: str) -> dict[str, list[tuple[str, str | None]]]:
     """Each computation's instructions that become commands (kernels, library calls, loops; an
     asynchronous pair is one, its start), in the order of the scheduled HLO, each with the library
     it calls (cublas, cudnn or None)."""
-    out = {}
-    for comp, _, body in computations(hlo):
-        rows = [m.groups() for m in map(_INSTRUCTION.match, body) if m]
-        out[comp] = [(name, _library(target.group(1)) if (target := re.search(r'custom_call_target="([^"]+)"', rest)) else None)
-                     for name, op, rest in rows if op not in _NO_KERNEL and not op.endswith("-done")]
-    return out
+    return {comp: [(i.name, _library(target.group(1)) if (target := re.search(r'custom_call_target="([^"]+)"', i.rest)) else None)
+                   for i in rows if i.op not in NO_KERNEL and not i.op.endswith("-done")]
+            for comp, rows in Module(hlo).bodies.items()}
 
 
 def _node(e: dict) -> int | None:
@@ -119,16 +74,21 @@ def attribute(events: list[dict], hlo: str) -> list[tuple[str | None, dict]]:
     A kernel outside a CUDA graph names its instruction (`args.hlo_op`). Inside one (XLA's command
     buffers, where `hlo_op` names the buffer) the graph's node number is the command's position in
     its computation's schedule; which computation is voted by the kernels whose names give their
-    fusion (XLA names a fusion's kernel after it, '.' written '_'; a kernel shared by identical
-    fusions carries one of their names, so the name alone is not enough). Library kernels (cuBLAS,
+    fusion (XLA names a fusion's kernel after it, '.' written '_'; identical fusions share one
+    kernel, named after one of them: of those, the one nearest the node's position is taken). Library kernels (cuBLAS,
     cuDNN, with their memsets) run in a child graph of the command's node, numbered after the
     parent's nodes: each goes to the call to its library nearest the node after the last parent
     node that ran, among those not yet run in this run of the graph. The kinds' totals are exact;
-    per instruction, a kernel can land on a neighbouring call of its library, and a fusion kernel
-    shared by identical fusions on one of them. None where nothing matches."""
+    per instruction, a library kernel can land on a neighbouring call of its library. None where
+    nothing matches."""
     order = schedule(hlo)
     where = {name: (comp, i) for comp, commands in order.items() for i, (name, _) in enumerate(commands)}
     by_kernel_name = {name.replace(".", "_"): name for name in where}
+    # Identical fusions share one kernel, named after one of them (`deduplicated_name` on the others).
+    sharing: dict[str, list[str]] = defaultdict(list)
+    for i in (i for rows in Module(hlo).bodies.values() for i in rows if i.name in where):
+        shared = re.search(r'deduplicated_name="([^"]+)"', i.rest)
+        sharing[(shared.group(1) if shared else i.name).replace(".", "_")].append(i.name)
     graphs: dict[str, list[dict]] = defaultdict(list)
     out: list[tuple[str | None, dict]] = []
     for e in events:
@@ -153,6 +113,10 @@ def attribute(events: list[dict], hlo: str) -> list[tuple[str | None, dict]]:
         ran: set[int] = set()  # the library calls placed in this run of the graph
         for e in sorted(members, key=lambda e: e["ts"]):
             node, name = _node(e), by_kernel_name.get(e["name"].replace(".", "_"))
+            # Of the fusions sharing this kernel, the one of this computation nearest its node.
+            mine = [n for n in sharing.get(e["name"].replace(".", "_"), []) if where[n][0] == comp]
+            if mine:
+                name = min(mine, key=lambda n: abs(where[n][1] - (node + offset)))
             if name is not None and where[name][0] == comp:
                 if node < last:  # the graph's next run
                     ran.clear()

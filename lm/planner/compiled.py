@@ -9,8 +9,9 @@ import jax
 import numpy as np
 
 from lm import GPU_MEMORY_FRACTION
-from lm.compiler import hlo, targets
+from lm.compiler import hlo, kernels, steptime, targets
 from lm.data import corpus as lm_data
+from lm.model.flops import flops_per_token
 from lm.program.steps import placed, setup
 from sharding import report
 from sharding.schedules import report as pipeline_report
@@ -59,7 +60,29 @@ def step_report(config, devices=None, compile_step: bool = True, save_hlo: str |
             summary.update(target=target, device_memory_bytes=targets.memory_bytes(target))
             # Against the pool JAX runs meshlm in, not the whole device.
             summary["fits"] = compiled.get("peak_estimate_bytes", 0) <= GPU_MEMORY_FRACTION * summary["device_memory_bytes"]
+            summary["step_time"] = predicted_step(config, program, text, target, executable)
     return report.rows(state.params, program.abstract_model.logical_axes), summary
+
+
+def predicted_step(config, program, text: str, target: str, executable, top: int = 15) -> dict:
+    """The step-time model's prediction for one compiled step (`lm.compiler.steptime`): step time,
+    tokens/s and MFU (dense bf16 peak, `lm.model.flops`'s FLOPs: causal attention at half, the
+    head counted, embedding lookups not), its largest kernels, and XLA's own cost analysis beside."""
+    prediction = steptime.predict(text, target)
+    tokens = config.train.batch_size * config.train.seq_len
+    peak = steptime.device(target).bf16_flops * program.mesh.size
+    fpt = flops_per_token(program.model_cfg, config.train.seq_len)
+    return {
+        "step_s": prediction.step_s,
+        "tokens_per_sec": tokens / prediction.step_s,
+        "mfu": tokens * fpt / prediction.step_s / peak,
+        "flops_per_token": fpt,
+        "by_kind_s": prediction.by_kind(),
+        "top": prediction.top(top),
+        "xla_cost_analysis": kernels.cost_analysis(executable),
+        "kernel_flops": sum(r["count"] * r["flops_per_run"] for r in prediction.rows),
+        "kernel_bytes": sum(r["count"] * r["bytes_per_run"] for r in prediction.rows),
+    }
 
 
 def describe(param_rows: list[report.Row], summary: dict) -> str:
@@ -84,6 +107,17 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
         verdict = "fits" if summary["fits"] else "does NOT fit"
         pool = f"JAX's pool: {GPU_MEMORY_FRACTION:.0%}, {fmt(int(GPU_MEMORY_FRACTION * summary['device_memory_bytes']))}"
         lines.append(f"target {summary['target']}: {fmt(summary['device_memory_bytes'])} per device ({pool}); the step {verdict}")
+    if timed := summary.get("step_time"):
+        lines.append(f"predicted on {summary['target']} (lm.compiler.steptime): step {1e3 * timed['step_s']:.1f} ms, "
+                     f"{timed['tokens_per_sec']:,.0f} tokens/s, MFU {100 * timed['mfu']:.1f}% (bf16 peak; causal attention at half)")
+        lines.append("  by kind: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in timed["by_kind_s"].items()))
+        xla = timed["xla_cost_analysis"]
+        lines.append(f"  kernels: {timed['kernel_flops'] / 1e12:.2f} TFLOP, {timed['kernel_bytes'] / 1e9:.2f} GB per step "
+                     f"(XLA's cost analysis: {xla.get('flops', 0) / 1e12:.2f} TFLOP, "
+                     f"{xla.get('bytes accessed', 0) / 1e9:.2f} GB)")
+        lines.append(f"  {'ms/step':>8} {'share':>6} {'runs':>5} {'kind':10} {'GFLOP/run':>10} {'MB/run':>9}  kernel, result")
+        lines += [f"  {1e3 * r['seconds_per_step']:8.2f} {100 * r['share']:5.1f}% {r['count']:5d} {r['kind']:10} "
+                  f"{r['flops_per_run'] / 1e9:10.2f} {r['bytes_per_run'] / 1e6:9.1f}  {r['name']}, {r['shape']}" for r in timed["top"]]
     if summary.get("hlo", {}).get("gemm_operand_types"):
         lines.append("GEMMs (operand types -> result): " + ", ".join(f"{k}: {n}" for k, n in summary["hlo"]["gemm_operand_types"].items()))
         overlapped = summary["hlo"]["collectives_overlapped"]

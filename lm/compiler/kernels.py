@@ -1,0 +1,272 @@
+"""The kernels a compiled step launches, read from its optimized HLO: each with its kind, how often
+it runs per step, its FLOPs and the HBM bytes it reads and writes (`table`).
+
+A kernel is an instruction of the entry computation or of a computation it runs (a while loop's
+body, its known trip count times; a conditional's costliest branch): a fusion, a library call
+(cuBLAS / cuBLASLt GEMMs incl. fp8, cuDNN attention), a copy or transpose, a collective. Its bytes
+come from the kernel's own operands and results, not its inner ops, except where a fusion reads
+a slice of an operand (`dynamic-slice` of a layer's weights out of the stacked ones) or updates
+one in place (`dynamic-update-slice`): there the slice's bytes count. FLOPs are counted for
+GEMMs (2 M N K from the dot's dimensions) and cuDNN attention (4 B H Sq Skv D forward, causal at
+half, backward 2.5x forward); other kernels count one FLOP per result element. The times are
+`lm.compiler.steptime`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import NamedTuple
+
+from lm.compiler.hlo import COLLECTIVES, buffer_bytes, computations
+
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
+_SHAPE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+# Instructions that launch no kernel of their own; loops and branches run their computations'.
+NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "add-dependency",
+             "opt-barrier", "partition-id", "replica-id"}
+CONTROL = {"while", "conditional", "call"}
+# Workspace buffers of library calls: scratch, not data the kernel streams.
+_WORKSPACE = {"s8", "u8"}
+
+
+class Kernel(NamedTuple):
+    name: str
+    kind: str  # gemm, gemm_fp8, attention, elementwise, reduction, transpose, copy, collective, ...
+    count: int  # runs per step
+    flops: float  # per run
+    bytes: float  # HBM bytes read and written per run
+    shape: str  # its result type, for a person reading the table
+    computation: str
+
+
+class Instruction(NamedTuple):
+    name: str
+    type: str
+    op: str
+    rest: str
+
+    @property
+    def operands(self) -> list[str]:
+        return re.findall(r"%([\w.\-]+)", self.rest.split(")")[0])
+
+    @property
+    def called(self) -> list[str]:
+        return re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", self.rest)
+
+
+def kind(op: str, rest: str, fused_ops: set[str] = frozenset()) -> str:
+    """The kind of work one optimized-HLO instruction does, from its opcode and attributes (and,
+    for a fusion, the opcodes of the computation it calls)."""
+    target = re.search(r'custom_call_target="([^"]+)"', rest)
+    if op == "custom-call" and target:
+        name = target.group(1)
+        return "gemm" if "matmul" in name or "gemm" in name else "attention" if "fmha" in name else "custom-call"
+    if op == "dot":
+        return "gemm"
+    if op in ("fusion", "fusion-start"):
+        if "dot" in fused_ops or "convolution" in fused_ops:
+            return "gemm"
+        if fused_ops and fused_ops <= {"transpose", "copy", "bitcast", "parameter", "convert"} and "transpose" in fused_ops:
+            return "transpose"
+        fusion_kind = re.search(r"kind=k(\w+)", rest)
+        return {"Loop": "elementwise", "Input": "reduction", "Output": "elementwise"}.get(fusion_kind.group(1) if fusion_kind else "", "fusion")
+    if op.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
+        return "collective"
+    if op in ("copy", "copy-start", "copy-done", "transpose"):
+        return "copy"
+    if op in ("dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad", "gather", "scatter"):
+        return "slicing"
+    return "other"
+
+
+class Module:
+    """An optimized HLO module's computations, instructions and result types."""
+
+    def __init__(self, hlo: str):
+        self.bodies: dict[str, list[Instruction]] = {}
+        self.entry = ""
+        for name, header, body in computations(hlo):
+            self.bodies[name] = [Instruction(*m.groups()) for m in map(_LINE.match, body) if m]
+            if header.startswith("ENTRY"):
+                self.entry = name
+        self.types = {i.name: i.type for rows in self.bodies.values() for i in rows}
+        self._ops: dict[str, set[str]] = {}
+
+    def opcodes(self, computation: str, seen: frozenset = frozenset()) -> set[str]:
+        """The opcodes a computation holds, those of the computations it calls folded in."""
+        if computation not in self._ops:
+            rows = self.bodies.get(computation, [])
+            ops = {i.op for i in rows}
+            for i in rows:
+                for callee in set(i.called) - seen - {computation}:
+                    ops |= self.opcodes(callee, seen | {computation})
+            self._ops[computation] = ops
+        return self._ops[computation]
+
+    def kind(self, i: Instruction, fp8_apart: bool = True) -> str:
+        fused = self.opcodes(i.called[0]) if i.op in ("fusion", "fusion-start") and i.called else set()
+        k = kind(i.op, i.rest, fused)
+        return "gemm_fp8" if fp8_apart and k == "gemm" and self.fp8_gemm(i) else k
+
+    def fp8_gemm(self, i: Instruction) -> bool:
+        if i.op == "custom-call":
+            return "$f8" in i.rest or any(self.types.get(o, "").startswith("f8") for o in i.operands[:2])
+        dot = self.dot_of(i)
+        return dot is not None and any(self.types.get(o, "").lstrip("(").startswith("f8") for o in dot.operands[:2])
+
+    def dot_of(self, i: Instruction) -> Instruction | None:
+        for callee in i.called:
+            for row in self.bodies.get(callee, []):
+                if row.op == "dot":
+                    return row
+                if row.called and (found := self.dot_of(row)):
+                    return found
+        return None
+
+
+def _elements(type_: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _SHAPE.findall(type_.split("{")[0] if "(" not in type_ else type_)]
+
+
+def _dims(type_: str) -> tuple[int, ...]:
+    found = _elements(type_)
+    return found[0][1] if found else ()
+
+
+def gemm_flops(module: Module, i: Instruction) -> float:
+    """2 x result elements x contracted size, of a cuBLAS call or a fusion around a dot."""
+    if i.op == "custom-call":
+        numbers = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.rest)
+        lhs = _dims(module.types.get(i.operands[0], ""))
+        contracted = [int(d) for d in re.findall(r'"(\d+)"', numbers.group(1))] if numbers else []
+        result = _dims(i.type)
+    else:
+        dot = module.dot_of(i)
+        if dot is None:
+            return 0.0
+        numbers = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.rest)
+        lhs = _dims(module.types.get(dot.operands[0], ""))
+        contracted = [int(d) for d in numbers.group(1).split(",") if d] if numbers else []
+        result = _dims(dot.type)
+    k = math.prod(lhs[d] for d in contracted if d < len(lhs)) if lhs else 0
+    return 2.0 * math.prod(result) * k
+
+
+def attention_flops(module: Module, i: Instruction) -> float:
+    """cuDNN attention: QK^T and AV, 2 B H Sq Skv D each, causal at half; backward 2.5x forward."""
+    if "Backward" in i.rest:  # (dq, dk, dv, ...): the gradients have the inputs' shapes
+        q, k = (dims for _, dims in _elements(i.type)[:2])
+    else:
+        q, k = (_dims(module.types.get(o, "")) for o in i.operands[:2])
+    if len(q) != 4 or len(k) != 4:
+        return 0.0
+    numbers = re.search(r'"bmm1_dot_dimension_numbers":\{"lhs_batch_dimensions":\["(\d+)","(\d+)"\],"lhs_contracting_dimensions":\["(\d+)"\]', i.rest)
+    b_dim, h_dim, d_dim = (int(x) for x in numbers.groups()) if numbers else (0, 1, 3)
+    s_dim = ({0, 1, 2, 3} - {b_dim, h_dim, d_dim}).pop()
+    forward = 4.0 * q[b_dim] * q[h_dim] * q[s_dim] * k[s_dim] * q[d_dim]
+    if '"mask_type":"CAUSAL"' in i.rest:
+        forward /= 2
+    return 2.5 * forward if "Backward" in i.rest else forward
+
+
+def kernel_bytes(module: Module, i: Instruction) -> float:
+    """HBM bytes read and written by one run of a kernel (see the module docstring)."""
+    reads = [sum(buffer_bytes(module.types.get(o, ""))) for o in i.operands]
+    written = [b for (t, _), b in zip(_elements(i.type), buffer_bytes(i.type)) if t not in _WORKSPACE]
+    if i.op in ("fusion", "fusion-start") and i.called:
+        rows = module.bodies.get(i.called[0], [])
+        params = {int(re.match(r"(\d+)", r.rest).group(1)): r.name for r in rows if r.op == "parameter"}
+        users: dict[str, list[Instruction]] = {}
+        for r in rows:
+            for o in r.operands:
+                users.setdefault(o, []).append(r)
+        root = next((r for r in rows if r.name == rows[-1].name), None)
+        roots = [module_row for module_row in rows if root and module_row.name in root.operands] if root and root.op == "tuple" else [root]
+        for index, name in params.items():
+            if index >= len(reads):
+                continue
+            used = users.get(name, [])
+            if used and all(u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == name for u in used):
+                reads[index] = sum(sum(buffer_bytes(u.type)) for u in used)
+            elif used and all(u.op == "dynamic-update-slice" and u.operands[0] == name for u in used):
+                reads[index] = 0  # updated in place: only the update is written
+        updated = [r for r in roots if r is not None and r.op == "dynamic-update-slice"]
+        if updated and len(updated) == len([r for r in roots if r is not None]):
+            written = [sum(buffer_bytes(module.types.get(r.operands[1], ""))) for r in updated]
+    elif i.op in ("dynamic-slice", "slice"):
+        reads = [sum(written)]
+    elif i.op == "dynamic-update-slice":
+        reads, written = [sum(buffer_bytes(module.types.get(i.operands[1], "")))], [sum(buffer_bytes(module.types.get(i.operands[1], "")))]
+    return float(sum(reads) + sum(written))
+
+
+def table(hlo: str) -> list[Kernel]:
+    """Every kernel of the step, with its runs per step (loops' trip counts applied)."""
+    module = Module(hlo)
+    counts: dict[tuple[str, str], int] = {}
+    found: dict[tuple[str, str], Instruction] = {}
+
+    def walk(computation: str, times: int, seen: tuple[str, ...] = ()):
+        for i in module.bodies.get(computation, []):
+            if i.op in NO_KERNEL or i.op.endswith("-done"):
+                continue
+            if i.op == "while":
+                trips = re.search(r'known_trip_count":\{"n":"(\d+)"', i.rest)
+                body = re.search(r"body=%?([\w.\-]+)", i.rest)
+                condition = re.search(r"condition=%?([\w.\-]+)", i.rest)
+                n = int(trips.group(1)) if trips else 1
+                if body and body.group(1) not in seen:
+                    walk(body.group(1), times * n, seen + (computation,))
+                if condition and condition.group(1) not in seen:
+                    walk(condition.group(1), times * (n + 1), seen + (computation,))
+                continue
+            if i.op in CONTROL:
+                listed = re.search(r"branch_computations=\{([^}]*)\}", i.rest)
+                branches = (re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed
+                            else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", i.rest) or i.called)
+                if branches:  # the costliest branch, as if it ran every time
+                    costs = {b: sum(buffer_bytes(" ".join(r.type for r in module.bodies.get(b, [])))) for b in branches}
+                    walk(max(costs, key=costs.get), times, seen + (computation,))
+                continue
+            key = (computation, i.name)
+            counts[key] = counts.get(key, 0) + times
+            found[key] = i
+
+    walk(module.entry, 1)
+    out = []
+    for (computation, name), count in counts.items():
+        i = found[(computation, name)]
+        k = module.kind(i)
+        if k in ("gemm", "gemm_fp8"):
+            flops = gemm_flops(module, i)
+        elif k == "attention":
+            flops = attention_flops(module, i)
+        else:
+            flops = float(sum(math.prod(d) for _, d in _elements(i.type)))
+        out.append(Kernel(name, k, count, flops, kernel_bytes(module, i), i.type.split("{")[0][:80], computation))
+    return out
+
+
+def cost_analysis(executable) -> dict:
+    """XLA's own totals (HloCostAnalysis: FLOPs, bytes accessed) for a compiled step, for a
+    cross-check. A compile-only GPU executable offers none itself, so its optimized module is
+    analysed by the host's CPU client; empty where this jaxlib offers neither."""
+    import jax
+
+    analysis = executable.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) and analysis else analysis
+    if not analysis:
+        try:  # jaxlib's binding, not public API: a cross-check may go missing, never the step
+            from jax._src.lib import xla_client
+
+            module = executable.runtime_executable().hlo_modules()[0]
+            analysis = xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+        except Exception:  # noqa: BLE001
+            return {}
+    return {k: float(analysis[k]) for k in ("flops", "bytes accessed") if k in analysis}
+
+
+def to_json(kernels: list[Kernel]) -> str:
+    return json.dumps([k._asdict() for k in kernels])

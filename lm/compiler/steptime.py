@@ -1,0 +1,195 @@
+"""A GPU step's time predicted from its compiled program, kernel by kernel (`predict`).
+
+Each kernel of `lm.compiler.kernels.table` takes a roofline time plus a launch overhead:
+
+    max(FLOPs / (peak of its number format x efficiency of its kind),
+        bytes / (HBM bandwidth x memory efficiency)) + overhead
+
+with the target's peak (`lm.hardware.peaks`) and bandwidth (its description), and one efficiency
+per kind of compute (bf16 GEMMs, fp8 GEMMs, cuDNN attention), one for memory, one overhead: five
+constants, fitted on the per-kernel times of real GPU traces (`fit`; `python -m
+lm.compiler.steptime --refit` rewrites `lm/hardware/steptime.json` from the stored runs in
+`benchmarks/results/`). Kernels run one after another on one stream (XLA's GPU steps do, as
+their traces show), so the step is their sum; collectives are timed as memory traffic here (one
+device; the planner's network model times them across devices).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from lm.compiler import kernels as lm_kernels
+from lm.compiler import targets
+from lm.hardware import data_file
+from lm.hardware.peaks import PEAK_FLOPS
+
+CONSTANTS_FILE = "steptime.json"
+COMPUTE_KINDS = ("gemm", "gemm_fp8", "attention")
+NAMES = ("gemm", "gemm_fp8", "attention", "memory", "overhead_s")
+
+
+class Device(NamedTuple):
+    bf16_flops: float
+    fp8_flops: float
+    bandwidth: float  # HBM bytes/s
+
+
+def device(target: str) -> Device:
+    text = targets.target_config(target)
+    name = re.search(r'device_description_str:\s*"([^"]+)"', text).group(1)
+    family = next(f for f, _ in PEAK_FLOPS if f in name)
+    bandwidth = float(re.search(r"memory_bandwidth:\s*(\d+)", text).group(1))
+    return Device(PEAK_FLOPS[(family, "bfloat16")], PEAK_FLOPS[(family, "float8")], bandwidth)
+
+
+def constants() -> dict[str, float]:
+    return json.loads(data_file(CONSTANTS_FILE).read_text())["constants"]
+
+
+def kernel_seconds(k: lm_kernels.Kernel, dev: Device, c: dict[str, float]) -> float:
+    """One run of one kernel."""
+    memory = k.bytes / (dev.bandwidth * c["memory"])
+    if k.kind in COMPUTE_KINDS:
+        peak = dev.fp8_flops if k.kind == "gemm_fp8" else dev.bf16_flops
+        return max(k.flops / (peak * c[k.kind]), memory) + c["overhead_s"]
+    return memory + c["overhead_s"]
+
+
+class Prediction(NamedTuple):
+    step_s: float
+    rows: list[dict]  # one per kernel, largest first: name, kind, count, shape, flops, bytes, seconds per step, share
+
+    def top(self, n: int = 15) -> list[dict]:
+        return self.rows[:n]
+
+    def by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in self.rows:
+            out[r["kind"]] = out.get(r["kind"], 0.0) + r["seconds_per_step"]
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def predict(hlo: str, target: str, c: dict[str, float] | None = None) -> Prediction:
+    c = c or constants()
+    dev = device(target)
+    rows = []
+    for k in lm_kernels.table(hlo):
+        seconds = k.count * kernel_seconds(k, dev, c)
+        rows.append({"name": k.name, "kind": k.kind, "count": k.count, "shape": k.shape, "flops_per_run": k.flops,
+                     "bytes_per_run": k.bytes, "seconds_per_step": seconds})
+    step = sum(r["seconds_per_step"] for r in rows)
+    rows.sort(key=lambda r: -r["seconds_per_step"])
+    for r in rows:
+        r["share"] = r["seconds_per_step"] / step if step else 0.0
+    return Prediction(step, rows)
+
+
+# ---- fitting on real traces ----
+
+class Sample(NamedTuple):
+    kind: str
+    flops: float
+    bytes: float
+    runs: int
+    seconds_per_step: float  # measured
+
+
+def samples(case_dir: Path, steps: int = 3) -> list[Sample]:
+    """Each kernel of a stored GPU case (its optimized HLO and trace, as `benchmarks/gpu.py`
+    keeps them) with its measured time (`lm.compiler.profile`)."""
+    from lm.compiler import profile
+
+    hlo_file = case_dir / "train_step.hlo.txt.gz"
+    hlo = gzip.open(hlo_file).read().decode() if hlo_file.exists() else (case_dir / "train_step.hlo.txt").read_text()
+    measured = {t["op"]: t["ms_per_step"] / 1e3 for t in profile.summary(case_dir / "trace.json.gz", hlo, steps, top=10**9)["top"]}
+    # Every kernel of the table, so that the fit sees what `predict` sees; one the trace did not
+    # place (a few, small) counts as measured 0.
+    return [Sample(k.kind, k.flops, k.bytes, k.count, measured.get(k.name, 0.0)) for k in lm_kernels.table(hlo)]
+
+
+def _predicted(s: list[Sample], dev: Device, c: dict[str, float]) -> np.ndarray:
+    return np.array([x.runs * kernel_seconds(lm_kernels.Kernel("", x.kind, 1, x.flops, x.bytes, "", ""), dev, c) for x in s])
+
+
+def fit(cases: list[list[Sample]], dev: Device, rounds: int = 4) -> dict[str, float]:
+    """The five constants that minimise the squared errors of every case's kind totals, as
+    fractions of its step (the per-instruction attribution of a trace is exact by kind, not
+    always by instruction), by coordinate search on a grid."""
+    grids = {"gemm": np.linspace(0.3, 1.0, 71), "gemm_fp8": np.linspace(0.2, 1.0, 81), "attention": np.linspace(0.1, 1.0, 91),
+             "memory": np.linspace(0.3, 1.0, 71), "overhead_s": np.linspace(0.0, 10e-6, 51)}
+    c = {"gemm": 0.8, "gemm_fp8": 0.6, "attention": 0.5, "memory": 0.8, "overhead_s": 2e-6}
+    kinds = sorted({x.kind for case in cases for x in case})
+
+    def loss(trial):
+        total = 0.0
+        for case in cases:
+            predicted = _predicted(case, dev, trial)
+            step = sum(x.seconds_per_step for x in case)
+            for kind in kinds:
+                mask = np.array([x.kind == kind for x in case])
+                if mask.any():
+                    measured = sum(x.seconds_per_step for x, m in zip(case, mask) if m)
+                    total += ((predicted[mask].sum() - measured) / step) ** 2  # each case's step weighs alike
+        return total
+
+    for _ in range(rounds):
+        for name in NAMES:
+            if name == "gemm_fp8" and not any(x.kind == "gemm_fp8" for case in cases for x in case):
+                continue
+            best = min(grids[name], key=lambda v: loss({**c, name: float(v)}))
+            c[name] = float(best)
+    return c
+
+
+def step_error(case: list[Sample], dev: Device, c: dict[str, float]) -> tuple[float, float]:
+    """(measured, predicted) seconds per step: the kernels' sums."""
+    return sum(x.seconds_per_step for x in case), float(_predicted(case, dev, c).sum())
+
+
+def refit(results_dir: Path, target: str) -> dict:
+    """Fit on every stored case under `results_dir`, and each case left out in turn."""
+    dirs = sorted(d for d in results_dir.iterdir() if (d / "trace.json.gz").exists())
+    cases = [samples(d) for d in dirs]
+    dev = device(target)
+    c = fit(cases, dev)
+    # The step's wall time as the run kit measured it, where its JSON sits beside the directory.
+    report = results_dir.with_suffix(".json")
+    walls = json.loads(report.read_text()) if report.exists() else {}
+    rows = []
+    for i, d in enumerate(dirs):
+        held_out = fit(cases[:i] + cases[i + 1:], dev)
+        kernels_s, in_sample = step_error(cases[i], dev, c)
+        _, out_of_sample = step_error(cases[i], dev, held_out)
+        measured = walls.get(d.name, {}).get("step_time_s", kernels_s)
+        rows.append({"case": d.name, "measured_s": measured, "kernels_s": kernels_s, "in_sample_s": in_sample,
+                     "left_out_s": out_of_sample, "in_sample_error": in_sample / measured - 1,
+                     "left_out_error": out_of_sample / measured - 1})
+    return {"constants": c, "fitted_on": f"{results_dir.name} (target {target})", "cases": rows,
+            "refit": f"python -m lm.compiler.steptime --refit {results_dir} --target={target}"}
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the GPU step-time model's constants, refitted on stored traces")
+    parser.add_argument("--refit", required=True, help="a results directory of benchmarks/gpu.py cases (HLO + trace each)")
+    parser.add_argument("--target", required=True, help="the GPU target those cases ran on (h100, h200)")
+    parser.add_argument("--write", action="store_true", help=f"write the constants to lm/hardware/{CONSTANTS_FILE}")
+    args = parser.parse_args()
+    report = refit(Path(args.refit), args.target)
+    for r in report["cases"]:
+        print(f"{r['case']:28s} measured {1e3 * r['measured_s']:8.1f} ms  in-sample {1e3 * r['in_sample_s']:8.1f} "
+              f"({100 * r['in_sample_error']:+.1f}%)  left out {1e3 * r['left_out_s']:8.1f} ({100 * r['left_out_error']:+.1f}%)")
+    print(json.dumps(report["constants"]))
+    if args.write:
+        data_file(CONSTANTS_FILE).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
