@@ -11,7 +11,10 @@ global batch), predicts each one's memory per GPU and step time with
 were dropped, the `lm.train` command line for the first, and a JSON line last. `--verify` compiles the train steps for the target
 (deviceless, `lm.compiler.targets`) in rank order and prints XLA's memory per device beside the
 prediction, and whether it is within the pool JAX gives a run (`lm.GPU_MEMORY_FRACTION` of the
-GPU); a layout over it is dropped and the next one compiled, until K fit (`verified`).
+GPU); a layout over it is dropped and the next one compiled, until K fit (`verified`). The K
+are then ranked by the step time the kernel model reads from each compiled program
+(`lm.compiler.steptime`, with the cost model's network time for its collectives), both
+predictions printed.
 """
 
 from __future__ import annotations
@@ -81,13 +84,18 @@ def main(argv: list[str]) -> None:
     shown, checked = result.ranked[: args.top], []
     if args.verify:
         pool = GPU_MEMORY_FRACTION * device_memory  # what a run gets
-        shown, checked = verified(args.config, result.ranked, args.top, devices, pool)
+        shown, checked = verified(args.config, result.ranked, args.top, devices, pool, args.target)
         for v in checked:
             verdict = f"within JAX's {pool / 2**30:.2f} GiB pool" if v["fits"] else f"OVER JAX's {pool / 2**30:.2f} GiB pool: dropped"
             print(f"verify {v['layout']}: predicted {v['predicted_bytes']['total'] / 2**30:.2f} GiB, XLA {v['compiled_peak_bytes'] / 2**30:.2f} GiB "
                   f"(model {100 * v['memory_error']:+.1f}%; {verdict})")
             print("  collectives beside compute in XLA's schedule: "
                   + ", ".join(f"{op} {v['collectives_overlapped'].get(op, 0)} of {n}" for op, n in v["collectives"].items()))
+            if "step_time_s" in v:
+                t = v["tokens_per_s_per_gpu"]
+                print(f"  tokens/s per GPU: {t['kernels']:,.0f} by the compiled program's kernels (lm.compiler.steptime; of its "
+                      f"{v['step_time_s']['kernels']:.3f} s step {v['step_time_s']['of_which_network']:.3f} s network), "
+                      f"{t['cost_model']:,.0f} by the cost model")
             if v["collective_bytes"]:
                 print("  collective GB per step and GPU, model / XLA: "
                       + ", ".join(f"{kind.replace('_', ' ')} {a / 1e9:.1f} / {b / 1e9:.1f}" for kind, (a, b) in v["collective_bytes"].items()))

@@ -8,10 +8,9 @@ the instruction's kind is read from the HLO. On a GPU, XLA runs the step as CUDA
 kernels name only their graph: `attribute` places them by graph node and kernel name (see there).
 Streams run side by side, so the kinds' sum can exceed the step's wall time.
 
-    python -m lm.compiler.profile DIR [DIR...]
-
-prints that summary for each directory holding a `train_step.hlo.txt(.gz)` and its
-`trace.json.gz`, as the GPU run kit stores them (`benchmarks/results/<device>_<date>/CASE/`).
+`stored` reads a case as the GPU run kit stores it (`benchmarks/results/<device>_<date>/CASE/`:
+`train_step.hlo.txt(.gz)` and `trace.json.gz`); `python -m lm.calibrate --step_time=DIR` prints each
+case's time by kind beside the step-time model's fit.
 """
 
 from __future__ import annotations
@@ -178,25 +177,17 @@ def summary(trace: str | Path, hlo: str, steps: int, top: int = 25) -> dict:
     }
 
 
-def main() -> None:
-    import argparse
 
-    parser = argparse.ArgumentParser(description="where each stored GPU step's time went, by kind and instruction")
-    parser.add_argument("dirs", nargs="+", help="directories with train_step.hlo.txt(.gz) and trace.json.gz")
-    parser.add_argument("--steps", type=int, default=3, help="steps the trace holds (the kit traces 3)")
-    parser.add_argument("--top", type=int, default=10)
-    args = parser.parse_args()
-    for directory in map(Path, args.dirs):
-        hlo_file = next((f for f in (directory / "train_step.hlo.txt", directory / "train_step.hlo.txt.gz") if f.exists()), None)
-        if hlo_file is None or not (directory / "trace.json.gz").exists():
-            raise SystemExit(f"error: {directory} has no train_step.hlo.txt(.gz) and trace.json.gz")
-        hlo = (gzip.open(hlo_file) if hlo_file.suffix == ".gz" else open(hlo_file, "rb")).read().decode()
-        s = summary(directory / "trace.json.gz", hlo, args.steps, args.top)
-        kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in s["by_kind_ms_per_step"].items())
-        print(f"{directory.name}: {s['kernel_ms_per_step']:.1f} ms of kernels per step: {kinds}")
-        for row in s["top"]:
-            print(f"  {row['ms_per_step']:8.2f} ms  {row['calls_per_step']:5.0f} calls  {row['kind']:12s} {row['op']}")
+def stored_hlo(directory: Path) -> str:
+    """The optimized HLO of a case stored as the GPU run kit keeps it (`train_step.hlo.txt(.gz)`)."""
+    for name in ("train_step.hlo.txt", "train_step.hlo.txt.gz"):
+        if (directory / name).exists():
+            return gzip.open(directory / name).read().decode() if name.endswith(".gz") else (directory / name).read_text()
+    raise FileNotFoundError(f"{directory} holds no train_step.hlo.txt(.gz)")
 
 
-if __name__ == "__main__":
-    main()
+def stored(directory: Path, steps: int = 3, top: int = 25) -> dict:
+    """`summary` of a stored case: its HLO and `trace.json.gz` (the GPU run kit traces 3 steps)."""
+    if not (directory / "trace.json.gz").exists():
+        raise FileNotFoundError(f"{directory} holds no trace.json.gz")
+    return summary(directory / "trace.json.gz", stored_hlo(directory), steps, top)

@@ -7,8 +7,8 @@ Each kernel of `lm.compiler.kernels.table` takes a roofline time plus a launch o
 
 with the target's peak (`lm.hardware.peaks`) and bandwidth (its description), and one efficiency
 per kind of compute (bf16 GEMMs, fp8 GEMMs, cuDNN attention), one for memory, one overhead: five
-constants, fitted on the per-kernel times of real GPU traces (`fit`; `python -m
-lm.compiler.steptime --refit` rewrites `lm/hardware/steptime.json` from the stored runs in
+constants, fitted on the per-kernel times of real GPU traces (`fit`; `python -m lm.calibrate
+--step_time=DIR --target=NAME --write` rewrites `lm/hardware/steptime.json` from a run stored in
 `benchmarks/results/`). Kernels run one after another on one stream (XLA's GPU steps do, as
 their traces show), so the step is their sum; collectives are timed as memory traffic here (one
 device; the planner's network model times them across devices).
@@ -16,7 +16,6 @@ device; the planner's network model times them across devices).
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lm.compiler import kernels as lm_kernels
-from lm.compiler import targets
+from lm.compiler import profile, targets
 from lm.hardware import data_file
 from lm.hardware.peaks import PEAK_FLOPS
 
@@ -103,11 +102,8 @@ class Sample(NamedTuple):
 def samples(case_dir: Path, steps: int = 3) -> list[Sample]:
     """Each kernel of a stored GPU case (its optimized HLO and trace, as `benchmarks/gpu.py`
     keeps them) with its measured time (`lm.compiler.profile`)."""
-    from lm.compiler import profile
-
-    hlo_file = case_dir / "train_step.hlo.txt.gz"
-    hlo = gzip.open(hlo_file).read().decode() if hlo_file.exists() else (case_dir / "train_step.hlo.txt").read_text()
-    measured = {t["op"]: t["ms_per_step"] / 1e3 for t in profile.summary(case_dir / "trace.json.gz", hlo, steps, top=10**9)["top"]}
+    hlo = profile.stored_hlo(case_dir)
+    measured = {t["op"]: t["ms_per_step"] / 1e3 for t in profile.stored(case_dir, steps, top=10**9)["top"]}
     # Every kernel of the table, so that the fit sees what `predict` sees; one the trace did not
     # place (a few, small) counts as measured 0.
     return [Sample(k.kind, k.flops, k.bytes, k.count, measured.get(k.name, 0.0)) for k in lm_kernels.table(hlo)]
@@ -143,7 +139,7 @@ def fit(cases: list[list[Sample]], dev: Device, rounds: int = 4) -> dict[str, fl
             if name == "gemm_fp8" and not any(x.kind == "gemm_fp8" for case in cases for x in case):
                 continue
             best = min(grids[name], key=lambda v: loss({**c, name: float(v)}))
-            c[name] = float(best)
+            c[name] = round(float(best), 6)
     return c
 
 
@@ -167,29 +163,26 @@ def refit(results_dir: Path, target: str) -> dict:
         kernels_s, in_sample = step_error(cases[i], dev, c)
         _, out_of_sample = step_error(cases[i], dev, held_out)
         measured = walls.get(d.name, {}).get("step_time_s", kernels_s)
-        rows.append({"case": d.name, "measured_s": measured, "kernels_s": kernels_s, "in_sample_s": in_sample,
+        by_kind = profile.stored(d)["by_kind_ms_per_step"]
+        rows.append({"case": d.name, "measured_s": measured, "kernels_s": kernels_s, "measured_by_kind_ms": by_kind, "in_sample_s": in_sample,
                      "left_out_s": out_of_sample, "in_sample_error": in_sample / measured - 1,
                      "left_out_error": out_of_sample / measured - 1})
     return {"constants": c, "fitted_on": f"{results_dir.name} (target {target})", "cases": rows,
-            "refit": f"python -m lm.compiler.steptime --refit {results_dir} --target={target}"}
+            "refit": f"python -m lm.calibrate --step_time={results_dir} --target={target} --write"}
 
 
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="the GPU step-time model's constants, refitted on stored traces")
-    parser.add_argument("--refit", required=True, help="a results directory of benchmarks/gpu.py cases (HLO + trace each)")
-    parser.add_argument("--target", required=True, help="the GPU target those cases ran on (h100, h200)")
-    parser.add_argument("--write", action="store_true", help=f"write the constants to lm/hardware/{CONSTANTS_FILE}")
-    args = parser.parse_args()
-    report = refit(Path(args.refit), args.target)
+def describe_refit(report: dict) -> str:
+    """Each case's measured step, the fit's prediction in and out of sample, and where its
+    measured kernel time went by kind."""
+    lines = []
     for r in report["cases"]:
-        print(f"{r['case']:28s} measured {1e3 * r['measured_s']:8.1f} ms  in-sample {1e3 * r['in_sample_s']:8.1f} "
-              f"({100 * r['in_sample_error']:+.1f}%)  left out {1e3 * r['left_out_s']:8.1f} ({100 * r['left_out_error']:+.1f}%)")
-    print(json.dumps(report["constants"]))
-    if args.write:
-        data_file(CONSTANTS_FILE).write_text(json.dumps(report, indent=1) + "\n")
+        lines.append(f"{r['case']:28s} measured {1e3 * r['measured_s']:8.1f} ms  in-sample {1e3 * r['in_sample_s']:8.1f} "
+                     f"({100 * r['in_sample_error']:+.1f}%)  left out {1e3 * r['left_out_s']:8.1f} ({100 * r['left_out_error']:+.1f}%)")
+        lines.append("    measured ms by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in r["measured_by_kind_ms"].items()))
+    return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    main()
+def write(report: dict) -> Path:
+    path = data_file(CONSTANTS_FILE)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path

@@ -169,11 +169,18 @@ def entry(c: Cost) -> dict:
     }
 
 
-def verify(config, costs: list[Cost], devices: list, platform: str) -> list[dict]:
-    """Each layout's train step compiled on `devices` (XLA's memory per device) beside the prediction."""
+# The cost model's exposed time of the collectives between devices, by its terms (`Cost.step_time`).
+NETWORK_TERMS = ("fsdp", "tensor", "context", "data", "pipeline")
+
+
+def verify(config, costs: list[Cost], devices: list, platform: str, target: str | None = None) -> list[dict]:
+    """Each layout's train step compiled on `devices` (XLA's memory per device) beside the
+    prediction; with a `target`, also its step time by the kernel model of the compiled program
+    (`lm.compiler.steptime`, its collectives left to the cost model's network terms) beside the
+    cost model's."""
     out = []
     for c in costs:
-        _, summary = step_report(apply_overrides(config, c.parallelism.overrides()), devices)
+        _, summary = step_report(apply_overrides(config, c.parallelism.overrides()), devices, target=target)
         compiled = summary["compiled_train_step_per_device"]
         state = summary["per_device"]["params_bytes"] + summary["per_device"]["opt_state_bytes"]
         predicted = Cost(c.run, c.parallelism, c.system, platform).memory
@@ -189,6 +196,12 @@ def verify(config, costs: list[Cost], devices: list, platform: str) -> list[dict
             "collectives_overlapped": summary["hlo"]["collectives_overlapped"],
             "collective_bytes": collective_check(c, summary["hlo"]["collective_bytes"]),
         })
+        if timed := summary.get("step_time"):
+            network = sum(c.step_time[k] for k in NETWORK_TERMS)
+            step = timed["step_s"] - timed["by_kind_s"].get("collective", 0.0) + network
+            out[-1]["step_time_s"] = {"kernels": step, "of_which_network": network, "cost_model": c.step_time["total"]}
+            out[-1]["tokens_per_s_per_gpu"] = {"kernels": c.run.batch * c.run.seq_len / step / c.parallelism.gpus,
+                                               "cost_model": c.tokens_per_s_per_gpu()}
     return out
 
 
@@ -211,19 +224,22 @@ def collective_check(c: Cost, moved: dict) -> dict:
     return {k: [model[k], compiled[k]] for k in model if model[k] or compiled[k]}
 
 
-def verified(config, ranked: list[Cost], top: int, devices: list, pool: float) -> tuple[list[Cost], list[dict]]:
+def verified(config, ranked: list[Cost], top: int, devices: list, pool: float, target: str | None = None) -> tuple[list[Cost], list[dict]]:
     """The first `top` of `ranked` whose compiled step fits `pool` bytes per device, compiling in
     rank order (at most MAX_VERIFIED x `top` compiles): a layout the memory model put under the
-    limit but XLA does not is dropped, and the next one compiled. Returns them and every check."""
+    limit but XLA does not is dropped, and the next one compiled. Returns them, ranked by the
+    kernel model's tokens/s where a `target` gives it one, and every check."""
     kept, checked = [], []
     for c in ranked[: MAX_VERIFIED * top]:
-        (check,) = verify(config, [c], devices, "gpu")
+        (check,) = verify(config, [c], devices, "gpu", target)
         check["fits"] = check["compiled_peak_bytes"] <= pool
         checked.append(check)
-        kept += [c] if check["fits"] else []
+        kept += [(c, check)] if check["fits"] else []
         if len(kept) == top:
             break
-    return kept, checked
+    if target:
+        kept.sort(key=lambda pair: -pair[1]["tokens_per_s_per_gpu"]["kernels"])
+    return [c for c, _ in kept], checked
 
 
 def fitting(result: Plan) -> int:
