@@ -94,7 +94,7 @@ def default_config() -> ml_collections.ConfigDict:
         loss_scale_growth_factor=2.0,
         loss_scale_backoff=0.5,  # the scale is multiplied by this on overflow
         loss_scale_min=1.0,
-        fp8="off",  # off | delayed: the blocks' dense matmuls in fp8 (e4m3 fwd, e5m2 grads)
+        fp8="off",  # off | delayed | current: the blocks' dense matmuls in fp8 (e4m3 fwd, e5m2 grads), scaled from amax histories or each tensor's own amax
         fp8_history=1024,  # amax history length
         fp8_margin=0,  # scales keep 2**margin headroom
         fp8_skip="",  # layers kept in compute_dtype, e.g. "0,-1" (first and last)
@@ -115,7 +115,7 @@ _CHOICES = {
     "precision.param_dtype": ("float32", "bfloat16"),
     "precision.compute_dtype": ("float32", "bfloat16", "float16"),
     "precision.mu_dtype": ("float32", "bfloat16"),
-    "precision.fp8": ("off", "delayed"),
+    "precision.fp8": ("off", "delayed", "current"),
 }
 
 _POSITIVE = (

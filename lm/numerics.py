@@ -6,8 +6,8 @@ Runs a few training steps (nothing is saved) from the run's latest checkpoint, o
 initialisation when there is none, with every dense matmul in the blocks recording its input
 activation (x), weight (w) and output gradient (g): the absolute maximum, and the fractions of
 values that would overflow (become inf/nan) or flush to zero in e4m3, e5m2, float16 and
-bfloat16 under the scaling in use (fp8: the delayed scales when `precision.fp8` is on, else
-each tensor's own amax; gradients carry the loss scale). Each figure is the worst over the
+bfloat16 under the scaling in use (fp8: the delayed scales with `precision.fp8=delayed`, else,
+as `current` scales them, each tensor's own amax; gradients carry the loss scale). Each figure is the worst over the
 steps (after one unrecorded step when the fp8 scales are new). Writes WORKDIR/numerics.json and WORKDIR/numerics.png (heat maps, layers x tensors) and
 prints the layers to keep out of fp8 or float16. The config is the run's own (config.json),
 with `--config.KEY=VALUE` overrides; a directory without one takes `--config`.

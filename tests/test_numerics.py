@@ -204,3 +204,59 @@ def test_fp8_skip_layers_and_bf16_moments_train(small_corpus):
     history = np.asarray(state.fp8["blocks"]["attn"]["wq_site"]["amax_history"])
     assert (history[[0, 2]] == 0).all() and (history[1, :, :3] > 0).all()  # only the middle layer ran in fp8
     assert all(np.isfinite(m["loss"]) and m["skipped_steps"] == 0 for m in metrics)
+
+
+def test_current_scaling_takes_each_scale_from_the_tensors_own_amax():
+    """precision.fp8=current: x and w quantised under max|x| / 448 and max|w| / 448 of this very
+    call, the output gradient under max|dy| / 57344 (e4m3's and e5m2's largest values), with no
+    state kept: the hand computation, forward and backward, bit for bit on the CPU emulation."""
+    from lm.model.fp8 import E4M3, E5M2
+
+    policy = Policy.from_config(recipe("tiny", precision__compute_dtype="float32", precision__fp8="current").precision)
+    assert policy.fp8.scaling == "current" and not policy.fp8_state
+    site = MatmulSite(policy)
+    assert not hasattr(site, "scale") and not hasattr(site, "amax_history")  # nothing in the train state
+    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (32, 64)) * 3.0
+    w = jax.random.normal(kw, (64, 48)) * 0.05
+    dy = jax.random.normal(kg, (32, 48)) * 1e-3
+
+    def q(t, dtype, scale):  # quantise, then back to real values
+        return (jnp.clip(t / scale, -float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max)).astype(dtype).astype(jnp.float32) * scale)
+
+    sx, sw, sg = jnp.abs(x).max() / 448, jnp.abs(w).max() / 448, jnp.abs(dy).max() / 57344
+    y, vjp = jax.vjp(lambda x, w: policy.matmul("bd,df->bf", x, w, site=site), x, w)
+    # Equal to float32 summation order (the GEMM applies the scales to its result, the hand
+    # computation to its inputs), far inside the quantisation error itself:
+    def close(actual, expected):  # to 1e-5 of the result's size
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))
+
+    close(y, q(x, E4M3, sx) @ q(w, E4M3, sw))
+    assert np.abs(y - x @ w).max() > 1e-3 * np.abs(x @ w).max()  # really quantised
+    dx, dw = vjp(dy)
+    close(dx, q(dy, E5M2, sg) @ q(w, E4M3, sw).T)
+    close(dw, q(x, E4M3, sx).T @ q(dy, E5M2, sg))
+    # Negative control: delayed scaling at its fresh scales (1) quantises differently.
+    delayed = Policy(compute_dtype=jnp.float32, fp8=Fp8Recipe())
+    y_delayed = delayed.matmul("bd,df->bf", x, w, site=MatmulSite(delayed))
+    assert np.abs(y_delayed - y).max() > 1e-3 * np.abs(y).max()
+
+
+def test_current_scaling_trains_sharded_as_on_one_device():
+    from conftest import run_steps, small_config
+
+    # Each amax is a maximum over every shard, so the scales are one device's; two steps, since
+    # later ones drift apart as fp8 rounding magnifies float32's last-bit differences (as delayed
+    # scaling's do, tests/test_context.py).
+    fp8 = dict(precision__compute_dtype="float32", precision__fp8="current")
+    ref_losses, ref_params = run_steps(small_config({}, **fp8), jax.devices()[:1], steps=2)
+    losses, params = run_steps(small_config({"fsdp": 2, "tensor": 2}, **fp8), jax.devices()[:4], steps=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] != losses[0]
+    # A few weights (4 of ~100k) move differently by up to 4e-5: where a float32 last-bit
+    # difference moves a tiny gradient across an e5m2 rounding boundary, Adam's normalised step
+    # turns it into a visible difference. All within 1e-4 of one device.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+    # And it is not the float32 run: the fp8 rounding shows in the losses.
+    plain, _ = run_steps(small_config({}, precision__compute_dtype="float32"), jax.devices()[:1], steps=2)
+    assert not np.allclose(plain, ref_losses, rtol=1e-6, atol=0)

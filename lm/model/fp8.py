@@ -2,10 +2,12 @@
 statistics the numerics report reads.
 
 fp8 (Transformer Engine's HYBRID recipe): activations and weights are quantised to e4m3, output
-gradients to e5m2, each with a per-tensor scale taken from the largest absolute value seen over
-the last `history` steps (delayed scaling). Each such matmul is a *site* (`MatmulSite`) holding
+gradients to e5m2, each with a per-tensor scale: under *delayed* scaling taken from the largest
+absolute value seen over the last `history` steps, under *current* scaling (TE's
+Float8CurrentScaling, torchao's tensorwise) from the tensor's own largest value in this step
+(`current_scale`). Each such matmul is a *site* (`MatmulSite`); under delayed scaling it holds
 its scales and amax histories as `Fp8Meta` variables: state, not parameters, so the optimizer,
-weight decay, clipping and gradient averaging never see them.
+weight decay, clipping and gradient averaging never see them. Current scaling keeps no state.
 
 Statistics leave a step through the gradient of a zero *probe* input (`Probe`, the only way a
 value computed in the backward pass gets out of `jax.grad`): per role (`ROLES`: the input x, the
@@ -61,6 +63,12 @@ class Fp8Recipe:
     history: int = 1024  # steps of amax history a scale is taken from
     margin: int = 0  # scales leave 2**margin of headroom below the format's largest value
     skip: tuple[int, ...] = ()  # layer indices (negative from the end) kept in the compute dtype
+    scaling: str = "delayed"  # delayed: scales from the amax histories; current: from each tensor's own amax
+
+    @property
+    def stateful(self) -> bool:
+        """Whether its sites keep scales and histories in the train state (delayed scaling)."""
+        return self.scaling == "delayed"
 
     def layer_mask(self, num_layers: int) -> list[bool]:
         """Per layer of the stack: does it compute in fp8?"""
@@ -77,7 +85,7 @@ class MatmulSite(nnx.Module):
         def var(kind, value):
             return kind(value, out_sharding=(None,) * value.ndim, eager_sharding=False)
 
-        if policy.fp8:
+        if policy.fp8 and policy.fp8.stateful:
             self.scale = var(Fp8Meta, jnp.ones(len(ROLES), F32))
             self.amax_history = var(Fp8Meta, jnp.zeros((len(ROLES), policy.fp8.history), F32))
         self.probe = var(Probe, jnp.zeros((len(ROLES), len(OBSERVED_STATS if policy.observe else STATS)), F32))
@@ -164,6 +172,16 @@ class SiteMode(NamedTuple):
     quantize: bool  # round x and w to e4m3 and g to e5m2 under the site's scales
     observe: bool  # record OBSERVED_STATS rather than STATS
     compute_dtype: jnp.dtype
+    current: bool = False  # scales from each tensor's own amax (current scaling), not the site's
+    margin: int = 0  # current scaling's headroom, as Fp8Recipe.margin
+
+
+def current_scale(t: jax.Array, dtype, margin: int = 0) -> jax.Array:
+    """Current scaling: `t`'s multiplier back to real values, from its own amax this step (the
+    largest value lands on the fp8 format's largest, less 2**margin of headroom; 1 for an
+    all-zero or non-finite tensor), as delayed scaling computes it from a history."""
+    amax = jnp.max(jnp.abs(t)).astype(F32)
+    return fp8_ops.compute_scale(amax, jnp.ones((), F32), float(jnp.finfo(dtype).max), margin)
 
 
 def _quantize(t, dtype, scale, compute_dtype):
@@ -187,6 +205,8 @@ def site_matmul(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
 
 def _site_fwd(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
     del probe  # only its gradient matters
+    if mode.quantize and mode.current:  # g's scale comes from the output gradient, in the backward pass
+        scales = jnp.stack([current_scale(x, E4M3, mode.margin), current_scale(w, E4M3, mode.margin), scales[2]])
     stats = [tensor_stats(t, d, s, mode.observe) for t, d, s in ((x, E4M3, scales[0]), (w, E4M3, scales[1]))]
     if not mode.quantize:
         return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(out_dtype), (x, w, scales, stats)
@@ -197,6 +217,8 @@ def _site_fwd(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
 def _site_bwd(spec, out_dtype, mode: SiteMode, residuals, dy):
     x, w, scales, (x_stats, w_stats) = residuals
     dy = dy.astype(mode.compute_dtype)
+    if mode.quantize and mode.current:
+        scales = scales.at[2].set(current_scale(dy, E5M2, mode.margin))
     g_stats = tensor_stats(dy, E5M2, scales[2], mode.observe)
     if not mode.quantize:
         dx, dw = backward(spec, x, w, dy)

@@ -1,5 +1,6 @@
 """Dtype policies: which dtype parameters are kept in, which dtype the matmuls compute in, and
-whether the Transformer blocks' dense matmuls run in fp8 with delayed scaling (`lm.model.fp8`).
+whether the Transformer blocks' dense matmuls run in fp8, with delayed or current scaling
+(`lm.model.fp8`).
 
 The model takes its matmul (`Policy.matmul`) and dtypes from the policy, so switching number
 formats never touches model code. Softmax, normalisation statistics, the logits fed to the loss
@@ -36,9 +37,9 @@ class Policy:
     @classmethod
     def from_config(cls, precision) -> Policy:
         fp8 = None
-        if precision.fp8 == "delayed":
+        if precision.fp8 in ("delayed", "current"):
             skip = tuple(int(i) for i in str(precision.fp8_skip).replace(" ", "").split(",") if i)
-            fp8 = Fp8Recipe(precision.fp8_history, precision.fp8_margin, skip)
+            fp8 = Fp8Recipe(precision.fp8_history, precision.fp8_margin, skip, precision.fp8)
         return cls(jnp.dtype(precision.param_dtype), jnp.dtype(precision.compute_dtype), fp8)
 
     def cast(self, x: jax.Array) -> jax.Array:
@@ -48,6 +49,11 @@ class Policy:
     def site(self) -> MatmulSite | None:
         """The state of one dense matmul in a block (None when the policy keeps none)."""
         return MatmulSite(self) if self.fp8 or self.observe else None
+
+    @property
+    def fp8_state(self) -> bool:
+        """Whether the train state holds fp8 scales and histories (delayed scaling)."""
+        return self.fp8 is not None and self.fp8.stateful
 
     def fp8_layer_mask(self, num_layers: int) -> list[bool]:
         """Per layer of the stack: does it compute in fp8?"""
@@ -63,7 +69,9 @@ class Policy:
         if site is None or not (quantize or self.observe):
             y = plain_matmul(spec, out_dtype, x, w)
         else:
-            scales = site.scale[...] if self.fp8 else jnp.zeros(len(ROLES), F32)  # zero: current amax
-            mode = SiteMode(quantize, self.observe, self.compute_dtype)
+            stateful = self.fp8 is not None and self.fp8.stateful
+            scales = site.scale[...] if stateful else jnp.zeros(len(ROLES), F32)  # zero: each tensor's own amax
+            current = self.fp8 is not None and not stateful
+            mode = SiteMode(quantize, self.observe, self.compute_dtype, current, self.fp8.margin if current else 0)
             y = site_matmul(spec, out_dtype, mode, x, w, scales, site.probe[...])
         return name_matmul(y, batched=has_batch_dims(spec))  # what remat `dots` saves

@@ -37,7 +37,7 @@ class TrainState:
     step: jax.Array
     params: dict
     opt_state: Any
-    fp8: dict | None = None  # delayed-scaling scales and amax histories, with precision.fp8
+    fp8: dict | None = None  # delayed scaling's scales and amax histories (precision.fp8=delayed)
     loss_scale: dict | None = None  # {scale, good_steps}, with dynamic loss scaling
 
     def to_dict(self) -> dict:
@@ -77,7 +77,7 @@ class AbstractModel:
         self.probes = nnx.to_pure_dict(probes)  # shapes: the probes are zeros each step
         self.logical_axes = sharding.logical_axes(params)
         self.param_shardings = sharding.state_shardings(params, mesh, spec.rules)
-        self.fp8_shardings = sharding.state_shardings(fp8, mesh, spec.rules) if spec.policy.fp8 else None
+        self.fp8_shardings = sharding.state_shardings(fp8, mesh, spec.rules) if spec.policy.fp8_state else None
         self.decay_mask = decay_mask(params)
 
     def build(self, seed: int) -> Transformer:
@@ -170,7 +170,7 @@ class Program:
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=self.tx.init(params),
-            fp8=nnx.to_pure_dict(nnx.state(model, Fp8Meta)) if self.policy.fp8 else None,
+            fp8=nnx.to_pure_dict(nnx.state(model, Fp8Meta)) if self.policy.fp8_state else None,
             loss_scale=self.loss_scaling.init(),
         )
 

@@ -42,7 +42,7 @@ def collect(config, workdir: Path, steps: int, devices=None) -> dict:
             if data_state is not None:
                 batches.set_state(data_state)
         ckpt.close()
-    if trainer.policy.fp8 and not fp8_restored:  # fresh scales are 1 until one step has run
+    if trainer.policy.fp8_state and not fp8_restored:  # fresh delayed scales are 1 until one step has run
         state, _ = trainer.train_step(state, trainer.global_batch(next(batches)))
     worst = None
     for _ in range(steps):
