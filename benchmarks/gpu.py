@@ -38,8 +38,12 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lm, also without an install
-BF16 = ["--config.precision.compute_dtype=bfloat16"]
+# The cases name their layout (remat, one microbatch) rather than take the recipe's, so that they
+# stay comparable with the stored runs whatever the recipe becomes; `*_recipe` takes it as it is.
+BF16 = ["--config.precision.compute_dtype=bfloat16", "--config.train.grad_accum=1"]
+FULL = "--config.model.remat=full"
 FP8 = [*BF16, "--config.precision.fp8=delayed"]
+RECIPE = ["--config.precision.compute_dtype=bfloat16"]
 
 
 def attention(kind: str) -> list[str]:
@@ -69,18 +73,19 @@ def cases(main: str) -> list[Case]:
     `full` at batch 8, fp8, the recipe's batch 64), then the wide proxy in bf16 and fp8."""
     b8 = ["--config.train.batch_size=8"]
     dots = "--config.model.remat=dots"
-    compare = [] if main == "xla" else [Case("bf16_xla_b8", [*BF16, *attention("xla"), *b8], True)]
+    compare = [] if main == "xla" else [Case("bf16_xla_b8", [*BF16, *attention("xla"), *b8, FULL], True)]
     return [
         Case(f"bf16_{main}_b8_remat_dots", [*BF16, *attention(main), *b8, dots], True),
-        Case(f"bf16_{main}_b8", [*BF16, *attention(main), *b8], True),
-        Case(f"fp8_{main}_b8", [*FP8, *attention(main), *b8], True),
-        Case(f"bf16_{main}_b64", [*BF16, *attention(main), "--config.train.batch_size=64"], True),
+        Case(f"bf16_{main}_b8", [*BF16, *attention(main), *b8, FULL], True),
+        Case(f"fp8_{main}_b8", [*FP8, *attention(main), *b8, FULL], True),
+        Case(f"bf16_{main}_b64", [*BF16, *attention(main), "--config.train.batch_size=64", FULL], True),
+        Case(f"bf16_{main}_recipe", [*RECIPE, *attention(main)], True),  # the recipe's layout as it is
         Case(f"wide_bf16_{main}", [*BF16, *attention(main)], True, config=WIDE),
         Case(f"wide_fp8_{main}", [*FP8, *attention(main)], True, config=WIDE),
         *compare,
         Case(f"bf16_{main}_b8_remat_none", [*BF16, *attention(main), *b8, "--config.model.remat=none"]),
         Case(f"bf16_{main}_b8_remat_dots_cublas_only", [*BF16, *attention(main), *b8, dots], xla_flags=CUBLAS_ONLY),
-        Case(f"fp8_{main}_b8_cublas_only", [*FP8, *attention(main), *b8], xla_flags=CUBLAS_ONLY),
+        Case(f"fp8_{main}_b8_cublas_only", [*FP8, *attention(main), *b8, FULL], xla_flags=CUBLAS_ONLY),
     ]
 
 
@@ -271,7 +276,7 @@ def main() -> None:
     kernel = args.attention if headline["ok"] or headline.get("out_of_memory") else "xla"
     batch, fits = 16, {}
     while batch <= args.max_batch and time.perf_counter() - began < args.budget_s:
-        sized = [*BF16, *attention(kernel), f"--config.train.batch_size={batch}"]
+        sized = [*BF16, *attention(kernel), f"--config.train.batch_size={batch}", FULL]
         result = run_bench(args.config, sized, args.steps, args.case_timeout_s, None)
         fits[batch] = result
         save(f"batch_sweep_bf16_{kernel}", fits)
@@ -280,7 +285,7 @@ def main() -> None:
         batch *= 2
     if time.perf_counter() - began < args.budget_s:
         best = max((b for b, r in fits.items() if r["ok"]), default=8)
-        largest = [*FP8, *attention(kernel), f"--config.train.batch_size={best}"]
+        largest = [*FP8, *attention(kernel), f"--config.train.batch_size={best}", FULL]
         save(f"fp8_{kernel}_largest_b{best}", run_bench(args.config, largest, args.steps, args.case_timeout_s, None))
     report["elapsed_s"] = round(time.perf_counter() - began, 1)
     (out / "gpu.json").write_text(json.dumps(report, indent=1))

@@ -29,7 +29,7 @@ def main() -> None:
     from lm.compiler import targets
 
     devices = targets.command_devices("benchmarks.steptime_check", sys.argv[1:], args.target, 1)
-    from benchmarks.gpu import BF16, attention, cases
+    from benchmarks.gpu import BF16, FULL, attention, cases
     from lm.compiler import steptime
     from lm.data.corpus import nominal_vocab_size
     from lm.program.steps import setup
@@ -42,7 +42,7 @@ def main() -> None:
     for sweep in (k for k in run if k.startswith("batch_sweep_")):
         kernel = sweep.removeprefix("batch_sweep_bf16_")
         for batch in run[sweep]:
-            overrides[f"{sweep}:{batch}"] = (run["config"], [*BF16, *attention(kernel), f"--config.train.batch_size={batch}"])
+            overrides[f"{sweep}:{batch}"] = (run["config"], [*BF16, *attention(kernel), f"--config.train.batch_size={batch}", FULL])
     rows = []
     for name, (config_file, flags) in overrides.items():
         sweep, _, batch = name.partition(":")

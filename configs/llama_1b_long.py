@@ -16,7 +16,8 @@ from lm.recipe import load_file
 
 def get_config():
     c = load_file(str(Path(__file__).with_name("llama_1b.py")))
-    c.train.update(steps=20_000, batch_size=1, seq_len=32768)
+    c.train.update(steps=20_000, batch_size=1, grad_accum=1, seq_len=32768)
+    c.model.remat = "full"  # at 4096 tokens a GPU, what a layer keeps under `dots` does not fit beside the rest
     c.optim.warmup_steps = 500
     c.mesh.update(data=1, context=8)
     return c

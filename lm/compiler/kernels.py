@@ -135,12 +135,34 @@ def _dims(type_: str) -> tuple[int, ...]:
     return found[0][1] if found else ()
 
 
+def backend_config(rest: str) -> dict:
+    """An instruction's `backend_config` JSON (its spacing and key order differ between XLA
+    versions), {} where it has none."""
+    at = rest.find("backend_config=")
+    if at < 0:
+        return {}
+    try:
+        return json.JSONDecoder().raw_decode(rest[at + len("backend_config="):])[0]
+    except ValueError:
+        return {}
+
+
+def _find(config: dict, key: str):
+    """The first value under `key` anywhere in a nested backend config."""
+    if key in config:
+        return config[key]
+    for value in config.values():
+        if isinstance(value, dict) and (found := _find(value, key)) is not None:
+            return found
+    return None
+
+
 def gemm_flops(module: Module, i: Instruction) -> float:
     """2 x result elements x contracted size, of a cuBLAS call or a fusion around a dot."""
     if i.op == "custom-call":
-        numbers = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', i.rest)
+        numbers = _find(backend_config(i.rest), "dot_dimension_numbers") or {}
         lhs = _dims(module.types.get(i.operands[0], ""))
-        contracted = [int(d) for d in re.findall(r'"(\d+)"', numbers.group(1))] if numbers else []
+        contracted = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
         result = _dims(i.type)
     else:
         dot = module.dot_of(i)
@@ -162,11 +184,13 @@ def attention_flops(module: Module, i: Instruction) -> float:
         q, k = (_dims(module.types.get(o, "")) for o in i.operands[:2])
     if len(q) != 4 or len(k) != 4:
         return 0.0
-    numbers = re.search(r'"bmm1_dot_dimension_numbers":\{"lhs_batch_dimensions":\["(\d+)","(\d+)"\],"lhs_contracting_dimensions":\["(\d+)"\]', i.rest)
-    b_dim, h_dim, d_dim = (int(x) for x in numbers.groups()) if numbers else (0, 1, 3)
+    config = backend_config(i.rest)
+    numbers = _find(config, "bmm1_dot_dimension_numbers") or {}
+    batch, contracted = numbers.get("lhs_batch_dimensions", ["0", "1"]), numbers.get("lhs_contracting_dimensions", ["3"])
+    b_dim, h_dim, d_dim = int(batch[0]), int(batch[1]), int(contracted[0])
     s_dim = ({0, 1, 2, 3} - {b_dim, h_dim, d_dim}).pop()
     forward = 4.0 * q[b_dim] * q[h_dim] * q[s_dim] * k[s_dim] * q[d_dim]
-    if '"mask_type":"CAUSAL"' in i.rest:
+    if _find(config, "mask_type") == "CAUSAL":
         forward /= 2
     return 2.5 * forward if "Backward" in i.rest else forward
 
