@@ -84,6 +84,9 @@ def cases(main: str) -> list[Case]:
         Case(f"wide_fp8_{main}", [*FP8, *attention(main)], True, config=WIDE),
         *compare,
         Case(f"bf16_{main}_b8_remat_none", [*BF16, *attention(main), *b8, "--config.model.remat=none"]),
+        Case(f"fp8_{main}_recipe", [*RECIPE, "--config.precision.fp8=delayed", *attention(main)]),  # sites: auto
+        Case(f"fp8_{main}_b8_all_sites", [*FP8, *attention(main), *b8, FULL, "--config.precision.fp8_sites=all"]),
+        Case(f"fp8_current_{main}_b8", [*BF16, "--config.precision.fp8=current", *attention(main), *b8, FULL]),
         Case(f"bf16_{main}_b8_remat_dots_cublas_only", [*BF16, *attention(main), *b8, dots], xla_flags=CUBLAS_ONLY),
         Case(f"fp8_{main}_b8_cublas_only", [*FP8, *attention(main), *b8, FULL], xla_flags=CUBLAS_ONLY),
     ]

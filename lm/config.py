@@ -98,6 +98,7 @@ def default_config() -> ml_collections.ConfigDict:
         fp8_history=1024,  # amax history length
         fp8_margin=0,  # scales keep 2**margin headroom
         fp8_skip="",  # layers kept in compute_dtype, e.g. "0,-1" (first and last)
+        fp8_sites="auto",  # auto: on a GPU target, fp8 only at matmuls the step-time model says it speeds up | all
     )
     return c
 
@@ -116,6 +117,7 @@ _CHOICES = {
     "precision.compute_dtype": ("float32", "bfloat16", "float16"),
     "precision.mu_dtype": ("float32", "bfloat16"),
     "precision.fp8": ("off", "delayed", "current"),
+    "precision.fp8_sites": ("auto", "all"),
 }
 
 _POSITIVE = (

@@ -81,7 +81,7 @@ def test_bf16_matmuls_are_bf16_gemms_accumulating_in_float32(h100s):
 
 
 def test_fp8_sites_run_fp8_gemms_forward_and_backward(h100s):
-    gemms = model_gemms(compiled(h100s, {"fsdp": 8}, precision__fp8="delayed"))
+    gemms = model_gemms(compiled(h100s, {"fsdp": 8}, precision__fp8="delayed", precision__fp8_sites="all"))
     head = {"btd,dv->btv", "btv,dv->btd", "btd,btv->dv"}  # the output head stays in bf16 by design
     kinds = {(g.lhs, g.rhs) for g in gemms if BLOCK_SPEC.search(g.op_name).group(1) not in head}
     # e4m3 x e4m3 forward; the output gradient in e5m2 against e4m3 for dx, and for dw.
@@ -97,7 +97,7 @@ def test_fp8_gemms_write_bf16_with_their_scales_folded_in():
     themselves (cuBLAS's own scale operand, not a constant 1); dw stays float32 for its
     reduction. One device: the test model's small GEMMs over 8 are split along K by XLA, whose
     partial products are float32 by design."""
-    text = compiled(targets.devices("h100", 1), {}, precision__fp8="delayed")
+    text = compiled(targets.devices("h100", 1), {}, precision__fp8="delayed", precision__fp8_sites="all")
     gemms = [g for g in model_gemms(text) if g.lhs.startswith("f8")]
     outputs = {(g.lhs, g.rhs): {h.out for h in gemms if (h.lhs, h.rhs) == (g.lhs, g.rhs)} for g in gemms}
     assert outputs == {("f8e4m3fn", "f8e4m3fn"): {"bf16"}, ("f8e5m2", "f8e4m3fn"): {"bf16"}, ("f8e4m3fn", "f8e5m2"): {"f32"}}
@@ -451,3 +451,24 @@ def test_the_step_time_model_predicts_the_real_h100_run_from_a_deviceless_compil
         text = compiled_train_step(setup(config, nominal_vocab_size(config.data), device)).as_text()
         predicted = steptime.predict(text, "h100").step_s
         assert abs(predicted / measured[case]["step_time_s"] - 1) < 0.10, (case, predicted, measured[case]["step_time_s"])
+
+
+def test_fp8_sites_auto_runs_fp8_only_where_the_step_time_model_says_it_pays():
+    """precision.fp8_sites=auto (the default) on an H100 target: a model of width 128 loses at
+    every site (its GEMMs are too small for fp8's extra passes), so no GEMM takes fp8 operands;
+    with fp8_sites=all (the negative control) they do. One layer at Llama-3-8B's width over 1024
+    tokens: its MLP, q and output projections win, its k / v projections (N = 1024) do not, and
+    the HLO has the fp8 GEMMs of the winning sites only."""
+    one = targets.devices("h100", 1)
+    small = dict(precision__fp8="delayed")
+    assert not [g for g in model_gemms(compiled(one, {}, **small)) if "f8" in g.lhs + g.rhs]
+    assert [g for g in model_gemms(compiled(one, {}, **small, precision__fp8_sites="all")) if "f8" in g.lhs + g.rhs]
+    wide = recipe("tiny", model__num_layers=1, model__embed_dim=4096, model__num_heads=32, model__num_kv_heads=8,
+                  model__mlp_dim=14336, train__batch_size=1, train__seq_len=1024, precision__compute_dtype="bfloat16",
+                  precision__fp8="delayed", mesh__data=1)
+    program = setup(wide, 256, one)
+    text = compiled_train_step(program).as_text()
+    chosen = {site.split()[0]: d["fp8"] for site, d in program.spec.policy.fp8_choice.decisions.items()}
+    assert chosen == {"btd,dhk->bthk": True, "btd,dgk->btgk": False, "bthk,hkd->btd": True, "btd,df->btf": True, "btf,fd->btd": True}
+    fp8_specs = {BLOCK_SPEC.search(g.op_name).group(1) for g in model_gemms(text) if g.lhs.startswith("f8")}
+    assert {"btd,df->btf", "btf,fd->btd", "bthk,hkd->btd"} <= fp8_specs and "btd,dgk->btgk" not in fp8_specs

@@ -16,6 +16,7 @@ device; the planner's network model times them across devices).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -87,6 +88,58 @@ def predict(hlo: str, target: str, c: dict[str, float] | None = None) -> Predict
     for r in rows:
         r["share"] = r["seconds_per_step"] / step if step else 0.0
     return Prediction(step, rows)
+
+
+# ---- fp8 where it pays (precision.fp8_sites=auto) ----
+
+# Bytes per element an fp8 site's tensor costs beyond its GEMMs: its amax read (2), the quantising
+# pass (read 2, write 1) and the copy in the other layout a backward GEMM takes (read 1, write 1).
+FP8_PASS_BYTES = 7
+FP8_PASS_LAUNCHES = 9  # three passes for each of x, w and g
+
+
+def gemm_dims(spec: str, x_shape: tuple, w_shape: tuple) -> tuple[int, int, int]:
+    """(M, K, N) of `einsum(spec, x, w)`: x's free axes, the contracted ones, w's free axes."""
+    inputs, out = spec.split("->")
+    xs, ws = inputs.split(",")
+    size = {**dict(zip(xs, x_shape)), **dict(zip(ws, w_shape))}
+    prod = lambda letters: int(np.prod([size[a] for a in letters])) if letters else 1  # noqa: E731
+    return prod([a for a in xs if a not in ws]), prod([a for a in xs if a in ws and a not in out]), prod([a for a in ws if a not in xs])
+
+
+def fp8_site_seconds(m: int, k: int, n: int, dev: Device, c: dict[str, float]) -> tuple[float, float]:
+    """(bf16, fp8) seconds of one site's three GEMMs (forward, dx, dw) on one device, fp8 with
+    its extra passes over x [m, k], w [k, n] and g [m, n]."""
+    memory = dev.bandwidth * c["memory"]
+
+    def gemm(a, b, d, flops, efficiency, in_bytes):
+        return max(2 * a * b * d / (flops * efficiency), (in_bytes * (a * b + b * d) + 2 * a * d) / memory) + c["overhead_s"]
+
+    shapes = ((m, k, n), (m, n, k), (k, m, n))
+    bf16 = sum(gemm(*s, dev.bf16_flops, c["gemm"], 2) for s in shapes)
+    passes = FP8_PASS_BYTES * (m * k + k * n + m * n) / memory + FP8_PASS_LAUNCHES * c["overhead_s"]
+    return bf16, sum(gemm(*s, dev.fp8_flops, c["gemm_fp8"], 1) for s in shapes) + passes
+
+
+@dataclasses.dataclass(eq=False)
+class Fp8SiteChoice:
+    """`precision.fp8_sites=auto`: a block matmul runs in fp8 only where the model predicts its
+    fp8 GEMMs plus their extra passes faster than its bf16 GEMMs on `target`, per device (the
+    tokens split `tokens_split` ways, the weights `weight_split` ways). Called with each site's
+    einsum and global shapes as it is traced; `decisions` keeps what it chose, and why."""
+
+    target: str
+    tokens_split: int = 1
+    weight_split: int = 1
+    decisions: dict = dataclasses.field(default_factory=dict)
+
+    def __call__(self, spec: str, x_shape: tuple, w_shape: tuple) -> bool:
+        m, k, n = gemm_dims(spec, tuple(x_shape), tuple(w_shape))
+        m = max(1, m // self.tokens_split)
+        n = max(1, n // self.weight_split)
+        bf16, fp8 = fp8_site_seconds(m, k, n, device(self.target), constants())
+        self.decisions[f"{spec} {list(x_shape)} x {list(w_shape)}"] = {"fp8": fp8 < bf16, "bf16_s": bf16, "fp8_s": fp8, "mkn": [m, k, n]}
+        return fp8 < bf16
 
 
 # ---- fitting on real traces ----

@@ -127,6 +127,21 @@ GPU_COMPILER_OPTIONS = {
 }
 
 
+def target_of(device) -> str | None:
+    """The target a device is, or compiles for: a compile-only device's own, a real GPU's by its
+    name (`device_description_str`); None for a CPU or a GPU meshlm has no description of."""
+    if device in _COMPILE_ONLY_TARGET:
+        return _COMPILE_ONLY_TARGET[device]
+    if getattr(device, "platform", "") != "gpu":
+        return None
+    kind = getattr(device, "device_kind", "")
+    for name in TARGETS:
+        described = re.search(r'device_description_str:\s*"([^"]+)"', target_config(name)).group(1)
+        if described == kind:
+            return name
+    return None
+
+
 def compiler_options(device) -> dict:
     """The compiler options meshlm sets for programs compiled for `device` (one of a mesh's); for
     a compile-only GPU, XLA's kernel cache too (`lm.compiler.kernel_cache`)."""

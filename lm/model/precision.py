@@ -10,6 +10,7 @@ and the loss itself stay float32 whatever the policy.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,9 @@ class Policy:
     compute_dtype: jnp.dtype = jnp.float32
     fp8: Fp8Recipe | None = None
     observe: bool = False  # every site records OBSERVED_STATS for the numerics report (`lm.numerics`)
+    # precision.fp8_sites=auto: (einsum, x shape, w shape) -> does fp8 pay at this site? Set by the
+    # program for its GPU target (`lm.compiler.steptime.Fp8SiteChoice`); None: every site.
+    fp8_choice: Callable[[str, tuple, tuple], bool] | None = None
 
     @classmethod
     def from_config(cls, precision) -> Policy:
@@ -65,7 +69,8 @@ class Policy:
         when the policy says so (and no `fp8_suspended()` is in force)."""
         x, w = self.cast(x), self.cast(w)
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
-        quantize = self.fp8 is not None and not is_suspended()
+        quantize = (self.fp8 is not None and site is not None and not is_suspended()
+                    and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape)))
         if site is None or not (quantize or self.observe):
             y = plain_matmul(spec, out_dtype, x, w)
         else:

@@ -18,7 +18,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
-from lm.compiler import targets
+from lm.compiler import steptime, targets
 from lm.model.attention import check_cudnn
 from lm.model.fp8 import Fp8Meta, Probe, update_fp8
 from lm.model.layers import Embedding
@@ -321,6 +321,11 @@ def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), obse
     spec = RunSpec.parse(config, vocab_size, observe=observe)
     mesh = sharding.make_mesh(spec.mesh, devices)
     check_batch_split(spec, mesh)
+    if spec.policy.fp8 and config.precision.fp8_sites == "auto" and (target := targets.target_of(mesh.devices.flat[0])):
+        # Per device a site's GEMMs see the tokens split over the batch axes, its weight over tensor.
+        tokens = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["context"]
+        choice = steptime.Fp8SiteChoice(target, tokens, mesh.shape["tensor"])
+        spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, fp8_choice=choice))
     if spec.model.attention == "cudnn":  # before a run directory is written, not at the first trace
         check_cudnn(mesh.devices.flat[0].platform, spec.policy.compute_dtype, spec.model.head_dim)
     return Program(spec, mesh, faults)
