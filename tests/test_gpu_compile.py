@@ -472,3 +472,19 @@ def test_fp8_sites_auto_runs_fp8_only_where_the_step_time_model_says_it_pays():
     assert chosen == {"btd,dhk->bthk": True, "btd,dgk->btgk": False, "bthk,hkd->btd": True, "btd,df->btf": True, "btf,fd->btd": True}
     fp8_specs = {BLOCK_SPEC.search(g.op_name).group(1) for g in model_gemms(text) if g.lhs.startswith("f8")}
     assert {"btd,df->btf", "btf,fd->btd", "bthk,hkd->btd"} <= fp8_specs and "btd,dgk->btgk" not in fp8_specs
+
+
+def test_fsdp_gathers_the_weights_fp8_sites_quantise_as_their_fp8_copies(h100s):
+    """Under FSDP a site's weight is quantised on each device's shard and all-gathered as fp8
+    (Megatron's --fp8-param-gather): the layer loop's gathers move half the bytes of bf16's.
+    Negative control: the same model without fp8 gathers bf16."""
+    def gathered(**overrides):
+        text = compiled(h100s, {"fsdp": 8}, **overrides)
+        return {shape: dtype for dtype, shape in hlo.collective_buffers(text, "all-gather")}, \
+            sum(b for (op, _), b in hlo.collective_traffic(text).items() if op == "all-gather")
+
+    bf16_types, bf16_bytes = gathered()
+    fp8_types, fp8_bytes = gathered(precision__fp8="delayed", precision__fp8_sites="all")
+    assert "f8e4m3fn" in fp8_types.values() and "f8e4m3fn" not in bf16_types.values()
+    # The blocks' weights are most of what is gathered; the embedding table stays bf16.
+    assert fp8_bytes < 0.6 * bf16_bytes, (fp8_bytes, bf16_bytes)
