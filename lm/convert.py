@@ -14,7 +14,7 @@ step-0 checkpoint of the weights alone, which `lm.train` starts from (fresh opti
 
 from __future__ import annotations
 
-from lm import cli
+from lm import cli, paths
 from lm import config as lm_config
 from lm.cli import Parser
 from lm.config import UserError
@@ -33,7 +33,8 @@ def main(argv: list[str]) -> None:
         parser.add_argument("--hf", required=True, help="a Hugging Face model directory (config.json, safetensors, tokenizer.json)")
         parser.add_argument("--workdir", required=True, help="the new run directory")
         args = parser.parse(argv[1:], defer_config=True)
-        workdir = import_hf(args.hf, args.workdir, args.config_base, args.config_overrides)
+        with paths.held(paths.new_or_run_dir(args.workdir), "--workdir", "lm.convert from_hf"):
+            workdir = import_hf(args.hf, args.workdir, args.config_base, args.config_overrides)
         say(f"imported {args.hf} -> {workdir} (step-0 checkpoint in {workdir / 'checkpoints'}); train with: python -m lm.train --workdir={workdir}")
         return
     parser = Parser(prog="python -m lm.convert to_hf", description="Export a meshlm run as a Hugging Face model.", with_config=False)

@@ -5,11 +5,19 @@ Recipe files are `lm.recipe.load_file`'s; data paths `lm.data.sources.corpus_fil
 `lm.program.checkpoint`'s. Here: work directories (a new or resumed run, an existing run to read),
 output directories, and readable files (tokenizers, and anything else read whole). Only the
 mistakes listed are caught; anything else is a bug and keeps its traceback.
+
+A directory a command writes is *held* while it writes (`held`): one writer at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 
 from lm.errors import UserError
@@ -32,7 +40,7 @@ def new_or_run_dir(path: str | os.PathLike, flag: str = "--workdir") -> Path:
 def new_output_dir(path: str | os.PathLike, flag: str) -> Path:
     """A directory a command creates and fills: absent or empty, never one holding anything."""
     p = new_or_run_dir(path, flag)
-    if p.exists() and any(p.iterdir()):
+    if p.exists() and any(f.name != LOCK_FILE for f in p.iterdir()):
         raise UserError(f"{flag}={path} exists and is not empty; nothing was written: pass a new directory")
     return p
 
@@ -59,3 +67,83 @@ def readable_file(path: str | os.PathLike, what: str) -> Path:
     if not os.access(p, os.R_OK):
         raise UserError(f"{what}={path} is not readable (permissions)")
     return p
+
+
+LOCK_FILE = ".meshlm.lock"
+HEARTBEAT_S = 30.0  # how often a holder refreshes its lock
+STALE_S = 300.0  # a lock not refreshed for this long is a dead holder's (one on another host, say)
+
+
+def _holder(lock: Path) -> dict:
+    try:
+        return json.loads(lock.read_text())
+    except (OSError, ValueError):  # half-written by a holder killed while writing it
+        return {}
+
+
+def _gone(holder: dict, lock: Path) -> bool:
+    """Whether a lock's holder is dead: on this host its process is gone; anywhere, it stopped
+    refreshing the lock (`STALE_S`)."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_S:
+            return True
+    except FileNotFoundError:
+        return True
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+    return not holder and time.time() - lock.stat().st_mtime > HEARTBEAT_S
+
+
+@contextlib.contextmanager
+def held(path: str | os.PathLike, flag: str, command: str, leader: bool = True):
+    """Holds directory `path` for `command` while the block runs: a second writer is refused in
+    one line naming the holder (host, pid, since when); a dead holder's lock (its process gone
+    from this host, or not refreshed for `STALE_S`: SIGKILL, power loss) is taken over, said in
+    one line. Of a multi-process run only the `leader` (process 0) holds it, for all of them."""
+    directory = new_or_run_dir(path, flag)
+    if not leader:
+        yield
+        return
+    created = not directory.exists()  # then removed again if the command leaves it empty
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / LOCK_FILE
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "command": command,
+          "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    while True:
+        try:
+            with open(lock, "x") as f:
+                json.dump(me, f)
+            break
+        except FileExistsError:
+            holder = _holder(lock)
+            if not _gone(holder, lock):
+                raise UserError(f"{flag}={path} is in use by {holder.get('command', 'another process')} (pid {holder.get('pid', '?')} "
+                                f"on {holder.get('host', '?')}, since {holder.get('since', '?')}); wait for it to end, or stop it") from None
+            print(f"{flag}={path}: taking over the lock of {holder.get('command', 'a process')} (pid {holder.get('pid', '?')} on "
+                  f"{holder.get('host', '?')}, since {holder.get('since', '?')}), which is gone", flush=True)
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+    stop = threading.Event()
+
+    def heartbeat():
+        while not stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(lock)
+
+    beating = threading.Thread(target=heartbeat, name="meshlm-lock", daemon=True)
+    beating.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if _holder(lock).get("pid") == me["pid"] and _holder(lock).get("host") == me["host"]:
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+        if created:  # a command refused its input before writing: nothing is left behind
+            with contextlib.suppress(OSError):
+                directory.rmdir()

@@ -35,9 +35,10 @@ def main(argv: list[str]) -> None:
         raise UserError("lm.prepare makes one store from data.path; prepare each source of data.sources on its own")
     files = sources.corpus_files(d.path)
     out = paths.new_or_run_dir(args.out, "--out")
-    tokenizer = tokenizer_for_corpus(d, out, files)
-    finished = token_store.is_store(out)
-    store = prepare_store(files, tokenizer, out, workers=args.workers, text_field=d.text_field, skip_bad_records=d.skip_bad_records)
+    with paths.held(out, "--out", "lm.prepare"):
+        tokenizer = tokenizer_for_corpus(d, out, files)
+        finished = token_store.is_store(out)
+        store = prepare_store(files, tokenizer, out, workers=args.workers, text_field=d.text_field, skip_bad_records=d.skip_bad_records)
     m = store.manifest
     verb = "already prepared" if finished else "prepared"
     print(f"{verb}: {out}: {m['tokens']:,} tokens in {m['documents']:,} documents, {m['units']} units ({m['dtype']}); counts {m['counts']}")

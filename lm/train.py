@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+import jax
+
 from lm import cli, paths
 from lm import config as lm_config
 from lm.cli import Parser
@@ -42,7 +44,8 @@ def main(argv: list[str]) -> None:
         kill_during_save_at_step=args.debug_kill_during_save_at_step,
         nonfinite_steps=tuple(int(s) for s in args.debug_nonfinite_steps.split(",") if s),
     )
-    train(args.config, args.workdir, faults=faults)
+    with paths.held(args.workdir, "--workdir", "lm.train", leader=jax.process_index() == 0):
+        train(args.config, args.workdir, faults=faults)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Several processes, preemption, crashes and bad steps: nothing is lost but the work since the
 last checkpoint, and a checkpoint restores onto any mesh."""
 
+import json
 import os
 import shutil
 import signal
@@ -163,3 +164,44 @@ def test_launcher_prefixes_output_and_stops_everyone_when_one_process_fails(tmp_
     out = run_module("lm.launch", "--processes=2", "--devices_per_process=1", "--", sys.executable, "-c", worker, timeout=30)
     assert out.returncode == 3
     assert "[0] hello from 0" in out.stdout and "[1] hello from 1" in out.stdout
+
+
+def test_one_writer_per_run_directory_and_a_dead_holders_lock_is_taken_over(tmp_path, capsys):
+    """A second lm.train on a directory in use is refused in one line naming the holder, and the
+    first trains on undisturbed; the lock of a holder that was SIGKILLed (its pid gone from this
+    host) is taken over, said in one line, and released when the run ends."""
+    import socket
+
+    from conftest import ROOT, run_cli
+
+    from lm import paths
+    from lm import train as lm_train
+
+    workdir = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "lm.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+                              "--config.train.steps=400", "--config.train.log_every=1"], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lock = workdir / paths.LOCK_FILE
+    try:
+        deadline = time.time() + 120
+        while not (workdir / "metrics.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.5)
+        assert lock.exists() and json.loads(lock.read_text())["pid"] == first.pid
+        second = run_cli(capsys, lm_train.main, "--config=configs/tiny.py", f"--workdir={workdir}", "--config.train.steps=5")
+        assert second.returncode == 2 and f"is in use by lm.train (pid {first.pid} on " in second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1 and "Traceback" not in second.stderr
+        assert first.poll() is None  # undisturbed: still training
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert json.loads(lock.read_text())["pid"] == first.pid  # a SIGKILLed holder leaves its lock behind
+    third = run_cli(capsys, lm_train.main, "--config=configs/tiny.py", f"--workdir={workdir}", "--config.train.steps=2")
+    assert third.returncode == 0, third.stderr
+    assert f"taking over the lock of lm.train (pid {first.pid} on " in third.stdout
+    assert not lock.exists()  # released at the end
+    # Negative control: a live holder on this host (this very process) is not taken over.
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "command": "a test", "since": "now"}))
+    refused = run_cli(capsys, lm_train.main, "--config=configs/tiny.py", f"--workdir={workdir}", "--config.train.steps=2")
+    assert refused.returncode == 2 and "is in use by a test" in refused.stderr

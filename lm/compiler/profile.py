@@ -24,7 +24,6 @@ from pathlib import Path
 from lm.compiler.kernels import NO_KERNEL, Module
 
 
-
 def instruction_kinds(hlo: str) -> dict[str, str]:
     """{instruction name: kind} for every instruction of the module (`lm.compiler.kernels.kind`)."""
     module = Module(hlo)

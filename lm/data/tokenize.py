@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lm import paths
 from lm.data import sources, token_store
 from lm.data.sources import Piece, Reading
 from lm.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -144,7 +145,7 @@ def prepare_store(files: list[Path], tokenizer, out: str | os.PathLike, *, worke
     if plan_path.is_file():
         _check_same(out, json.loads(plan_path.read_text()), plan)
     else:
-        if any(p.name != "tokenizer.json" for p in out.iterdir()):  # a BPE may have been trained into it
+        if any(p.name not in ("tokenizer.json", paths.LOCK_FILE) for p in out.iterdir()):  # a BPE may have been trained into it
             raise UserError(f"{out} exists and is not a token store; nothing was written: pass a new --out")
         if getattr(tokenizer, "path", None) and Path(tokenizer.path).resolve() != (out / "tokenizer.json").resolve():
             (out / "tokenizer.json").write_bytes(Path(tokenizer.path).read_bytes())
