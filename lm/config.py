@@ -65,6 +65,8 @@ def default_config() -> ml_collections.ConfigDict:
         clip_norm=1.0,  # 0: no clipping
     )
     c.checkpoint = dict(every_steps=500, keep=3, async_save=True)
+    # Weights & Biases beside metrics.jsonl and TensorBoard (lm.training.tracking); never required.
+    c.metrics = dict(wandb=False, wandb_project="meshlm")
     # Start a new run from trained weights: a Hugging Face checkpoint directory (config.json and
     # safetensors; its architecture and tokenizer replace the recipe's) or a meshlm run directory.
     c.init = dict(from_hf=config_dict.placeholder(str))

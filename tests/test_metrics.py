@@ -63,3 +63,89 @@ def test_tensorboard_metrics_are_written_without_importing_pytorch(tmp_path):
     assert out == ["False", "2.0"]
     assert [p.name for p in (tmp_path / "tb").iterdir()][0].startswith("events.out.tfevents")
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.5}
+
+
+class _FakeWandb:
+    """A stand-in for the `wandb` module that records what meshlm asks of it."""
+
+    def __init__(self, fail_at: str = ""):
+        self.inits, self.logged, self.finished, self.fail_at = [], [], 0, fail_at
+
+    def init(self, **kwargs):
+        if self.fail_at == "init":
+            raise RuntimeError("no network")
+        self.inits.append(kwargs)
+        fake = self
+
+        class Run:
+            def log(self, row, step):
+                if fake.fail_at == "log":
+                    raise RuntimeError("the service went away")
+                fake.logged.append((step, row))
+
+            def finish(self):
+                fake.finished += 1
+
+        return Run()
+
+
+def test_wandb_logs_what_tensorboard_logs_and_a_resumed_run_continues_the_same_run(tmp_path, small_corpus, monkeypatch):
+    from conftest import fast_config, metrics_rows
+
+    from lm.training.loop import train
+    from lm.training.tracking import RUN_ID_FILE
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    workdir = tmp_path / "run"
+    c = fast_config(small_corpus, train__steps=4, train__log_every=2, checkpoint__every_steps=2, metrics__wandb=True,
+                    metrics__wandb_project="meshlm-test")
+    train(c, workdir, jax.devices()[:1])
+    run_id = (workdir / RUN_ID_FILE).read_text().strip()
+    (first,) = fake.inits
+    assert first["id"] == run_id and first["resume"] == "allow" and first["project"] == "meshlm-test" and first["name"] == "run"
+    assert first["config"]["model"]["embed_dim"] == c.model.embed_dim and first["config"]["metrics"]["wandb"] is True
+    # Every row of metrics.jsonl, its numbers as logged (TensorBoard gets the same scalars).
+    rows = metrics_rows(workdir)
+    assert [step for step, _ in fake.logged] == [r["step"] for r in rows]
+    for (_, logged), row in zip(fake.logged, rows):
+        assert logged == {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+    assert fake.finished == 1
+    # Resumed: the same W&B run, going on from the next logged step.
+    train(fast_config(small_corpus, train__steps=6, train__log_every=2, checkpoint__every_steps=2, metrics__wandb=True,
+                      metrics__wandb_project="meshlm-test"), workdir, jax.devices()[:1])
+    assert [i["id"] for i in fake.inits] == [run_id, run_id]
+    assert max(step for step, _ in fake.logged) == 6
+
+
+@pytest.mark.parametrize("fail_at", ["init", "log", "missing"])
+def test_a_wandb_failure_is_one_warning_and_training_goes_on(tmp_path, small_corpus, monkeypatch, capsys, fail_at):
+    from conftest import fast_config, metrics_rows
+
+    from lm.training.loop import train
+
+    monkeypatch.setitem(sys.modules, "wandb", None if fail_at == "missing" else _FakeWandb(fail_at))
+    workdir = tmp_path / "run"
+    train(fast_config(small_corpus, train__steps=4, train__log_every=2, metrics__wandb=True), workdir, jax.devices()[:1])
+    assert [r["step"] for r in metrics_rows(workdir) if "loss" in r][-1] == 4  # trained to the end
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: W&B")]
+    expected = {"init": "could not start: RuntimeError: no network", "log": "stopped logging: RuntimeError: the service went away",
+                "missing": "is not installed"}[fail_at]
+    assert len(warnings) == 1 and expected in warnings[0] and warnings[0].endswith("training goes on without it")
+
+
+def test_wandb_offline_writes_its_run_under_the_workdir(tmp_path):
+    pytest.importorskip("wandb")
+    from conftest import run_module
+
+    from lm.training.tracking import RUN_ID_FILE
+
+    workdir = tmp_path / "run"
+    for steps in (2, 4):  # and resumed
+        result = run_module("lm.train", "--config=configs/tiny.py", f"--workdir={workdir}", f"--config.train.steps={steps}",
+                            "--config.train.log_every=2", "--config.metrics.wandb=True",
+                            env_extra={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+    run_id = (workdir / RUN_ID_FILE).read_text().strip()
+    offline = sorted(p.name for p in (workdir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(run_id) for name in offline)  # one W&B run, resumed

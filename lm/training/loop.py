@@ -32,6 +32,7 @@ from lm.training.metrics import (
     peak_flops,
     perplexity,
 )
+from lm.training.tracking import WandbRun
 
 
 def check_workdir(config, workdir: Path) -> None:
@@ -112,7 +113,8 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
     val_rows = corpus.eval_batches(t.batch_size, t.eval_batches, pi, pc)
     if pi == 0:
         lm_config.save_run(config, workdir)
-    writer = MetricsWriter(workdir, enabled=pi == 0)
+    tracker = WandbRun(workdir, config.metrics.wandb_project, config.to_dict()) if config.metrics.wandb and pi == 0 else None
+    writer = MetricsWriter(workdir, enabled=pi == 0, tracker=tracker)
     stop = sharding.distributed.StopRequest()
     try:
         return _loop(program, ckpt, batches, val_rows, writer, stop, faults)

@@ -144,12 +144,14 @@ def _summary_writer_class():
 
 
 class MetricsWriter:
-    """Appends metrics rows to WORKDIR/metrics.jsonl and TensorBoard event files in WORKDIR/tb."""
+    """Appends metrics rows to WORKDIR/metrics.jsonl and TensorBoard event files in WORKDIR/tb (and,
+    given a `tracker`, a W&B run: `lm.training.tracking`)."""
 
-    def __init__(self, workdir: Path, enabled: bool = True):
+    def __init__(self, workdir: Path, enabled: bool = True, tracker=None):
         self.enabled = enabled
         self.path = workdir / "metrics.jsonl"
         self.tb_dir = workdir / "tb"
+        self.tracker = tracker
         if enabled:
             self._tb = _summary_writer_class()(str(self.tb_dir))
 
@@ -161,7 +163,11 @@ class MetricsWriter:
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)):
                 self._tb.add_scalar(key, value, row["step"])
+        if self.tracker:
+            self.tracker.log(row)
 
     def close(self) -> None:
         if self.enabled:
             self._tb.close()
+        if self.tracker:
+            self.tracker.close()
