@@ -290,7 +290,3 @@ def cost_analysis(executable) -> dict:
         except Exception:  # noqa: BLE001
             return {}
     return {k: float(analysis[k]) for k in ("flops", "bytes accessed") if k in analysis}
-
-
-def to_json(kernels: list[Kernel]) -> str:
-    return json.dumps([k._asdict() for k in kernels])

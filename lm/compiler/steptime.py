@@ -11,7 +11,8 @@ constants, fitted on the per-kernel times of real GPU traces (`fit`; `python -m 
 --step_time=DIR --target=NAME --write` rewrites `lm/hardware/steptime.json` from a run stored in
 `benchmarks/results/`). Kernels run one after another on one stream (XLA's GPU steps do, as
 their traces show), so the step is their sum; collectives are timed as memory traffic here (one
-device; the planner's network model times them across devices).
+device; the planner's network model times them across devices). `Fp8SiteChoice` uses the same
+constants to decide, per fp8 site, whether fp8 pays (`precision.fp8_sites=auto`).
 """
 
 from __future__ import annotations
