@@ -141,7 +141,8 @@ def held(path: str | os.PathLike, flag: str, command: str, leader: bool = True):
         yield
     finally:
         stop.set()
-        if _holder(lock).get("pid") == me["pid"] and _holder(lock).get("host") == me["host"]:
+        holder = _holder(lock)
+        if (holder.get("pid"), holder.get("host")) == (me["pid"], me["host"]):
             with contextlib.suppress(FileNotFoundError):
                 lock.unlink()
         if created:  # a command refused its input before writing: nothing is left behind

@@ -142,8 +142,13 @@ _BUFFER = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s(all-gather|reduce-scatter|all-reduce)(-start)?\(")
 
 
+def buffers(types: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(element type, shape) of each array in an HLO type: one array, or a tuple of them."""
+    return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _BUFFER.findall(types)]
+
+
 def buffer_bytes(types: str) -> list[int]:
-    return [_BYTES[t] * math.prod(int(d) for d in dims.split(",") if d) for t, dims in _BUFFER.findall(types)]
+    return [_BYTES[t] * math.prod(dims) for t, dims in buffers(types)]
 
 
 def _group_size(line: str) -> int:

@@ -19,10 +19,9 @@ import math
 import re
 from typing import NamedTuple
 
-from lm.compiler.hlo import COLLECTIVES, buffer_bytes, computations
+from lm.compiler.hlo import COLLECTIVES, buffer_bytes, buffers, computations
 
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-_SHAPE = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 # Instructions that launch no kernel of their own; loops and branches run their computations'.
 NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "add-dependency",
              "opt-barrier", "partition-id", "replica-id"}
@@ -126,12 +125,9 @@ class Module:
         return None
 
 
-def _elements(type_: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _SHAPE.findall(type_.split("{")[0] if "(" not in type_ else type_)]
-
-
 def _dims(type_: str) -> tuple[int, ...]:
-    found = _elements(type_)
+    """The shape of a type's (first) array."""
+    found = buffers(type_)
     return found[0][1] if found else ()
 
 
@@ -179,7 +175,7 @@ def gemm_flops(module: Module, i: Instruction) -> float:
 def attention_flops(module: Module, i: Instruction) -> float:
     """cuDNN attention: QK^T and AV, 2 B H Sq Skv D each, causal at half; backward 2.5x forward."""
     if "Backward" in i.rest:  # (dq, dk, dv, ...): the gradients have the inputs' shapes
-        q, k = (dims for _, dims in _elements(i.type)[:2])
+        q, k = (dims for _, dims in buffers(i.type)[:2])
     else:
         q, k = (_dims(module.types.get(o, "")) for o in i.operands[:2])
     if len(q) != 4 or len(k) != 4:
@@ -198,7 +194,7 @@ def attention_flops(module: Module, i: Instruction) -> float:
 def kernel_bytes(module: Module, i: Instruction) -> float:
     """HBM bytes read and written by one run of a kernel (see the module docstring)."""
     reads = [sum(buffer_bytes(module.types.get(o, ""))) for o in i.operands]
-    written = [b for (t, _), b in zip(_elements(i.type), buffer_bytes(i.type)) if t not in _WORKSPACE]
+    written = [b for (t, _), b in zip(buffers(i.type), buffer_bytes(i.type)) if t not in _WORKSPACE]
     if i.op in ("fusion", "fusion-start") and i.called:
         rows = module.bodies.get(i.called[0], [])
         params = {int(re.match(r"(\d+)", r.rest).group(1)): r.name for r in rows if r.op == "parameter"}
@@ -206,8 +202,8 @@ def kernel_bytes(module: Module, i: Instruction) -> float:
         for r in rows:
             for o in r.operands:
                 users.setdefault(o, []).append(r)
-        root = next((r for r in rows if r.name == rows[-1].name), None)
-        roots = [module_row for module_row in rows if root and module_row.name in root.operands] if root and root.op == "tuple" else [root]
+        root = rows[-1] if rows else None  # the ROOT instruction closes its computation
+        roots = [r for r in rows if r.name in root.operands] if root and root.op == "tuple" else [root]
         for index, name in params.items():
             if index >= len(reads):
                 continue
@@ -222,7 +218,8 @@ def kernel_bytes(module: Module, i: Instruction) -> float:
     elif i.op in ("dynamic-slice", "slice"):
         reads = [sum(written)]
     elif i.op == "dynamic-update-slice":
-        reads, written = [sum(buffer_bytes(module.types.get(i.operands[1], "")))], [sum(buffer_bytes(module.types.get(i.operands[1], "")))]
+        update = sum(buffer_bytes(module.types.get(i.operands[1], "")))
+        reads, written = [update], [update]
     return float(sum(reads) + sum(written))
 
 
@@ -268,7 +265,7 @@ def table(hlo: str) -> list[Kernel]:
         elif k == "attention":
             flops = attention_flops(module, i)
         else:
-            flops = float(sum(math.prod(d) for _, d in _elements(i.type)))
+            flops = float(sum(math.prod(d) for _, d in buffers(i.type)))
         out.append(Kernel(name, k, count, flops, kernel_bytes(module, i), i.type.split("{")[0][:80], computation))
     return out
 

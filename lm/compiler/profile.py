@@ -52,13 +52,13 @@ def _library(text: str) -> str | None:
     return next((lib for lib, pattern in _LIBRARY_KERNEL.items() if pattern.search(text)), None)
 
 
-def schedule(hlo: str) -> dict[str, list[tuple[str, str | None]]]:
+def schedule(module: Module) -> dict[str, list[tuple[str, str | None]]]:
     """Each computation's instructions that become commands (kernels, library calls, loops; an
     asynchronous pair is one, its start), in the order of the scheduled HLO, each with the library
     it calls (cublas, cudnn or None)."""
     return {comp: [(i.name, _library(target.group(1)) if (target := re.search(r'custom_call_target="([^"]+)"', i.rest)) else None)
                    for i in rows if i.op not in NO_KERNEL and not i.op.endswith("-done")]
-            for comp, rows in Module(hlo).bodies.items()}
+            for comp, rows in module.bodies.items()}
 
 
 def _node(e: dict) -> int | None:
@@ -79,12 +79,13 @@ def attribute(events: list[dict], hlo: str) -> list[tuple[str | None, dict]]:
     node that ran, among those not yet run in this run of the graph. The kinds' totals are exact;
     per instruction, a library kernel can land on a neighbouring call of its library. None where
     nothing matches."""
-    order = schedule(hlo)
+    module = Module(hlo)
+    order = schedule(module)
     where = {name: (comp, i) for comp, commands in order.items() for i, (name, _) in enumerate(commands)}
     by_kernel_name = {name.replace(".", "_"): name for name in where}
     # Identical fusions share one kernel, named after one of them (`deduplicated_name` on the others).
     sharing: dict[str, list[str]] = defaultdict(list)
-    for i in (i for rows in Module(hlo).bodies.values() for i in rows if i.name in where):
+    for i in (i for rows in module.bodies.values() for i in rows if i.name in where):
         shared = re.search(r'deduplicated_name="([^"]+)"', i.rest)
         sharing[(shared.group(1) if shared else i.name).replace(".", "_")].append(i.name)
     graphs: dict[str, list[dict]] = defaultdict(list)
@@ -129,9 +130,8 @@ def attribute(events: list[dict], hlo: str) -> list[tuple[str | None, dict]]:
                 # the call to its library nearest there not yet run (the offset can be a command or
                 # two off; adjacent calls, such as q / k / v projections, each run once)
                 guess = last + 1 + offset
-                calls = sorted((i for i in range(len(commands)) if commands[i][1] == library),
-                               key=lambda i: (not helper and i in ran, abs(i - guess)))
-                index = calls[0] if library and calls else guess
+                calls = [i for i in range(len(commands)) if commands[i][1] == library] if library else []
+                index = min(calls, key=lambda i: (not helper and i in ran, abs(i - guess))) if calls else guess
                 if library and not helper:
                     ran.add(index)
             out.append((commands[index][0] if 0 <= index < len(commands) else None, e))
@@ -174,7 +174,6 @@ def summary(trace: str | Path, hlo: str, steps: int, top: int = 25) -> dict:
                 for op, ms in ranked],
         "device_unattributed_ms_per_step": {name: round(ms, 3) for name, ms in unnamed.most_common(10)},
     }
-
 
 
 def stored_hlo(directory: Path) -> str:

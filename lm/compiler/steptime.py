@@ -157,7 +157,7 @@ def samples(case_dir: Path, steps: int = 3) -> list[Sample]:
     """Each kernel of a stored GPU case (its optimized HLO and trace, as `benchmarks/gpu.py`
     keeps them) with its measured time (`lm.compiler.profile`)."""
     hlo = profile.stored_hlo(case_dir)
-    measured = {t["op"]: t["ms_per_step"] / 1e3 for t in profile.stored(case_dir, steps, top=10**9)["top"]}
+    measured = {t["op"]: t["ms_per_step"] / 1e3 for t in profile.summary(case_dir / "trace.json.gz", hlo, steps, top=10**9)["top"]}
     # Every kernel of the table, so that the fit sees what `predict` sees; one the trace did not
     # place (a few, small) counts as measured 0.
     return [Sample(k.kind, k.flops, k.bytes, k.count, measured.get(k.name, 0.0)) for k in lm_kernels.table(hlo)]
@@ -174,18 +174,17 @@ def fit(cases: list[list[Sample]], dev: Device, rounds: int = 4) -> dict[str, fl
     grids = {"gemm": np.linspace(0.3, 1.0, 71), "gemm_fp8": np.linspace(0.2, 1.0, 81), "attention": np.linspace(0.1, 1.0, 91),
              "memory": np.linspace(0.3, 1.0, 71), "overhead_s": np.linspace(0.0, 10e-6, 51)}
     c = {"gemm": 0.8, "gemm_fp8": 0.6, "attention": 0.5, "memory": 0.8, "overhead_s": 2e-6}
-    kinds = sorted({x.kind for case in cases for x in case})
+    # Per case, once: each kind's kernels (a mask), their measured total, and the step.
+    totals = []
+    for case in cases:
+        kinds, measured = np.array([x.kind for x in case]), np.array([x.seconds_per_step for x in case])
+        totals.append([(kinds == kind, measured[kinds == kind].sum()) for kind in set(kinds)] + [measured.sum()])
 
     def loss(trial):
         total = 0.0
-        for case in cases:
+        for case, (*by_kind, step) in zip(cases, totals):
             predicted = _predicted(case, dev, trial)
-            step = sum(x.seconds_per_step for x in case)
-            for kind in kinds:
-                mask = np.array([x.kind == kind for x in case])
-                if mask.any():
-                    measured = sum(x.seconds_per_step for x, m in zip(case, mask) if m)
-                    total += ((predicted[mask].sum() - measured) / step) ** 2  # each case's step weighs alike
+            total += sum(((predicted[mask].sum() - measured) / step) ** 2 for mask, measured in by_kind)  # each step weighs alike
         return total
 
     for _ in range(rounds):
