@@ -39,6 +39,10 @@ class Parser(argparse.ArgumentParser):
             group.add_argument("--coordinator", help="host:port of process 0's coordination service")
             group.add_argument("--num_processes", type=int, help="how many processes take part")
             group.add_argument("--process_id", type=int, help="this process's index, 0 .. num_processes-1")
+            group.add_argument(
+                "--peer_timeout_s", type=int, default=120,
+                help="a process silent this long (hung, frozen, host down) ends the job (default 120)",
+            )
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
@@ -58,7 +62,7 @@ class Parser(argparse.ArgumentParser):
         args = self.parse_args(rest)
         if self.distributed:  # before the config: nothing may touch JAX's devices first
             try:
-                sharding.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+                sharding.distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.peer_timeout_s)
             except ValueError as e:
                 raise UserError(str(e)) from None
         if self.with_config:

@@ -4,18 +4,24 @@
 from explicit arguments, from the cluster environments JAX detects itself (SLURM, Open MPI,
 Kubernetes, Cloud TPU), or does nothing for a single process. `StopRequest` turns SIGTERM /
 SIGINT into one step at which every process stops, so that all of them take part in the final
-checkpoint.
+checkpoint. When a process is lost, JAX's heartbeats end every survivor; `stderr_guard.py` turns
+the abort JAX prints into one line naming the lost process.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import jax
 
 # Environment variables by which SLURM, Open MPI and JAX say "you are one of several processes".
 _CLUSTER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+_peer_timeout_s = 120
 
 
 def _in_a_cluster() -> bool:
@@ -25,12 +31,21 @@ def _in_a_cluster() -> bool:
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.environ.get("JOB_COMPLETION_INDEX") is not None
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    peer_timeout_s: int = 120,
+) -> bool:
     """Starts `jax.distributed` when this is one of several processes; True if it did.
 
     Explicit arguments win; otherwise JAX's cluster auto-detection reads the environment. Must
-    run before anything asks JAX for devices.
+    run before anything asks JAX for devices. `peer_timeout_s`: the coordination service's
+    heartbeat timeout, after which a process that stopped answering (hung, frozen, its host
+    gone) ends the job.
     """
+    if peer_timeout_s < 1:
+        raise ValueError(f"--peer_timeout_s={peer_timeout_s}: give a whole number of seconds >= 1")
     explicit = (coordinator, num_processes, process_id)
     if any(v is not None for v in explicit) and None in explicit:
         raise ValueError("--coordinator, --num_processes and --process_id go together; give all three or none")
@@ -39,8 +54,58 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     # CPU devices of different processes talk through gloo (the default CPU client has no
     # cross-process collectives); harmless on GPU and TPU, whose own collectives are used.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes, process_id)
+    jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=peer_timeout_s)
+    global _peer_timeout_s
+    _peer_timeout_s = peer_timeout_s
+    _guard_stderr()
     return True
+
+
+def _client():
+    """JAX's coordination-service client (orbax uses the same; jax has no public handle)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _guard_stderr() -> None:
+    """Runs this process's stderr through `stderr_guard.py`, which outlives it: when JAX's
+    coordination client aborts the process because a peer was lost, the guard replaces JAX's
+    fatal record and stack trace with one line naming the lost process."""
+    from jax._src import distributed  # the process's place, known before any backend starts
+
+    state = distributed.global_state
+    guard = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("stderr_guard.py")), str(state.process_id), str(state.num_processes)],
+        stdin=subprocess.PIPE, stdout=sys.stderr.fileno(), close_fds=True,
+    )
+    sys.stderr.flush()
+    os.dup2(guard.stdin.fileno(), 2)
+    guard.stdin.close()  # fd 2 is now the one writer; the guard sees EOF when this process ends
+
+
+def await_lost_peer(wait_s: float = 10.0) -> None:
+    """After an error caught on this process: if another process is gone, wait for JAX's
+    heartbeat check to end this one (the guarded stderr then names the lost process) instead of
+    printing a traceback first; a collective whose peer died often fails at once, long before.
+
+    A roll call in the service's key-value store tells which: every process that caught an
+    error answers; if all do within `wait_s`, the error is everyone's own and this returns at
+    once. Otherwise it returns only if JAX has not ended the process within twice its timeout.
+    """
+    client, count, me = _client(), jax.process_count(), jax.process_index()
+    if client is None or count == 1:
+        return
+    try:
+        client.key_value_set(f"meshlm/roll_call/{me}", "1", allow_overwrite=True)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if len(client.key_value_dir_get("meshlm/roll_call/")) == count:
+                return
+            time.sleep(0.2)
+    except Exception:  # the service is unreachable: process 0 is gone, and JAX is ending this one
+        pass
+    time.sleep(2 * _peer_timeout_s + 10)
 
 
 class StopRequest:

@@ -150,6 +150,79 @@ def test_too_many_nonfinite_steps_in_a_row_end_the_run(tmp_path, small_corpus):
         train(c, tmp_path, jax.devices()[:1], faults=Faults(nonfinite_steps=(2, 3)))
 
 
+def _two_processes_by_hand(corpus, workdir, out_dir, victim: int | None = None, fault: str = "") -> list[tuple[int, str, str, float]]:
+    """`lm.train` as two independent processes (4 CPU devices each, as SLURM would start them: no
+    launcher watching), `fault` given to `victim` only; each one's (exit code, stdout, stderr,
+    time it ended)."""
+    import socket
+
+    from conftest import UNOPTIMIZED
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {UNOPTIMIZED}", JAX_PLATFORMS="cpu")
+    args = cli_args(corpus, workdir, "--config.train.steps=20", "--config.mesh.data=2", "--config.mesh.fsdp=4",
+                    "--config.checkpoint.every_steps=5", f"--coordinator=127.0.0.1:{port}", "--num_processes=2", "--peer_timeout_s=10")
+    procs, files = [], []
+    for i in range(2):
+        files.append((open(out_dir / f"{i}.out", "w+"), open(out_dir / f"{i}.err", "w+")))
+        extra = [f"--process_id={i}", *([fault] if i == victim else [])]
+        procs.append(subprocess.Popen([sys.executable, "-m", "lm.train", *args, *extra], cwd=ROOT, env=env,
+                                      stdout=files[i][0], stderr=files[i][1]))
+    ended = [None, None]
+    deadline = time.monotonic() + 400
+    while None in ended and time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.monotonic()
+        time.sleep(0.1)
+    results = []
+    for p, (out, err), end in zip(procs, files, ended):
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        out.seek(0), err.seek(0)
+        results.append((p.returncode, out.read(), err.read(), end or float("inf")))
+    return results
+
+
+def test_a_lost_peer_ends_every_survivor_in_one_line_and_all_restarted_resume(tmp_path, small_corpus):
+    """Two processes started by hand; one is SIGKILLed (a worker after a step, then the
+    coordinator in the middle of a save): the survivor exits non-zero within the peer timeout
+    with one line naming the lost process (JAX's own abort, its C++ stack trace and the Python
+    traceback are replaced), the last complete checkpoint is intact, and a restart of both
+    resumes from it with the losses of an uninterrupted run."""
+    work = tmp_path / "run"
+    runs = []
+    for n, (victim, fault, lost) in enumerate([(1, "--debug_kill_at_step=8", "1"), (0, "--debug_kill_during_save_at_step=10", "0 (the coordinator)")]):
+        (tmp_path / str(n)).mkdir()
+        results = _two_processes_by_hand(small_corpus, work, tmp_path / str(n), victim, fault)
+        survivor = results[1 - victim]
+        assert results[victim][0] == -signal.SIGKILL, results[victim][2][-2000:]
+        assert survivor[0] not in (0, None) and survivor[3] - results[victim][3] < 60, survivor[2][-3000:]
+        said = [line for line in survivor[2].splitlines() if line.strip() and not line.startswith("[Gloo]")]
+        assert said[-1] == (f"error: lost process {lost} of 2 (it stopped answering: killed, crashed, frozen or its host is down); "
+                            f"process {1 - victim} stopped too. Start all 2 processes again: they resume from the last complete checkpoint"), said[-5:]
+        assert not any(w in survivor[2] for w in ("Traceback", "stack trace", "client.h", "Fatal Python")), survivor[2][-3000:]
+        assert Checkpointer(work / "checkpoints").latest_step() == 5  # the save of step 10 never completed
+        runs.append(losses(work))
+    assert (work / "checkpoints" / "10.orbax-checkpoint-tmp").exists() or not (work / "checkpoints" / "10").exists()
+
+    (tmp_path / "restart").mkdir()
+    restarted = _two_processes_by_hand(small_corpus, work, tmp_path / "restart")
+    assert [r[0] for r in restarted] == [0, 0], restarted[0][2][-3000:]
+    assert "resuming from step 5" in restarted[0][1]
+    final = losses(work)
+    assert sorted(final) == list(range(1, 21))
+    # bitwise: steps 6-8 as each of the three runs computed them from the same checkpoint
+    assert [runs[0][s] for s in (6, 7, 8)] == [runs[1][s] for s in (6, 7, 8)] == [final[s] for s in (6, 7, 8)]
+    train(fast_config(small_corpus, train__steps=20, mesh__data=2, mesh__fsdp=4), tmp_path / "straight")
+    straight = losses(tmp_path / "straight")
+    np.testing.assert_allclose([final[s] for s in range(1, 21)], [straight[s] for s in range(1, 21)], rtol=1e-5)
+
+
 def test_launcher_prefixes_output_and_stops_everyone_when_one_process_fails(tmp_path):
     said = tmp_path / "process 0 said hello"
     worker = (

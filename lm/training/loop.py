@@ -118,6 +118,10 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
     stop = sharding.distributed.StopRequest()
     try:
         return _loop(program, ckpt, batches, val_rows, writer, stop, faults)
+    except Exception as e:
+        if not isinstance(e, UserError):  # a failed collective: was a process lost?
+            sharding.distributed.await_lost_peer()
+        raise
     finally:
         stop.close()
         ckpt.wait()
