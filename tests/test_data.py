@@ -174,6 +174,27 @@ def test_one_and_four_workers_give_byte_identical_stores(tmp_path):
         tokenize.prepare_store(sources.corpus_files(str(corpus)), ByteTokenizer(), tmp_path / "one", workers=1, progress=False)
 
 
+def test_a_damaged_store_shard_is_one_line_naming_it(tmp_path, capsys):
+    """Each shard's CRC-32 is recorded when it is prepared and checked when a run opens the
+    store: a flipped byte (same size) and a truncated shard are each one line naming the shard."""
+    from lm import train as lm_train
+
+    files = sources.corpus_files(str(make_corpus(tmp_path / "corpus", files=4, size=50_000)))
+    store = tokenize.prepare_store(files, ByteTokenizer(), tmp_path / "store", workers=1, progress=False)
+    shard = tmp_path / "store" / "00000.tokens"
+    assert store.manifest["crc32"] == [int((tmp_path / "store" / "00000.crc32").read_text())]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    train = [f"--config.data.path={tmp_path / 'store'}", f"--workdir={tmp_path / 'run'}", "--config.train.steps=1"]
+    assert_one_line_error(run_cli(capsys, lm_train.main, *train), f"{shard} does not match the checksum its store recorded")
+    data[len(data) // 3] ^= 0x01
+    shard.write_bytes(bytes(data[:-7]))
+    assert_one_line_error(run_cli(capsys, lm_train.main, *train), f"{shard} holds {len(data) - 7} tokens but its index says {len(data)}")
+    shard.write_bytes(bytes(data))
+    assert token_store.TokenStore(tmp_path / "store").num_tokens == len(data)  # restored: opens again
+
+
 def test_killed_prepare_resumes_to_the_same_store(tmp_path, small_corpus):
     """SIGKILL the parent and its workers mid-way; running again finishes the same store."""
     corpus = make_corpus(tmp_path / "corpus", files=32, size=400_000, seed=1)  # 13 MB, BPE: seconds

@@ -124,6 +124,29 @@ def test_sigkill_during_a_save_and_a_truncated_checkpoint_lose_only_the_work_sin
     assert "30 has no data iterator position" in third.stdout and "resuming from step 20" in third.stdout
     np.testing.assert_array_equal([losses(work)[s] for s in range(21, 31)], [expected[s] for s in range(21, 31)])
 
+    # Flipped bits: one byte of the newest checkpoint's largest array file changed. The file still
+    # decodes (negative control: without the saved checksums it restores, to other values), but its
+    # checksums do not match: set aside in one line, step 20 used, the same losses.
+    shutil.rmtree(work / "checkpoints" / "30.unreadable")
+    arrays = [p for p in (work / "checkpoints" / "30" / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    biggest = max(arrays, key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    biggest.write_bytes(bytes(data))
+    unchecked = tmp_path / "unchecked"
+    shutil.copytree(work / "checkpoints" / "30", unchecked / "30")
+    shutil.rmtree(unchecked / "30" / "checksums")
+    abstract = setup(fast_config(small_corpus), 256, jax.devices()[:1]).abstract_sharded_state()
+    flipped, _ = Checkpointer(unchecked).restore(abstract, 30)
+    with pytest.raises(AssertionError):
+        assert_trees_equal(jax.device_get(flipped), restore(tmp_path / "straight", 30, {}, jax.devices()[:1], small_corpus))
+    fourth = run_module("lm.train", *cli_args(small_corpus, work, "--config.train.steps=30", *every))
+    assert fourth.returncode == 0, fourth.stderr
+    warnings = [line for line in fourth.stdout.splitlines() if line.startswith("warning: checkpoint")]
+    assert len(warnings) == 1 and "read back with other bits than were saved" in warnings[0], fourth.stdout
+    assert "resuming from step 20" in fourth.stdout and (work / "checkpoints" / "30.unreadable").is_dir()
+    np.testing.assert_array_equal([losses(work)[s] for s in range(21, 31)], [expected[s] for s in range(21, 31)])
+
 
 def test_nonfinite_steps_are_skipped_or_stop_the_run_with_the_last_good_state(tmp_path, small_corpus):
     one = jax.devices()[:1]

@@ -10,6 +10,8 @@
     DIR/NNNNN.docs.npy        its documents' lengths (int64), renamed into place last: a unit
                               with this file is done
     DIR/NNNNN.counts.json     what reading the unit skipped or replaced
+    DIR/NNNNN.crc32           the CRC-32 of its .tokens file, gathered into the manifest too:
+                              a store's shards are checked against it whenever a run opens it
 
 Megatron-LM's `.bin` / `.idx` pairs and Levanter's cache are the same idea; this keeps numpy's
 formats so a store is inspectable with `np.memmap` / `np.load` alone.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -57,11 +60,13 @@ class UnitWriter:
         self.tmp = directory / f".{self.name}.tokens.tmp"
         self.file = open(self.tmp, "wb")
         self.lengths: list[int] = []
-        self.tokens = self.current = 0
+        self.tokens = self.current = self.crc32 = 0
 
     def write(self, ids: np.ndarray) -> None:
         """More tokens of the current document."""
-        self.file.write(np.asarray(ids, self.dtype).tobytes())
+        data = np.asarray(ids, self.dtype).tobytes()
+        self.file.write(data)
+        self.crc32 = zlib.crc32(data, self.crc32)
         self.current += len(ids)
 
     def end_document(self, eos: list[np.ndarray]) -> None:
@@ -77,9 +82,24 @@ class UnitWriter:
         self.file.close()
         os.replace(self.tmp, self.directory / f"{self.name}.tokens")
         (self.directory / f"{self.name}.counts.json").write_text(json.dumps(counts, sort_keys=True))
+        (self.directory / f"{self.name}.crc32").write_text(str(self.crc32))
         tmp = self.directory / f".{self.name}.docs.tmp.npy"
         np.save(tmp, np.asarray(self.lengths, np.int64))
         os.replace(tmp, self.directory / f"{self.name}.docs.npy")  # the unit's done marker, last
+
+
+def _crc32(unit: np.ndarray) -> int:
+    """CRC-32 of a shard's bytes, read in 64 MiB pieces (about 1 s per GB)."""
+    data, crc, step = unit.reshape(-1).view(np.uint8), 0, 64 << 20
+    for start in range(0, len(data), step):
+        crc = zlib.crc32(data[start : start + step], crc)
+    return crc
+
+
+def unit_crc32(directory: Path, index: int) -> int | None:
+    """The checksum a unit was committed with (None for units written before checksums)."""
+    path = directory / f"{unit_name(index)}.crc32"
+    return int(path.read_text()) if path.is_file() else None
 
 
 class TokenStore:
@@ -102,6 +122,7 @@ class TokenStore:
         self.dtype = np.dtype(self.manifest["dtype"])
         self.units = []
         lengths = []
+        crcs = self.manifest.get("crc32") or [None] * self.manifest["units"]  # stores prepared before checksums: sizes only
         for i in range(self.manifest["units"]):
             name = unit_name(i)
             path = self.directory / f"{name}.tokens"
@@ -109,7 +130,11 @@ class TokenStore:
             docs = np.load(self.directory / f"{name}.docs.npy")
             if size != int(docs.sum()):
                 raise UserError(f"{path} holds {size} tokens but its index says {int(docs.sum())}: the store is damaged; prepare it again")
-            self.units.append(np.memmap(path, self.dtype, mode="r") if size else np.zeros(0, self.dtype))
+            unit = np.memmap(path, self.dtype, mode="r") if size else np.zeros(0, self.dtype)
+            if crcs[i] is not None and _crc32(unit) != crcs[i]:
+                raise UserError(f"{path} does not match the checksum its store recorded when it was prepared (changed bytes on disk): "
+                                "the store is damaged; prepare it again")
+            self.units.append(unit)
             lengths.append(docs)
         self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self.doc_starts = np.concatenate([[0], np.cumsum(self.doc_lengths)[:-1]]).astype(np.int64)

@@ -227,6 +227,9 @@ def _finish(out: Path, plan: dict, num_units: int, tokenizer) -> token_store.Tok
         "documents": documents,
         "counts": counts,
     }
+    crcs = [token_store.unit_crc32(out, i) for i in range(num_units)]
+    if None not in crcs:  # a prepare resumed over units written before checksums: sizes only
+        manifest["crc32"] = crcs
     tmp = out / f".{token_store.MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, out / token_store.MANIFEST)

@@ -1,20 +1,25 @@
 """Checkpoints with orbax: asynchronous saves of the train state plus the data iterator's position.
 
-Parallelism: WORKDIR/checkpoints/<step>/{state, data}. Orbax writes each step into a temporary
-directory and renames it when complete, so an unfinished save (a process killed mid-write) is
-never taken as the latest. A complete checkpoint whose files were later damaged is reported,
-renamed `<step>.unreadable` (kept for inspection, never deleted) and the previous one is used.
+Parallelism: WORKDIR/checkpoints/<step>/{state, data, checksums}. Orbax writes each step into a
+temporary directory and renames it when complete, so an unfinished save (a process killed
+mid-write) is never taken as the latest. Every array's checksum (`checksums`: two sums of its
+bits, equal on any mesh) is saved beside it and compared after a restore. A complete checkpoint
+whose files were later damaged (unreadable, or bits flipped on disk) is reported, renamed
+`<step>.unreadable` (kept for inspection, never deleted) and the previous one is used.
 Restoring takes an abstract state carrying target shardings, so a checkpoint restores onto any
 mesh and process count the arrays fit.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from lm.config import UserError
@@ -29,7 +34,8 @@ class Checkpointer:
     def __init__(self, directory: Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                    "checksums": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
@@ -47,7 +53,8 @@ class Checkpointer:
         is durable when async. A step already saved is left as it is."""
         if step in self.manager.all_steps():
             return
-        args = {"state": ocp.args.StandardSave(_as_tree(state))}
+        tree = _as_tree(state)
+        args = {"state": ocp.args.StandardSave(tree), "checksums": ocp.args.JsonSave(checksums(tree))}
         if data_state is not None:
             args["data"] = ocp.args.JsonSave(data_state)
         self.manager.save(step, args=ocp.args.Composite(**args))
@@ -67,11 +74,15 @@ class Checkpointer:
             raise UnreadableCheckpoint(f"checkpoint {path} has no data iterator position (its 'data' item is missing)")
         if has_data:
             items["data"] = ocp.args.JsonRestore()
+        if (path / "checksums").exists():  # checkpoints written before checksums have none
+            items["checksums"] = ocp.args.JsonRestore()
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # orbax / tensorstore raise many kinds; all mean "cannot read"
             raise UnreadableCheckpoint(f"checkpoint {path} cannot be read: {_first_line(e)}") from None
         state = restored["state"]
+        if "checksums" in items:
+            _verify(state, restored["checksums"], path)
         if hasattr(abstract_state, "from_dict"):
             state = type(abstract_state).from_dict(state)
         return state, (restored["data"] if has_data else None)
@@ -89,9 +100,13 @@ class Checkpointer:
             largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_part))
             handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=math.ceil(largest / 1e9) + 1)
             with ocp.Checkpointer(handler) as reader:
-                return reader.restore(self.directory / str(step) / "state", args=args)
+                part = reader.restore(self.directory / str(step) / "state", args=args)
         except Exception as e:  # orbax / tensorstore raise many kinds; all mean "cannot read"
             raise UnreadableCheckpoint(f"checkpoint {self.directory / str(step)} cannot be read: {_first_line(e)}") from None
+        saved = self.directory / str(step) / "checksums" / "metadata"
+        if saved.is_file():
+            _verify(part, json.loads(saved.read_text()), self.directory / str(step))
+        return part
 
     def restore_latest(self, abstract_state, warn: Callable[[str], None]) -> tuple[int, object, dict | None] | None:
         """(step, state, data state) of the newest readable checkpoint, or None if there is none.
@@ -149,6 +164,44 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def checksums(tree) -> dict[str, list[int]]:
+    """Each array's [sum of its 32-bit words, sum of word x (1 + position)], modulo 2^32: any
+    flipped bit changes the first, swapped words the second. Integer sums do not depend on the
+    order of addition, so the values are the same on any mesh and process count, computed where
+    the shards are (no gather)."""
+    leaves = {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if hasattr(x, "shape")}
+    return {k: [int(v) for v in pair] for k, pair in jax.device_get(_checksums(leaves)).items()}
+
+
+@jax.jit
+def _checksums(leaves: dict) -> dict:
+    return {k: _sums(x) for k, x in leaves.items()}
+
+
+def _sums(x):
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        words = x.astype(jnp.uint32)
+    else:
+        bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        words = jax.lax.bitcast_convert_type(x, bits).astype(jnp.uint32)  # 8-byte items: a trailing pair
+    position = jnp.zeros(words.shape, jnp.uint32)
+    for axis in range(words.ndim):  # the row-major index, built from iotas (a sharded array is never flattened)
+        stride = int(np.prod(words.shape[axis + 1 :], dtype=np.int64)) % (1 << 32)
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride)
+    return jnp.stack([words.sum(dtype=jnp.uint32), (words * (position + 1)).sum(dtype=jnp.uint32)])
+
+
+def _verify(tree, saved: dict, path: Path) -> None:
+    """A restored tree's arrays against the checksums saved with them (only those present:
+    a partial restore checks its part)."""
+    found = checksums(tree)
+    bad = sorted(k for k, v in found.items() if k in saved and list(saved[k]) != v)
+    if bad:
+        raise UnreadableCheckpoint(f"checkpoint {path}: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
+                                   "read back with other bits than were saved (changed on disk)")
 
 
 def _paths(tree) -> set[str]:
