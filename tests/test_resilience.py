@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import FAST, ROOT, fast_config, losses, metrics_rows, run_module
 
-from lm.program.checkpoint import Checkpointer
+from lm.program.checkpoint import Checkpointer, CheckpointNotWritten
 from lm.program.steps import Faults, setup
 from lm.training.loop import TrainingHalted, train
 
@@ -146,6 +146,45 @@ def test_sigkill_during_a_save_and_a_truncated_checkpoint_lose_only_the_work_sin
     assert len(warnings) == 1 and "read back with other bits than were saved" in warnings[0], fourth.stdout
     assert "resuming from step 20" in fourth.stdout and (work / "checkpoints" / "30.unreadable").is_dir()
     np.testing.assert_array_equal([losses(work)[s] for s in range(21, 31)], [expected[s] for s in range(21, 31)])
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_the_previous_checkpoint_resumes(tmp_path, small_corpus, monkeypatch, capfd):
+    """On a 3 MB filesystem (a tmpfs the test mounts) a checkpoint of 1.3 MB fits twice: the
+    third save is refused before it starts; with the free-space check fooled, it fails inside
+    orbax's asynchronous writer (ENOSPC). Either way the run stops with one error (exit code 5)
+    naming the newest checkpoint, leaves no step directory a resume could take as complete, and
+    once space is freed the same command resumes with the losses of a run that never failed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root): the ENOSPC paths are not exercised")
+    try:
+        config = fast_config(small_corpus, train__steps=30, checkpoint__every_steps=5, checkpoint__keep=10)
+        devices = jax.devices()[:1]
+        train(config, tmp_path / "straight", devices)
+        expected = losses(tmp_path / "straight")
+        capfd.readouterr()
+        for name, fooled in (("refused", False), ("failed", True)):
+            if fooled:  # the check sees a huge disk: the write itself meets ENOSPC
+                real = shutil.disk_usage
+                monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 40))
+            with pytest.raises(CheckpointNotWritten) as stopped:
+                train(config, disk / name, devices)
+            assert stopped.value.exit_code == 5
+            message = str(stopped.value)
+            assert ("no space for the checkpoint of step 15" if not fooled else "the checkpoint of step 15 could not be written") in message
+            assert "the newest complete checkpoint is step 10" in message and "\n" not in message
+            assert sorted(p.name for p in (disk / name / "checkpoints").iterdir()) == ["10", "5"]  # no temporary left
+            assert "Traceback" not in capfd.readouterr().err
+            monkeypatch.undo()
+            subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)  # the user makes room
+            train(config, disk / name, devices)
+            assert Checkpointer(disk / name / "checkpoints").latest_step() == 30
+            np.testing.assert_array_equal([losses(disk / name)[s] for s in range(11, 31)], [expected[s] for s in range(11, 31)])
+            shutil.rmtree(disk / name)
+            subprocess.run(["mount", "-o", "remount,size=3m", str(disk)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def test_nonfinite_steps_are_skipped_or_stop_the_run_with_the_last_good_state(tmp_path, small_corpus):

@@ -8,12 +8,22 @@ whose files were later damaged (unreadable, or bits flipped on disk) is reported
 `<step>.unreadable` (kept for inspection, never deleted) and the previous one is used.
 Restoring takes an abstract state carrying target shardings, so a checkpoint restores onto any
 mesh and process count the arrays fit.
+
+A save needs as many free bytes as the state holds (orbax stores arrays uncompressed): checked
+before it starts, on every process. A save that fails anyway (no space left, also inside
+orbax's asynchronous writer) ends the run with one line (`CheckpointNotWritten`): its temporary
+directory is removed, the previous checkpoints stay as they are. Stopping rather than training
+on is deliberate: work that cannot be saved is work lost, and orbax's writer does not recover
+from a failed save (its next saves fail on a closed event loop, measured).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,9 +40,18 @@ class UnreadableCheckpoint(UserError):
     """A checkpoint whose files cannot be read back (truncated, corrupted)."""
 
 
+class CheckpointNotWritten(UserError):
+    """A save failed for lack of space (or another write error); the previous checkpoints are intact."""
+
+    exit_code = 5
+
+
 class Checkpointer:
     def __init__(self, directory: Path, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        self._in_flight: int | None = None  # the step whose asynchronous save may still be running
+        self._failed = False
+        _quiet_orbax_write_failures()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
         handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                     "checksums": ocp.JsonCheckpointHandler()}
@@ -53,11 +72,51 @@ class Checkpointer:
         is durable when async. A step already saved is left as it is."""
         if step in self.manager.all_steps():
             return
+        self.wait()  # the previous save's bytes are on disk (orbax would wait for it anyway)
         tree = _as_tree(state)
+        self._check_space(step, tree)
         args = {"state": ocp.args.StandardSave(tree), "checksums": ocp.args.JsonSave(checksums(tree))}
         if data_state is not None:
             args["data"] = ocp.args.JsonSave(data_state)
-        self.manager.save(step, args=ocp.args.Composite(**args))
+        self._in_flight = step
+        try:
+            self.manager.save(step, args=ocp.args.Composite(**args))
+        except Exception as e:
+            self._fail(step, e)
+
+    def _check_space(self, step: int, tree) -> None:
+        """Refuses to start a save that cannot fit, on every process if on any (orbax writes a
+        multi-host checkpoint into one shared directory: each process checks what it sees)."""
+        need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.directory).free
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
+        if free < need:
+            self._failed = True
+            raise CheckpointNotWritten(
+                f"no space for the checkpoint of step {step} in {self.directory}: it needs {need / 1e6:,.1f} MB, "
+                f"{free / 1e6:,.1f} MB are free; {self._newest()}. Free space and run the same command to resume"
+            )
+
+    def _fail(self, step: int | None, error: Exception) -> None:
+        """A failed save: its temporary directory removed (never a checkpoint), one line raised."""
+        if not _is_write_failure(error):
+            raise error
+        self._failed, self._in_flight = True, None
+        if jax.process_index() == 0 and step is not None:
+            for tmp in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointNotWritten(
+            f"the checkpoint of step {step} could not be written to {self.directory} ({_first_line(error)}); "
+            f"{self._newest()}. Free space (or fix the cause) and run the same command to resume"
+        ) from None
+
+    def _newest(self) -> str:
+        steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit()) if self.directory.is_dir() else []
+        return f"the newest complete checkpoint is step {steps[-1]}" if steps else "no checkpoint is complete yet"
 
     def restore(self, abstract_state, step: int | None = None, need_data: bool = False) -> tuple[object, dict | None]:
         """(state placed as `abstract_state`'s shardings, data iterator state) at `step` (default
@@ -159,10 +218,28 @@ class Checkpointer:
             multihost_utils.sync_global_devices(f"meshlm: checkpoint {step} set aside")
         self.manager.reload()
 
+    def check(self) -> None:
+        """CheckpointNotWritten if the save in flight has already failed; never waits."""
+        if self._failed or self._in_flight is None:
+            return
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            self._fail(self._in_flight, e)
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Until the save in flight is durable; CheckpointNotWritten if it failed (said once)."""
+        if self._failed:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._fail(self._in_flight, e)
+        self._in_flight = None
 
     def close(self) -> None:
+        if self._failed:  # orbax's writer is left broken by a failed save: nothing more to flush
+            return
         self.manager.close()
 
 
@@ -202,6 +279,33 @@ def _verify(tree, saved: dict, path: Path) -> None:
     if bad:
         raise UnreadableCheckpoint(f"checkpoint {path}: {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} "
                                    "read back with other bits than were saved (changed on disk)")
+
+
+def _is_write_failure(error: BaseException) -> bool:
+    """An OS-level write error (no space, quota, I/O) anywhere in the chain, as Python or tensorstore reports it."""
+    while error is not None:
+        if isinstance(error, OSError) or any(t in str(error) for t in ("RESOURCE_EXHAUSTED", "No space left", "os_error_code")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class _WriteFailureFilter(logging.Filter):
+    """Drops what orbax's threads log while a save fails (a traceback per array and task): the
+    failure is reported once, as CheckpointNotWritten."""
+
+    MARKS = ("No space left on device", "RESOURCE_EXHAUSTED", "Event loop is closed", f"Errno {errno.ENOSPC}")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() + (logging.Formatter().formatException(record.exc_info) if record.exc_info else "")
+        return not any(mark in text for mark in self.MARKS)
+
+
+def _quiet_orbax_write_failures() -> None:
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _WriteFailureFilter) for f in logger.filters):
+            logger.addFilter(_WriteFailureFilter())
 
 
 def _paths(tree) -> set[str]:

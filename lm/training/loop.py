@@ -187,6 +187,7 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
             last = {**rate.row(step, host), **batches.source_tokens()}
             writer.write(last)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
+            ckpt.check()  # a save that failed in the background ends the run now, not at the next save
             halt = _nonfinite_verdict(program.spec, step - len(host) + 1, host, _say)
             pending = []
             if halt:
