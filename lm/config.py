@@ -52,6 +52,14 @@ def default_config() -> ml_collections.ConfigDict:
         eval_batches=8,
         on_nonfinite="skip",  # skip: drop the update, go on | stop: checkpoint the last good state, exit
         max_consecutive_nonfinite=10,  # skipped steps in a row that end the run
+        # Loss spikes: spike_steps steps in a row above spike_factor x the mean loss of the last
+        # spike_window steps (or non-finite) restore the last checkpoint before them and skip their
+        # batches (WORKDIR/skipped_batches.json); at most spike_max_rollbacks times.
+        spike_rollback=False,
+        spike_factor=2.0,
+        spike_window=100,
+        spike_steps=3,
+        spike_max_rollbacks=3,
     )
     c.optim = dict(
         lr=1e-3,
@@ -125,7 +133,8 @@ _CHOICES = {
 _POSITIVE = (
     "model.num_layers", "model.embed_dim", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
     "model.vocab_multiple", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
-    "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "pipeline.repeats", "checkpoint.every_steps",
+    "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "train.spike_window", "train.spike_steps",
+    "train.spike_max_rollbacks", "pipeline.repeats", "checkpoint.every_steps",
     "checkpoint.keep", "data.vocab_size",
     "precision.fp8_history", "precision.loss_scale_initial", "precision.loss_scale_growth_interval",
     "precision.loss_scale_min", "optim.lr", "optim.eps", "model.rope_theta", "model.norm_eps",
@@ -172,6 +181,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     for key, (low, high) in _INTERVALS.items():
         if not low <= _get(c, key) < high:
             raise UserError(f"--config.{key} must be in [{low:g}, {min(high, 1.0):g}{')' if high <= 1.0 else ']'}, got {_get(c, key)}")
+    if not c.train.spike_factor > 1.0:
+        raise UserError(f"--config.train.spike_factor must be above 1 (a multiple of the recent mean loss), got {c.train.spike_factor}")
     m = c.model
     if m.num_heads % m.num_kv_heads:
         raise UserError(

@@ -72,7 +72,8 @@ def _guard_stderr() -> None:
     """Runs this process's stderr through `stderr_guard.py`, which outlives it: when JAX's
     coordination client aborts the process because a peer was lost, the guard replaces JAX's
     fatal record and stack trace with one line naming the lost process."""
-    from jax._src import distributed  # the process's place, known before any backend starts
+    # The process's place, known before any backend starts.
+    from jax._src import distributed
 
     state = distributed.global_state
     guard = subprocess.Popen(

@@ -340,3 +340,33 @@ def test_one_writer_per_run_directory_and_a_dead_holders_lock_is_taken_over(tmp_
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "command": "a test", "since": "now"}))
     refused = run_cli(capsys, lm_train.main, "--config=configs/tiny.py", f"--workdir={workdir}", "--config.train.steps=2")
     assert refused.returncode == 2 and "is in use by a test" in refused.stderr
+
+
+def test_a_loss_spike_rolls_back_once_and_trains_on_as_if_its_batches_never_were(tmp_path, small_corpus):
+    """Batches 22-24 hold random tokens (a damaged shard): their losses jump, the third in a row
+    rolls the run back to step 20, those batches are recorded and skipped, and every later loss
+    equals a run that resumed at step 20 with them listed as skipped from the start. Without
+    `train.spike_rollback` the same run trains straight through them."""
+    devices = jax.devices()[:1]
+    kw = dict(train__steps=40, optim__decay_steps=40, checkpoint__every_steps=10, train__spike_rollback=True, train__spike_factor=1.2,
+              train__spike_window=10, train__spike_steps=3)
+    garbled = Faults(garbled_batches=(22, 23, 24))
+    train(fast_config(small_corpus, **kw), tmp_path / "spiked", devices, faults=garbled)
+    rows = metrics_rows(tmp_path / "spiked")
+    assert [(r["step"], r["spike_rollbacks"]) for r in rows if "spike_rollbacks" in r] == [(24, 1)]
+    first_pass = {r["step"]: r["loss"] for r in rows[: rows.index({"step": 24, "spike_rollbacks": 1})] if "loss" in r}
+    recent = np.mean([first_pass[s] for s in range(12, 22)])
+    assert all(first_pass[s] > 1.2 * recent for s in (22, 23, 24)) and first_pass[21] < 1.2 * recent
+    record = json.loads((tmp_path / "spiked" / "skipped_batches.json").read_text())
+    assert [(r["steps"], r["batches"], r["rolled_back_to"]) for r in record] == [([22, 23, 24], [22, 23, 24], 20)]
+
+    reference = tmp_path / "reference"
+    train(fast_config(small_corpus, **{**kw, "train__steps": 20}), reference, devices)
+    (reference / "skipped_batches.json").write_text(json.dumps([{"batches": [22, 23, 24]}]))
+    train(fast_config(small_corpus, **kw), reference, devices)
+    spiked, expected = losses(tmp_path / "spiked"), losses(reference)
+    assert [spiked[s] for s in range(1, 41)] == [expected[s] for s in range(1, 41)]
+
+    train(fast_config(small_corpus, **{**kw, "train__spike_rollback": False, "train__steps": 26}), tmp_path / "off", devices, faults=garbled)
+    assert not (tmp_path / "off" / "skipped_batches.json").exists()
+    assert losses(tmp_path / "off")[24] == first_pass[24]  # trained on the garbled batches

@@ -248,22 +248,29 @@ class Corpus:
 
 
 class Batches:
-    """The train iterator, counting the tokens each source has given (checkpointed with it)."""
+    """The train iterator, counting the tokens each source has given and the batches drawn
+    (checkpointed with it); batches whose number is in `skip` are drawn and dropped."""
 
     def __init__(self, iterator, names: list[str], seq_len: int):
         self.iterator, self.names, self.seq_len = iterator, names, seq_len
         self.counts = np.zeros(len(names), np.int64)
+        self.taken = 0  # batches drawn so far: the number of the last one
+        self.skip: set[int] = set()
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
         batch = next(self.iterator)
+        self.taken += 1
+        while self.taken in self.skip:
+            batch = next(self.iterator)
+            self.taken += 1
         self.counts += np.bincount(batch["sources"], minlength=len(self.names)) * self.seq_len
         return batch
 
     def get_state(self) -> dict:
-        return {"iterator": self.iterator.get_state(), "source_tokens": self.counts.tolist()}
+        return {"iterator": self.iterator.get_state(), "source_tokens": self.counts.tolist(), "batches_taken": self.taken}
 
     def set_state(self, state: dict) -> None:
         if "iterator" not in state:  # a checkpoint from before mixtures: the iterator's state alone
@@ -271,6 +278,7 @@ class Batches:
             return
         self.iterator.set_state(state["iterator"])
         self.counts = np.asarray(state["source_tokens"], np.int64)
+        self.taken = state.get("batches_taken", 0)  # checkpoints from before batch numbers: counted from here
 
     def source_tokens(self) -> dict[str, int]:
         """{'tokens_from/NAME': tokens trained on from that source so far}."""

@@ -60,6 +60,9 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
     def saved_fields(self, step: int) -> set[str]:
         """The top-level entries of a step's state: {'params'} alone for imported weights."""
         try:
@@ -90,15 +93,16 @@ class Checkpointer:
         need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
         self.directory.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.directory).free
+        fits = free >= need
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
-        if free < need:
+            fits = bool(np.all(multihost_utils.process_allgather(np.int32(fits))))
+        if not fits:
             self._failed = True
             raise CheckpointNotWritten(
                 f"no space for the checkpoint of step {step} in {self.directory}: it needs {need / 1e6:,.1f} MB, "
-                f"{free / 1e6:,.1f} MB are free; {self._newest()}. Free space and run the same command to resume"
+                f"{free / 1e6:,.1f} MB are free (on process {jax.process_index()}; all processes stop); {self._newest()}. Free space and run the same command to resume"
             )
 
     def _fail(self, step: int | None, error: Exception) -> None:
@@ -177,7 +181,7 @@ class Checkpointer:
                 return step, *self.restore(abstract_state, step, need_data=True)
             except UnreadableCheckpoint as e:
                 warn(f"warning: {e}; it is kept as {step}.unreadable and the previous checkpoint is used")
-                self._set_aside(step)
+                self.set_aside(step, "unreadable")
         return None
 
     def _step(self, step: int | None) -> int:
@@ -209,13 +213,14 @@ class Checkpointer:
                 "it was written by another config or meshlm version: use a new --workdir"
             )
 
-    def _set_aside(self, step: int) -> None:
+    def set_aside(self, step: int, why: str) -> None:
+        """Renames a step's checkpoint `<step>.<why>`: kept for inspection, never taken again."""
         if jax.process_index() == 0:
-            (self.directory / str(step)).rename(self.directory / f"{step}.unreadable")
+            (self.directory / str(step)).rename(self.directory / f"{step}.{why}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"meshlm: checkpoint {step} set aside")
+            multihost_utils.sync_global_devices(f"meshlm: checkpoint {step} set aside as {why}")
         self.manager.reload()
 
     def check(self) -> None:

@@ -57,6 +57,7 @@ class Faults:
     kill_during_save_at_step: int | None = None  # SIGKILL as soon as this step's save has started
     nonfinite_steps: tuple[int, ...] = ()  # these steps' loss and gradients are NaN
     overflow_steps: tuple[int, ...] = ()  # these steps' gradients are 1e30 times too large
+    garbled_batches: tuple[int, ...] = ()  # these batches (by number) hold random tokens
 
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:

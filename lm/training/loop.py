@@ -32,6 +32,7 @@ from lm.training.metrics import (
     peak_flops,
     perplexity,
 )
+from lm.training.spikes import SKIPPED, SpikeWatch, record, skipped
 from lm.training.tracking import WandbRun
 
 
@@ -117,7 +118,7 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
     writer = MetricsWriter(workdir, enabled=pi == 0, tracker=tracker)
     stop = sharding.distributed.StopRequest()
     try:
-        return _loop(program, ckpt, batches, val_rows, writer, stop, faults)
+        return _loop(program, ckpt, batches, val_rows, writer, stop, faults, workdir)
     except Exception as e:
         if not isinstance(e, UserError):  # a failed collective: was a process lost?
             sharding.distributed.await_lost_peer()
@@ -158,7 +159,43 @@ def _start(program: Program, ckpt: Checkpointer):
     return 0, program.init_state(config.train.seed), None
 
 
-def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: MetricsWriter, stop, faults: Faults) -> dict:
+def _garbled(batch: dict, vocab_size: int, number: int) -> dict:
+    """Fault injection (tests): a batch whose tokens are random, as a damaged shard would give."""
+    rng = np.random.default_rng(number)
+    return {**batch, "tokens": rng.integers(0, vocab_size, batch["tokens"].shape).astype(batch["tokens"].dtype)}
+
+
+def _roll_back(program: Program, ckpt: Checkpointer, batches, spikes: SpikeWatch, spike, writer: MetricsWriter, count: int, workdir: Path):
+    """(step, state) of the newest checkpoint before the spike, its batches recorded as skipped.
+
+    Checkpoints written during the spike are set aside as `<step>.rolled_back` (kept, never
+    deleted), so that a restart cannot resume from them either."""
+    first_step, detected = spike[0][0], spike[-1][0]
+    ckpt.wait()
+    before = [s for s in ckpt.all_steps() if s < first_step]
+    if not before:
+        raise TrainingHalted(f"step {detected}: the loss spiked (steps {first_step}-{detected}) before any checkpoint was written; "
+                             "nothing to roll back to: lower checkpoint.every_steps or train.spike_window")
+    target = before[-1]
+    for later in ckpt.all_steps():
+        if later > target:
+            ckpt.set_aside(later, "rolled_back")
+    if jax.process_index() == 0:
+        record(workdir, spike, target)
+    restored, data_state = ckpt.restore(program.abstract_sharded_state(), target, need_data=True)
+    batches.set_state(data_state)
+    batches.skip |= {b for _, b, _ in spike}
+    spikes.forget_after(target)
+    writer.write({"step": detected, "spike_rollbacks": count})
+    _say(
+        f"step {detected}: loss spike ({len(spike)} steps above {spikes.factor:g} x the recent mean {spikes.mean():.4f}: "
+        f"{', '.join(f'{loss:.4f}' for _, _, loss in spike)}); rolled back to step {target}, skipping batches "
+        f"{', '.join(str(b) for _, b, _ in spike)} (recorded in {workdir / SKIPPED})"
+    )
+    return target, restored
+
+
+def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: MetricsWriter, stop, faults: Faults, workdir: Path) -> dict:
     from tqdm import tqdm
 
     config = program.config
@@ -178,9 +215,17 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
     else:
         step_fn = program.train_step.lower(state, val_batches[0]).compile()
     bar = tqdm(total=t.steps, initial=start, disable=jax.process_index() != 0, unit="step", dynamic_ncols=True, file=sys.stdout)
-    pending, last = [], {}
-    for step in range(start + 1, t.steps + 1):
-        state, metrics = step_fn(state, program.global_batch(next(batches)))
+    spikes = SpikeWatch(t.spike_factor, t.spike_window, t.spike_steps) if t.spike_rollback else None
+    rollbacks = len(skipped(workdir))
+    batches.skip = {b for row in skipped(workdir) for b in row["batches"]}
+    pending, numbers, last, step = [], [], {}, start
+    while step < t.steps:
+        step += 1
+        batch = next(batches)
+        numbers.append(batches.taken)
+        if batches.taken in faults.garbled_batches:
+            batch = _garbled(batch, mcfg.vocab_size, batches.taken)
+        state, metrics = step_fn(state, program.global_batch(batch))
         pending.append(metrics)
         if step % t.log_every == 0 or step == t.steps:
             host = jax.device_get(pending)  # the one device->host transfer
@@ -188,8 +233,22 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
             writer.write(last)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
             ckpt.check()  # a save that failed in the background ends the run now, not at the next save
-            halt = _nonfinite_verdict(program.spec, step - len(host) + 1, host, _say)
-            pending = []
+            first = step - len(host) + 1
+            spike = next((found for i, m in enumerate(host) if spikes and (found := spikes.observe(first + i, numbers[i], float(m["loss"])))), None)
+            pending, numbers = [], []
+            if spike:
+                rollbacks += 1
+                if rollbacks > t.spike_max_rollbacks:
+                    bar.close()
+                    raise TrainingHalted(f"step {step}: the loss spiked again after {t.spike_max_rollbacks} rollbacks (train.spike_max_rollbacks); "
+                                         f"the spiking batches are listed in {workdir / SKIPPED}")
+                restore_start = time.perf_counter()
+                step, state = _roll_back(program, ckpt, batches, spikes, spike, writer, rollbacks, workdir)
+                rate.exclude(time.perf_counter() - restore_start)
+                bar.n = step
+                bar.refresh()
+                continue
+            halt = _nonfinite_verdict(program.spec, first, host, _say)
             if halt:
                 ckpt.save(step, state, batches.get_state())
                 ckpt.wait()
