@@ -62,6 +62,7 @@ def default_config() -> ml_collections.ConfigDict:
         spike_max_rollbacks=3,
     )
     c.optim = dict(
+        name="adamw",  # adamw | muon: Muon for the block matmul weights, AdamW for the rest
         lr=1e-3,
         min_lr_ratio=0.1,
         warmup_steps=100,
@@ -71,6 +72,8 @@ def default_config() -> ml_collections.ConfigDict:
         eps=1e-8,
         weight_decay=0.1,
         clip_norm=1.0,  # 0: no clipping
+        muon_momentum=0.95,
+        muon_ns_steps=5,  # Newton-Schulz iterations per update
     )
     c.checkpoint = dict(every_steps=500, keep=3, async_save=True)
     # Weights & Biases beside metrics.jsonl and TensorBoard (lm.training.tracking); never required.
@@ -121,6 +124,7 @@ _CHOICES = {
     "model.remat": REMAT,
     "model.attention": ("auto", "cudnn", "xla", "einsum"),
     "train.on_nonfinite": ("skip", "stop"),
+    "optim.name": ("adamw", "muon"),
     "pipeline.remat": REMAT,
     "pipeline.schedule": ("gpipe", "1f1b", "1f1b_per_stage"),
     "precision.param_dtype": ("float32", "bfloat16"),
@@ -134,7 +138,7 @@ _POSITIVE = (
     "model.num_layers", "model.embed_dim", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
     "model.vocab_multiple", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
     "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "train.spike_window", "train.spike_steps",
-    "train.spike_max_rollbacks", "pipeline.repeats", "checkpoint.every_steps",
+    "train.spike_max_rollbacks", "optim.muon_ns_steps", "pipeline.repeats", "checkpoint.every_steps",
     "checkpoint.keep", "data.vocab_size",
     "precision.fp8_history", "precision.loss_scale_initial", "precision.loss_scale_growth_interval",
     "precision.loss_scale_min", "optim.lr", "optim.eps", "model.rope_theta", "model.norm_eps",
@@ -146,7 +150,7 @@ _NOT_NEGATIVE = (
     "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed", "data.workers",
 )
 # [low, high) intervals
-_INTERVALS = {"optim.b1": (0.0, 1.0), "optim.b2": (0.0, 1.0), "optim.min_lr_ratio": (0.0, 1.0 + 1e-12)}
+_INTERVALS = {"optim.muon_momentum": (0.0, 1.0), "optim.b1": (0.0, 1.0), "optim.b2": (0.0, 1.0), "optim.min_lr_ratio": (0.0, 1.0 + 1e-12)}
 
 
 def _numbers(c, prefix: str = ""):

@@ -79,6 +79,43 @@ def test_weight_decay_moves_matmul_weights_only_on_the_real_model():
         "embedding", "pos_embedding", "blocks/attn/bq", "blocks/mlp/b_in", "blocks/attn_norm/bias", "final_norm/scale"}
 
 
+def test_muon_orthogonalises_the_block_matmuls_adamw_the_rest_and_trains_sharded_like_one_device(tmp_path, small_corpus):
+    """optim.name=muon: the block matmul weights get Muon (one momentum, an update whose singular
+    values are near one per layer's matrix), the embedding, head and norms AdamW (two moments), by
+    the logical-axes rule weight decay uses; {fsdp 2, tensor 2} trains like one device."""
+    from lm.program.optimizer import muon_dimensions
+
+    c = fast_config(small_corpus, optim__name="muon", optim__weight_decay=0.0)
+    program = setup(c, 256, jax.devices()[:1])
+    dims = muon_dimensions(program.abstract_model.decay_mask, program.abstract_model.logical_axes)
+    is_dim = lambda d: d is None or hasattr(d, "reduction_axis")  # noqa: E731
+    muon = {jax.tree_util.keystr(p, simple=True, separator="/") for p, d in jax.tree_util.tree_flatten_with_path(dims, is_leaf=is_dim)[0] if d is not None}
+    assert muon == {f"blocks/attn/{w}" for w in ("wq", "wk", "wv", "wo")} | {f"blocks/mlp/{w}" for w in ("w_gate", "w_in", "w_out")}
+    params = program.init_state(0).params
+    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(1), x.shape, x.dtype), params)
+    updates, opt_state = program.tx.update(grads, program.tx.init(params), params)
+    shapes = {x.shape for x in jax.tree.leaves(params)}
+    moments = [x for x in jax.tree.leaves(opt_state) if getattr(x, "ndim", 0) >= 1 and x.shape in shapes]
+    n_adamw = sum(x.size for k, x in _flat(params).items() if k not in muon)
+    n_muon = sum(x.size for k, x in _flat(params).items() if k in muon)
+    assert sum(x.size for x in moments) == n_muon + 2 * n_adamw  # Muon: momentum only; AdamW: mu and nu
+    w_in = np.asarray(_flat(updates)["blocks/mlp/w_in"][0])  # layer 0's (embed, mlp) update
+    singular = np.linalg.svd(w_in / np.abs(w_in).max(), compute_uv=False)
+    assert singular.min() > 0.3 * singular.max()  # orthogonalised: a flat spectrum (a raw gradient's spreads widely)
+    raw = np.linalg.svd(np.asarray(_flat(grads)["blocks/mlp/w_in"][0]), compute_uv=False)
+    assert raw.min() < 0.3 * raw.max()
+
+    train(fast_config(small_corpus, optim__name="muon", train__steps=6), tmp_path / "one", jax.devices()[:1])
+    train(fast_config(small_corpus, optim__name="muon", train__steps=6, mesh__fsdp=2, mesh__tensor=2), tmp_path / "sharded", jax.devices()[:4])
+    one, sharded = losses(tmp_path / "one"), losses(tmp_path / "sharded")
+    np.testing.assert_allclose([sharded[s] for s in range(1, 7)], [one[s] for s in range(1, 7)], rtol=1e-5)
+    assert one[6] < one[1]
+
+
+def _flat(tree) -> dict:
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def test_bfloat16_parameters_train():
     """precision.param_dtype=bfloat16: the float32 learning rate promoted AdamW's updates to float32,
     and the step failed (apply_if_finite's skipped branch is zeros like the bfloat16 gradients)."""

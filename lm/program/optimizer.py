@@ -1,8 +1,14 @@
-"""The optax chain from config: global-norm clipping, then AdamW with warm-up + cosine decay,
-wrapped in `optax.apply_if_finite` so that an update from non-finite gradients is never applied.
+"""The optax chain from config: global-norm clipping, then AdamW (or Muon) with warm-up + cosine
+decay, wrapped in `optax.apply_if_finite` so that an update from non-finite gradients is never
+applied.
 
 Weight decay applies where `decay_mask` says (a tree of booleans shaped like the parameters;
 `lm.program.steps.decay_mask` derives it from the model's logical axes: matmul weights only).
+`optim.name=muon`: optax's Muon for the block matmul weights (decayed, and not the vocabulary
+head), each orthogonalised as the matrix (its input axes x its output axes) per layer; AdamW with
+the same rule for the rest (embedding, head, norms, biases). Muon's updates are scaled to
+AdamW's RMS (Moonlight's 0.2 x sqrt(max(fan_in, fan_out))), so `optim.lr` and
+`optim.weight_decay` mean the same for both.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ def schedule(c) -> optax.Schedule:
     )
 
 
-def optimizer(c, decay_mask) -> optax.GradientTransformation:
+def optimizer(c, decay_mask, logical_axes=None) -> optax.GradientTransformation:
     o = c.optim
     adamw = optax.adamw(
         schedule(c), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask,
         mu_dtype=c.precision.mu_dtype,  # optax keeps the second moment in the parameters' dtype
     )
+    if o.name == "muon":
+        adamw = _with_muon(c, adamw, decay_mask, logical_axes)
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw) if o.clip_norm else adamw
     tx = in_gradient_dtype(tx)
     # Skipped steps are counted in the state (`notfinite_count` in a row, `total_notfinite`); the
@@ -39,6 +47,46 @@ def optimizer(c, decay_mask) -> optax.GradientTransformation:
 
 
 NEVER = 2**31 - 1
+
+# Moonlight's update RMS match: Muon's orthogonalised update scaled to AdamW's typical RMS.
+MUON_RMS = 0.2
+
+
+def muon_dimensions(decay_mask, logical_axes) -> dict:
+    """Per parameter: Muon's (input axes, output axes) for the decayed matmul weights other than
+    the vocabulary head, None for the rest (AdamW). The stacked `layers` axis is a batch axis:
+    each layer's matrix is orthogonalised on its own. A weight's input axes are `embed` when it
+    comes first (q/k/v, MLP in), else all but the trailing `embed` (attention out, MLP out)."""
+
+    def dims(decayed, axes):
+        axes = tuple(axes)
+        if not decayed or "vocab" in axes:
+            return None
+        inner = [i for i, a in enumerate(axes) if a != "layers"]
+        if axes[inner[0]] == "embed":
+            return optax.contrib.MuonDimensionNumbers(reduction_axis=(inner[0],), output_axis=tuple(inner[1:]))
+        return optax.contrib.MuonDimensionNumbers(reduction_axis=tuple(inner[:-1]), output_axis=(inner[-1],))
+
+    return jax.tree.map(dims, decay_mask, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _with_muon(c, adamw, decay_mask, logical_axes) -> optax.GradientTransformation:
+    o = c.optim
+    by_path = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_flatten_with_path(
+        muon_dimensions(decay_mask, logical_axes), is_leaf=lambda x: x is None or isinstance(x, optax.contrib.MuonDimensionNumbers))[0]}
+
+    def dimension_numbers(params):  # the Muon partition's own view: other parameters are masked out
+        return jax.tree_util.tree_map_with_path(lambda p, x: by_path[jax.tree_util.keystr(p)], params)
+
+    muon = optax.contrib.muon(
+        schedule(c), beta=o.muon_momentum, ns_steps=o.muon_ns_steps, weight_decay=o.weight_decay,
+        consistent_rms=MUON_RMS, mu_dtype=c.precision.mu_dtype, muon_weight_dimension_numbers=dimension_numbers,
+    )
+    labels = {k: "muon" if d is not None else "adamw" for k, d in by_path.items()}
+    return optax.partition(
+        {"muon": muon, "adamw": adamw},
+        lambda params: jax.tree_util.tree_map_with_path(lambda p, x: labels[jax.tree_util.keystr(p)], params),
+    )
 
 
 def in_gradient_dtype(tx: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -105,6 +105,24 @@ def decay_mask(params: nnx.State) -> dict:
     return nnx.to_pure_dict(nnx.from_flat_state(flat))
 
 
+def _like_params(opt_state, params, param_shardings, other):
+    """The optimizer state's shardings: a leaf whose path ends with a parameter's path and has
+    its shape (a moment, a momentum) is placed like that parameter; anything else (counts) as
+    `other`. Path-based, so nested `optax.partition`s (Muon beside AdamW, whose states hold
+    masked-out entries) place their states as plain AdamW's."""
+    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+    by_path = {path: (leaf.shape, s) for (path, leaf), s in zip(flat_params, jax.tree.leaves(param_shardings))}
+
+    def place(path, leaf):
+        for start in range(len(path)):
+            shape, placed_as = by_path.get(tuple(path[start:]), (None, None))
+            if shape is not None and shape == getattr(leaf, "shape", None):
+                return placed_as
+        return other
+
+    return jax.tree_util.tree_map_with_path(place, opt_state)
+
+
 class Program:
     """A training setup compiled for a mesh: the state's shardings and the jitted steps."""
 
@@ -113,7 +131,7 @@ class Program:
         self.spec, self.config, self.mesh, self.rules, self.faults = spec, c, mesh, spec.rules, faults
         self.model_cfg, self.policy, self.loss_scaling = spec.model, spec.policy, spec.loss_scaling
         self.abstract_model = layout = AbstractModel(spec, mesh)
-        self.tx = optimizer(c, layout.decay_mask)
+        self.tx = optimizer(c, layout.decay_mask, layout.logical_axes)
         self.schedule = schedule(c)
         self.abstract_state = jax.eval_shape(lambda: self._init(0))
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -125,9 +143,7 @@ class Program:
             self.grad_shardings = jax.tree.map(
                 lambda s, leaf: sharding.spread_sharding(s, leaf.shape), layout.param_shardings, self.abstract_state.params
             )
-        opt_shardings = optax.tree_map_params(
-            self.tx, lambda _, s: s, self.abstract_state.opt_state, self.grad_shardings, transform_non_params=lambda _: replicated
-        )
+        opt_shardings = _like_params(self.abstract_state.opt_state, self.abstract_state.params, self.grad_shardings, replicated)
         loss_scale = self.abstract_state.loss_scale
         self.state_shardings = TrainState(
             step=replicated,
