@@ -78,6 +78,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint = dict(every_steps=500, keep=3, async_save=True)
     # Weights & Biases beside metrics.jsonl and TensorBoard (lm.training.tracking); never required.
     c.metrics = dict(wandb=False, wandb_project="meshlm")
+    # lm-eval tasks run inside lm.train every `every_steps` (comma-separated names; '' for none),
+    # `limit` examples each (0: all), local YAML tasks from `include_path`: lm.evaluation.harness.
+    c.eval = dict(tasks="", every_steps=1000, limit=0, batch_size=16, include_path=config_dict.placeholder(str))
     # Start a new run from trained weights: a Hugging Face checkpoint directory (config.json and
     # safetensors; its architecture and tokenizer replace the recipe's) or a meshlm run directory.
     c.init = dict(from_hf=config_dict.placeholder(str))
@@ -138,7 +141,7 @@ _POSITIVE = (
     "model.num_layers", "model.embed_dim", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
     "model.vocab_multiple", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
     "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "train.spike_window", "train.spike_steps",
-    "train.spike_max_rollbacks", "optim.muon_ns_steps", "pipeline.repeats", "checkpoint.every_steps",
+    "train.spike_max_rollbacks", "optim.muon_ns_steps", "eval.every_steps", "eval.batch_size", "pipeline.repeats", "checkpoint.every_steps",
     "checkpoint.keep", "data.vocab_size",
     "precision.fp8_history", "precision.loss_scale_initial", "precision.loss_scale_growth_interval",
     "precision.loss_scale_min", "optim.lr", "optim.eps", "model.rope_theta", "model.norm_eps",
@@ -147,7 +150,7 @@ _POSITIVE = (
 _NOT_NEGATIVE = (
     "optim.weight_decay", "optim.clip_norm", "optim.warmup_steps", "optim.decay_steps", "model.head_dim",
     "model.vocab_size", "model.max_positions", "model.sliding_window",
-    "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed", "data.workers",
+    "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed", "data.workers", "eval.limit",
 )
 # [low, high) intervals
 _INTERVALS = {"optim.muon_momentum": (0.0, 1.0), "optim.b1": (0.0, 1.0), "optim.b2": (0.0, 1.0), "optim.min_lr_ratio": (0.0, 1.0 + 1e-12)}

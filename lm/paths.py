@@ -69,6 +69,24 @@ def readable_file(path: str | os.PathLike, what: str) -> Path:
     return p
 
 
+def existing_dir(path: str | os.PathLike, flag: str) -> Path:
+    """A directory a command reads from (e.g. lm-eval task files)."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise UserError(f"{flag}={path} {'is a file' if p.exists() else 'does not exist'}; pass a directory")
+    return p
+
+
+def fresh_file(path: Path) -> Path:
+    """`path`, or `name-2`, `name-3` ... if it exists: an output never written over an earlier one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
 LOCK_FILE = ".meshlm.lock"
 HEARTBEAT_S = 30.0  # how often a holder refreshes its lock
 STALE_S = 300.0  # a lock not refreshed for this long is a dead holder's (one on another host, say)

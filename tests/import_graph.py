@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("lm", "sharding")
 # The commands a user runs (`python -m lm.X`): doors onto the library, never libraries themselves.
-COMMANDS = ("train", "prepare", "generate", "convert", "bench", "layout", "plan", "calibrate", "numerics", "launch")
+COMMANDS = ("train", "prepare", "generate", "convert", "bench", "layout", "plan", "calibrate", "numerics", "launch", "evaluate")
 # lm's folders from the bottom up: a module may import its own floor and those below, never above.
 # `lm` alone is the package's __init__ (environment set-up, cache_home) and errors.
 FLOORS = (
@@ -26,6 +26,7 @@ FLOORS = (
     ("lm.compiler",),
     ("lm.program",),
     ("lm.hf",),
+    ("lm.evaluation",),
     ("lm.training", "lm.planner"),
     ("lm.cli",),
     tuple(f"lm.{c}" for c in COMMANDS),

@@ -40,8 +40,10 @@ def _sample(model: Transformer, prompt_bt, key, temperature, *, max_new_tokens: 
     return tokens.T
 
 
-def generate_ids(model, prompt_ids, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> np.ndarray:
-    """`max_new_tokens` ids sampled after `prompt_ids` (temperature 0: greedy, the argmax)."""
+def generate_ids(model, prompt_ids, max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, seed: int = 0, rows: int = 1) -> np.ndarray:
+    """`max_new_tokens` ids sampled after `prompt_ids` (temperature 0: greedy, the argmax).
+    `rows`: the prompt decoded as that many rows (a batch split over devices must divide), the
+    first one returned."""
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens={max_new_tokens}: ask for at least one token")
     if not temperature >= 0:  # NaN too
@@ -59,7 +61,7 @@ def generate_ids(model, prompt_ids, max_new_tokens: int = 200, temperature: floa
             f"context of {limit} positions; ask for fewer tokens"
         )
     out = _sample(
-        model, jnp.asarray(ids)[None], jax.random.key(seed), jnp.float32(temperature),
+        model, jnp.tile(jnp.asarray(ids)[None], (rows, 1)), jax.random.key(seed), jnp.float32(temperature),
         max_new_tokens=max_new_tokens, top_k=min(top_k, vocab),
     )
     return np.asarray(out[0])

@@ -25,16 +25,22 @@ def load(workdir: str | Path, step: int | None = None):
     return config, tokenizer, layout.model(restored["params"], restored.get("fp8"))
 
 
-def restore(workdir: str | Path, step: int | None = None, *, own_mesh: bool = False):
+def restore(workdir: str | Path, step: int | None = None, *, own_mesh: bool = False, unstaged: bool = False):
     """(config, tokenizer, layout, {'params', 'fp8'?}) of a run's latest (or given) checkpoint, on
     one device (or, `own_mesh`, split over every process's devices as the run's mesh config
-    says). Only the parameters (and fp8 scales) are read, never the optimizer's moments:
-    sampling or exporting needs a third of a training run's memory."""
+    says; `unstaged` too: its pipeline stages and context shards folded into `data`, for the
+    plain forward pass of evaluation). Only the parameters (and fp8 scales) are read, never
+    the optimizer's moments: sampling or exporting needs a third of a training run's memory."""
     workdir = paths.existing_run_dir(workdir)
     config = lm_config.load_run(workdir)
     tokenizer = lm_tokenizer.tokenizer_for(config.data, workdir)
     spec = RunSpec.parse(config, tokenizer.vocab_size)
-    if own_mesh:
+    if unstaged:
+        sizes = dict(zip(sharding.MESH_AXES, spec.mesh.resolve(len(jax.devices()))))
+        folded = sharding.MeshConfig(data=sizes["data"] * sizes["stage"] * sizes["context"], fsdp=sizes["fsdp"], tensor=sizes["tensor"])
+        spec = dataclasses.replace(spec, pipeline=PipelinePlan(), mesh=folded)
+        mesh = sharding.make_mesh(folded)
+    elif own_mesh:
         mesh = sharding.make_mesh(spec.mesh)
     else:
         spec = dataclasses.replace(spec, pipeline=PipelinePlan())

@@ -20,6 +20,7 @@ from lm import config as lm_config
 from lm import paths
 from lm.config import UserError
 from lm.data import corpus as lm_data
+from lm.evaluation.harness import DuringTraining
 from lm.hf.checkpoint import initial_params, with_init_model
 from lm.model.flops import flops_per_token, param_count
 from lm.program.checkpoint import Checkpointer
@@ -116,9 +117,10 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
         lm_config.save_run(config, workdir)
     tracker = WandbRun(workdir, config.metrics.wandb_project, config.to_dict()) if config.metrics.wandb and pi == 0 else None
     writer = MetricsWriter(workdir, enabled=pi == 0, tracker=tracker)
+    evaluation = DuringTraining(config, program, corpus.tokenizer) if config.eval.tasks.strip() else None
     stop = sharding.distributed.StopRequest()
     try:
-        return _loop(program, ckpt, batches, val_rows, writer, stop, faults, workdir)
+        return _loop(program, ckpt, batches, val_rows, writer, stop, faults, workdir, evaluation)
     except Exception as e:
         if not isinstance(e, UserError):  # a failed collective: was a process lost?
             sharding.distributed.await_lost_peer()
@@ -195,7 +197,7 @@ def _roll_back(program: Program, ckpt: Checkpointer, batches, spikes: SpikeWatch
     return target, restored
 
 
-def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: MetricsWriter, stop, faults: Faults, workdir: Path) -> dict:
+def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: MetricsWriter, stop, faults: Faults, workdir: Path, evaluation=None) -> dict:
     from tqdm import tqdm
 
     config = program.config
@@ -261,6 +263,13 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
             writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": perplexity(last["eval_loss"])})
             _say(f"step {step}: eval loss {last['eval_loss']:.4f}")
             rate.exclude(time.perf_counter() - eval_start)  # evaluation time is not training time
+        if evaluation is not None and (step % config.eval.every_steps == 0 or step == t.steps):
+            # before the step's checkpoint: a run resumed from it has this evaluation already
+            eval_start = time.perf_counter()
+            scores = evaluation(state)
+            writer.write({"step": step, **scores})
+            _say(f"step {step}: lm-eval " + ", ".join(f"{k.removeprefix('lm_eval/')} {v:.4f}" for k, v in scores.items()))
+            rate.exclude(time.perf_counter() - eval_start)
         if step % config.checkpoint.every_steps == 0 or step == t.steps:
             ckpt.save(step, state, batches.get_state())
             if faults.kill_during_save_at_step == step:

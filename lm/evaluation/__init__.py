@@ -1,0 +1,1 @@
+"""Judging a run by standard benchmarks: EleutherAI's lm-eval on a meshlm model (`harness`)."""
