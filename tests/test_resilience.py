@@ -105,15 +105,19 @@ def test_sigkill_during_a_save_and_a_truncated_checkpoint_lose_only_the_work_sin
     assert "resuming from step 10" in resumed.stdout
     np.testing.assert_array_equal([losses(work)[s] for s in range(11, 31)], [expected[s] for s in range(11, 31)])
 
+    def resumes_from_20_saying(why: str) -> None:
+        """The damaged step 30 is reported in one line, kept aside, and step 20 used: same losses."""
+        again = run_module("lm.train", *cli_args(small_corpus, work, "--config.train.steps=30", *every))
+        assert again.returncode == 0, again.stderr
+        warnings = [line for line in again.stdout.splitlines() if line.startswith("warning: checkpoint")]
+        assert len(warnings) == 1 and why in warnings[0], again.stdout
+        assert "resuming from step 20" in again.stdout and (work / "checkpoints" / "30.unreadable").is_dir()
+        np.testing.assert_array_equal([losses(work)[s] for s in range(21, 31)], [expected[s] for s in range(21, 31)])
+
     # Damage the newest checkpoint: the run says so in one line, keeps it aside and uses step 20.
     biggest = max((p for p in (work / "checkpoints" / "30").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     os.truncate(biggest, biggest.stat().st_size // 2)
-    again = run_module("lm.train", *cli_args(small_corpus, work, "--config.train.steps=30", *every))
-    assert again.returncode == 0, again.stderr
-    warnings = [line for line in again.stdout.splitlines() if line.startswith("warning: checkpoint")]
-    assert len(warnings) == 1 and "30 cannot be read" in warnings[0], again.stdout
-    assert "resuming from step 20" in again.stdout and (work / "checkpoints" / "30.unreadable").is_dir()
-    np.testing.assert_array_equal([losses(work)[s] for s in range(21, 31)], [expected[s] for s in range(21, 31)])
+    resumes_from_20_saying("30 cannot be read")
 
     # A checkpoint without the data iterator's position is damaged too: resuming there would
     # replay the data from its start (it silently did), so step 20 is used and the losses match.
@@ -140,12 +144,7 @@ def test_sigkill_during_a_save_and_a_truncated_checkpoint_lose_only_the_work_sin
     flipped, _ = Checkpointer(unchecked).restore(abstract, 30)
     with pytest.raises(AssertionError):
         assert_trees_equal(jax.device_get(flipped), restore(tmp_path / "straight", 30, {}, jax.devices()[:1], small_corpus))
-    fourth = run_module("lm.train", *cli_args(small_corpus, work, "--config.train.steps=30", *every))
-    assert fourth.returncode == 0, fourth.stderr
-    warnings = [line for line in fourth.stdout.splitlines() if line.startswith("warning: checkpoint")]
-    assert len(warnings) == 1 and "read back with other bits than were saved" in warnings[0], fourth.stdout
-    assert "resuming from step 20" in fourth.stdout and (work / "checkpoints" / "30.unreadable").is_dir()
-    np.testing.assert_array_equal([losses(work)[s] for s in range(21, 31)], [expected[s] for s in range(21, 31)])
+    resumes_from_20_saying("read back with other bits than were saved")
 
 
 def test_a_full_disk_stops_the_run_in_one_line_and_the_previous_checkpoint_resumes(tmp_path, small_corpus, monkeypatch, capfd):
