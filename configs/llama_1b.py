@@ -2,8 +2,8 @@
 
 A recipe for accelerators; the BPE tokenizer (32768 ids) is trained on your corpus. 64 sequences
 of 2048 per step, as 4 microbatches of 16 with remat `dots` (matmul results kept, the rest
-recomputed): on one H100 the step-time model reads 72,385 tokens/s (48.6% MFU) from this
-program against 65,041 (43.7%) for one batch of 64 with remat `full`, which ran at 64,232
+recomputed): on one H100 the step-time model reads 69,939 tokens/s (47.0% MFU) from this
+program against 63,597 (42.7%) for one batch of 64 with remat `full`, which ran at 64,232
 (`lm.layout --config=configs/llama_1b.py --target=h100 --devices=1`; PERFORMANCE.md).
 """
 

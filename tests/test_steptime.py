@@ -70,6 +70,42 @@ def test_the_kernel_table_counts_what_a_hand_counts():
     assert table["lt"].count == 5 and set(table) == {"custom-call.1", "loop_add_fusion", "all-reduce.1", "lt"}
 
 
+# A layer's weight amax as XLA fuses it inside a scan: the stacked weights, a bitcast, the layer's
+# dynamic-slice, a reduction. The kernel reads the slice, not the stack.
+SLICED = """HloModule jit__train_step
+
+%max (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%a, %b)
+}
+
+%fused_reduce (p0: s32[], p1: f32[4,64,16]) -> f32[64] {
+  %p1 = f32[4,64,16]{2,1,0} parameter(1)
+  %relaid = f32[64,4,16]{2,1,0} bitcast(%p1)
+  %p0 = s32[] parameter(0)
+  %zero = s32[] constant(0)
+  %layer = f32[64,1,16]{2,1,0} dynamic-slice(%relaid, %zero, %p0, %zero), dynamic_slice_sizes={64,1,16}
+  %abs = f32[64,1,16]{2,1,0} abs(%layer)
+  %rows = f32[64,16]{1,0} bitcast(%abs)
+  %low = f32[] constant(-inf)
+  ROOT %amax = f32[64]{0} reduce(%rows, %low), dimensions={1}, to_apply=%max
+}
+
+ENTRY %main (w: f32[4,64,16], i: s32[]) -> f32[64] {
+  %w = f32[4,64,16]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %input_reduce_fusion = f32[64]{0} fusion(%i, %w), kind=kInput, calls=%fused_reduce
+}
+"""
+
+
+def test_a_fused_slice_of_stacked_weights_counts_the_slice_behind_a_bitcast():
+    (amax,) = [k for k in kernels.table(SLICED) if k.name == "input_reduce_fusion"]
+    assert amax.kind == "reduction"
+    assert amax.bytes == 4 + 4 * 64 * 16 + 4 * 64  # the index, one layer's slice, the result: not the 4-layer stack
+
+
 def test_a_program_made_worse_is_predicted_slower_by_at_least_its_bytes_at_hbm_bandwidth():
     c = steptime.constants()
     base = steptime.predict(HLO, "h100", c)

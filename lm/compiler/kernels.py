@@ -204,13 +204,20 @@ def kernel_bytes(module: Module, i: Instruction) -> float:
                 users.setdefault(o, []).append(r)
         root = rows[-1] if rows else None  # the ROOT instruction closes its computation
         roots = [r for r in rows if r.name in root.operands] if root and root.op == "tuple" else [root]
+        def through_bitcasts(name: str) -> list[tuple[Instruction, str]]:
+            """(user, the name it reads) of `name`, past bitcasts (a layout, no bytes moved)."""
+            found = []
+            for u in users.get(name, []):
+                found += through_bitcasts(u.name) if u.op == "bitcast" else [(u, name)]
+            return found
+
         for index, name in params.items():
             if index >= len(reads):
                 continue
-            used = users.get(name, [])
-            if used and all(u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == name for u in used):
-                reads[index] = sum(sum(buffer_bytes(u.type)) for u in used)
-            elif used and all(u.op == "dynamic-update-slice" and u.operands[0] == name for u in used):
+            used = through_bitcasts(name)
+            if used and all(u.op in ("dynamic-slice", "slice", "gather") and u.operands[0] == via for u, via in used):
+                reads[index] = sum(sum(buffer_bytes(u.type)) for u, _ in used)
+            elif used and all(u.op == "dynamic-update-slice" and u.operands[0] == via for u, via in used):
                 reads[index] = 0  # updated in place: only the update is written
         updated = [r for r in roots if r is not None and r.op == "dynamic-update-slice"]
         if updated and len(updated) == len([r for r in roots if r is not None]):
