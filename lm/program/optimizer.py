@@ -8,13 +8,17 @@ Weight decay applies where `decay_mask` says (a tree of booleans shaped like the
 head), each orthogonalised as the matrix (its input axes x its output axes) per layer; AdamW with
 the same rule for the rest (embedding, head, norms, biases). Muon's updates are scaled to
 AdamW's RMS (Moonlight's 0.2 x sqrt(max(fan_in, fan_out))), so `optim.lr` and
-`optim.weight_decay` mean the same for both.
+`optim.weight_decay` mean the same for both. Under FSDP its momentum is kept with the stacked
+`layers` axis split over `fsdp` (`layers_over_fsdp`): each device orthogonalises whole matrices.
 """
 
 from __future__ import annotations
 
 import jax
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import sharding.constraints
 
 
 def schedule(c) -> optax.Schedule:
@@ -70,6 +74,34 @@ def muon_dimensions(decay_mask, logical_axes) -> dict:
     return jax.tree.map(dims, decay_mask, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def layers_over_fsdp(mesh, x) -> NamedSharding | None:
+    """Each layer's matrix whole on one device: a stacked weight's `layers` axis split over `fsdp`
+    (None without an fsdp split, where a pipeline owns `layers`, or where the layers do not divide).
+    Muon's momentum is kept so and its input constrained so (`_whole_layers`): its Newton-Schulz
+    matmuls then need no gather (an all-to-all in and out instead of a gather per iteration)."""
+    n = mesh.shape.get("fsdp", 1) if mesh is not None else 1
+    if n == 1 or mesh.shape.get("stage", 1) > 1 or getattr(x, "ndim", 0) < 3 or x.shape[0] % n:
+        return None
+    return NamedSharding(mesh, PartitionSpec("fsdp"))
+
+
+def muon_state_sharding(path, leaf, mesh) -> NamedSharding | None:
+    """`layers_over_fsdp` for the state inside the Muon partition, None for any other state."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return layers_over_fsdp(mesh, leaf) if "muon" in keys else None
+
+
+def _whole_layers() -> optax.GradientTransformation:
+    """Muon's input placed as its momentum (`layers_over_fsdp`), inside the traced step."""
+
+    def update(updates, state, params=None):
+        mesh = sharding.constraints.active_mesh()
+        place = lambda u: jax.lax.with_sharding_constraint(u, s) if (s := layers_over_fsdp(mesh, u)) else u  # noqa: E731
+        return jax.tree.map(place, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def _with_muon(c, adamw, decay_mask, logical_axes) -> optax.GradientTransformation:
     o = c.optim
     by_path = {jax.tree_util.keystr(p): d for p, d in jax.tree_util.tree_flatten_with_path(
@@ -84,7 +116,8 @@ def _with_muon(c, adamw, decay_mask, logical_axes) -> optax.GradientTransformati
     )
     labels = {k: "muon" if d is not None else "adamw" for k, d in by_path.items()}
     return optax.partition(
-        {"muon": muon, "adamw": adamw},
+        # Under ZeRO-1 the momentum stays spread over the replicas as the parameters' state is.
+        {"muon": muon if c.sharding.optimizer_over_data else optax.chain(_whole_layers(), muon), "adamw": adamw},
         lambda params: jax.tree_util.tree_map_with_path(lambda p, x: labels[jax.tree_util.keystr(p)], params),
     )
 

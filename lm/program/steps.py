@@ -24,7 +24,7 @@ from lm.model.fp8 import Fp8Meta, Probe, update_fp8
 from lm.model.layers import Embedding
 from lm.model.transformer import Transformer, segment_positions
 from lm.program.mesh_checks import check_batch_split
-from lm.program.optimizer import optimizer, schedule
+from lm.program.optimizer import muon_state_sharding, optimizer, schedule
 from lm.program.spec import RunSpec
 from sharding import constrain
 from sharding.pipeline import split_microbatches
@@ -144,6 +144,9 @@ class Program:
                 lambda s, leaf: sharding.spread_sharding(s, leaf.shape), layout.param_shardings, self.abstract_state.params
             )
         opt_shardings = _like_params(self.abstract_state.opt_state, self.abstract_state.params, self.grad_shardings, replicated)
+        if c.optim.name == "muon" and not c.sharding.optimizer_over_data:
+            opt_shardings = jax.tree_util.tree_map_with_path(
+                lambda path, s, leaf: muon_state_sharding(path, leaf, mesh) or s, opt_shardings, self.abstract_state.opt_state)
         loss_scale = self.abstract_state.loss_scale
         self.state_shardings = TrainState(
             step=replicated,
