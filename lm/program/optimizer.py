@@ -75,14 +75,21 @@ def muon_dimensions(decay_mask, logical_axes) -> dict:
 
 
 def layers_over_fsdp(mesh, x) -> NamedSharding | None:
-    """Each layer's matrix whole on one device: a stacked weight's `layers` axis split over `fsdp`
-    (None without an fsdp split, where a pipeline owns `layers`, or where the layers do not divide).
-    Muon's momentum is kept so and its input constrained so (`_whole_layers`): its Newton-Schulz
-    matmuls then need no gather (an all-to-all in and out instead of a gather per iteration)."""
-    n = mesh.shape.get("fsdp", 1) if mesh is not None else 1
-    if n == 1 or mesh.shape.get("stage", 1) > 1 or getattr(x, "ndim", 0) < 3 or x.shape[0] % n:
+    """Each layer's matrix whole on one device: a stacked weight's `layers` axis split over the
+    axes that split the matrices (`fsdp`, and `tensor` too where the layers divide over both: the
+    same bytes per device as the parameters' own split). None without such a split, where a
+    pipeline owns `layers`, or where the layers do not divide. Muon's momentum is kept so and its
+    input constrained so (`_whole_layers`): its Newton-Schulz matmuls then need no gather (an
+    all-to-all in and out instead of a gather per iteration)."""
+    if mesh is None or mesh.shape.get("stage", 1) > 1 or getattr(x, "ndim", 0) < 3:
         return None
-    return NamedSharding(mesh, PartitionSpec("fsdp"))
+    for axes in (("fsdp", "tensor"), ("fsdp",)):
+        n = 1
+        for a in axes:
+            n *= mesh.shape.get(a, 1)
+        if n > 1 and x.shape[0] % n == 0:
+            return NamedSharding(mesh, PartitionSpec(axes))
+    return None
 
 
 def muon_state_sharding(path, leaf, mesh) -> NamedSharding | None:
