@@ -94,10 +94,12 @@ def test_local_tasks_end_to_end_and_bad_tasks_in_one_line(sharded_run, capsys):
     picks = [int(np.argmax([lp for lp, _ in lm.loglikelihood([SimpleNamespace(args=(d["question"], c)) for c in d["choices"]])]))
              for d in DOCS]
     assert written["results"]["local_choice"]["acc,none"] == pytest.approx(np.mean([p == d["label"] for p, d in zip(picks, DOCS)]))
-    # a second evaluation never writes over the first
-    again = run_cli(capsys, lm_evaluate.main, f"--workdir={run}", "--tasks=local_choice", f"--include_path={tasks}", "--limit=2")
-    assert again.returncode == 0 and (run / "lm_eval" / "step20-local_choice.json").is_file()
-    assert json.loads((run / "lm_eval" / "step20-local_choice.json").read_text())["results"]["local_choice"]["alias"] == "local_choice"
+    # a second evaluation of the same step and tasks never writes over the first
+    first = (run / "lm_eval" / "step20-local_choice+local_text+local_generate.json").read_text()
+    again = run_cli(capsys, lm_evaluate.main, f"--workdir={run}", "--tasks=local_choice,local_text,local_generate",
+                    f"--include_path={tasks}", "--limit=2")
+    assert again.returncode == 0 and (run / "lm_eval" / "step20-local_choice+local_text+local_generate.json").read_text() == first
+    assert json.loads((run / "lm_eval" / "step20-local_choice+local_text+local_generate-2.json").read_text())["results"]["local_choice"]["alias"] == "local_choice"
 
     missing = tasks / "missing"
     missing.mkdir()

@@ -17,6 +17,7 @@ turns a task lm-eval cannot load (no such task, its data not on this machine) in
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -27,6 +28,8 @@ import sharding
 from lm import paths
 from lm.config import UserError
 from lm.model.sampling import generate_ids
+from lm.program.checkpoint import Checkpointer
+from lm.program.restore import restore
 
 
 def _target_logprobs(model, tokens_bt, targets_bt):
@@ -129,9 +132,6 @@ def _lm_class():
 def for_run(workdir, step: int | None = None, batch_size: int = 16):
     """(MeshLM on the run's latest or given checkpoint, that step): weights only, on the run's
     devices split as it trained (stages and context folded into data)."""
-    from lm.program.checkpoint import Checkpointer
-    from lm.program.restore import restore
-
     config, tokenizer, layout, restored = restore(workdir, step, own_mesh=True, unstaged=True)
     if step is None:
         ckpt = Checkpointer(paths.existing_run_dir(workdir) / "checkpoints")
@@ -146,9 +146,14 @@ def for_run(workdir, step: int | None = None, batch_size: int = 16):
 def evaluate(lm, tasks: list[str], include_path: str | None = None, limit: float | None = None) -> dict:
     """lm-eval's results for `tasks` on `lm` (a `MeshLM`): its `results`, `versions`, `n-shot`
     ... as its own CLI writes them, minus the per-sample logs."""
+    manager, loaded = load_tasks(tasks, include_path)
+    return _run(lm, manager, loaded, limit)
+
+
+def _run(lm, manager, loaded: dict, limit) -> dict:
+    """lm-eval's evaluation of the loaded tasks, minus the per-sample logs and the task configs."""
     import lm_eval
 
-    manager, loaded = load_tasks(tasks, include_path)
     results = lm_eval.simple_evaluate(model=lm, tasks=list(loaded.values()), limit=limit, task_manager=manager,
                                       log_samples=False, bootstrap_iters=0)
     return {k: v for k, v in results.items() if k not in ("samples", "config")}
@@ -167,8 +172,6 @@ def load_tasks(tasks: list[str], include_path: str | None = None):
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise UserError(f"lm-eval knows no task {', '.join(unknown)}" + ("" if include_path else " (local tasks: --include_path=DIR of YAML files)"))
-    import logging
-
     for name in ("huggingface_hub", "datasets", "fsspec"):  # their retries' warnings: the one line below says it
         logging.getLogger(name).setLevel(logging.ERROR)
     loaded = {}
@@ -193,24 +196,19 @@ class DuringTraining:
         if program.mesh.shape["stage"] > 1 or program.mesh.shape["context"] > 1:
             raise UserError("eval.tasks runs inside training on meshes without pipeline stages or context shards; "
                             "evaluate the checkpoints with python -m lm.evaluate instead")
-        self.tasks = [t.strip() for t in e.tasks.split(",") if t.strip()]
+        tasks = [t.strip() for t in e.tasks.split(",") if t.strip()]
         include = str(paths.existing_dir(e.include_path, "eval.include_path")) if e.include_path else None
-        self.manager, self.loaded = load_tasks(self.tasks, include)
-        import logging
-
+        self.manager, self.loaded = load_tasks(tasks, include)
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task notes would interleave with training's lines
         self.limit = e.limit or None
-        self.program, self.tokenizer = program, tokenizer
-        self.max_length = config.train.seq_len
-        self.batch_size = e.batch_size
+        self.program = program
+        # One scorer for the run (its forward pass compiled once); each evaluation swaps in the weights.
+        self.scorer = Scorer(None, program.mesh, program.rules, config.train.seq_len, e.batch_size)
+        self.lm = _lm_class()(self.scorer, tokenizer)
 
     def __call__(self, state) -> dict[str, float]:
-        import lm_eval
-
-        model = self.program.abstract_model.model(state.params, state.fp8)
-        scorer = Scorer(model, self.program.mesh, self.program.rules, self.max_length, self.batch_size)
-        results = lm_eval.simple_evaluate(model=_lm_class()(scorer, self.tokenizer), tasks=list(self.loaded.values()),
-                                          limit=self.limit, task_manager=self.manager, log_samples=False, bootstrap_iters=0)
+        self.scorer.model = self.program.abstract_model.model(state.params, state.fp8)
+        results = _run(self.lm, self.manager, self.loaded, self.limit)
         return {f"lm_eval/{task}/{name.split(',')[0]}": float(value)
                 for task, metrics in results["results"].items() for name, value in metrics.items()
                 if isinstance(value, (int, float)) and "_stderr" not in name and name != "sample_len"}

@@ -10,6 +10,7 @@ the same rule for the rest (embedding, head, norms, biases). Muon's updates are 
 AdamW's RMS (Moonlight's 0.2 x sqrt(max(fan_in, fan_out))), so `optim.lr` and
 `optim.weight_decay` mean the same for both. Under FSDP its momentum is kept with the stacked
 `layers` axis split over `fsdp` (`layers_over_fsdp`): each device orthogonalises whole matrices.
+Where the state lives is `state_shardings`'.
 """
 
 from __future__ import annotations
@@ -92,10 +93,27 @@ def layers_over_fsdp(mesh, x) -> NamedSharding | None:
     return None
 
 
-def muon_state_sharding(path, leaf, mesh) -> NamedSharding | None:
-    """`layers_over_fsdp` for the state inside the Muon partition, None for any other state."""
-    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    return layers_over_fsdp(mesh, leaf) if "muon" in keys else None
+def state_shardings(c, opt_state, params, param_shardings, other):
+    """The optimizer state's shardings: a leaf whose path ends with a parameter's path and has
+    its shape (a moment, a momentum) is placed like that parameter; anything else (counts) as
+    `other`. Path-based, so nested `optax.partition`s (Muon beside AdamW, whose states hold
+    masked-out entries) place their states as plain AdamW's. Muon's momentum (outside ZeRO-1,
+    which spreads it over the replicas as it does the rest) is kept as `layers_over_fsdp` says."""
+    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+    by_path = {path: (leaf.shape, s) for (path, leaf), s in zip(flat_params, jax.tree.leaves(param_shardings))}
+    whole_layers = c.optim.name == "muon" and not c.sharding.optimizer_over_data
+
+    def place(path, leaf):
+        if whole_layers and "muon" in [getattr(k, "key", getattr(k, "name", None)) for k in path]:
+            if (split := layers_over_fsdp(other.mesh, leaf)) is not None:
+                return split
+        for start in range(len(path)):
+            shape, placed_as = by_path.get(tuple(path[start:]), (None, None))
+            if shape is not None and shape == getattr(leaf, "shape", None):
+                return placed_as
+        return other
+
+    return jax.tree_util.tree_map_with_path(place, opt_state)
 
 
 def _whole_layers() -> optax.GradientTransformation:

@@ -24,7 +24,7 @@ from lm.model.fp8 import Fp8Meta, Probe, update_fp8
 from lm.model.layers import Embedding
 from lm.model.transformer import Transformer, segment_positions
 from lm.program.mesh_checks import check_batch_split
-from lm.program.optimizer import muon_state_sharding, optimizer, schedule
+from lm.program.optimizer import optimizer, schedule, state_shardings
 from lm.program.spec import RunSpec
 from sharding import constrain
 from sharding.pipeline import split_microbatches
@@ -105,24 +105,6 @@ def decay_mask(params: nnx.State) -> dict:
     return nnx.to_pure_dict(nnx.from_flat_state(flat))
 
 
-def _like_params(opt_state, params, param_shardings, other):
-    """The optimizer state's shardings: a leaf whose path ends with a parameter's path and has
-    its shape (a moment, a momentum) is placed like that parameter; anything else (counts) as
-    `other`. Path-based, so nested `optax.partition`s (Muon beside AdamW, whose states hold
-    masked-out entries) place their states as plain AdamW's."""
-    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
-    by_path = {path: (leaf.shape, s) for (path, leaf), s in zip(flat_params, jax.tree.leaves(param_shardings))}
-
-    def place(path, leaf):
-        for start in range(len(path)):
-            shape, placed_as = by_path.get(tuple(path[start:]), (None, None))
-            if shape is not None and shape == getattr(leaf, "shape", None):
-                return placed_as
-        return other
-
-    return jax.tree_util.tree_map_with_path(place, opt_state)
-
-
 class Program:
     """A training setup compiled for a mesh: the state's shardings and the jitted steps."""
 
@@ -143,10 +125,7 @@ class Program:
             self.grad_shardings = jax.tree.map(
                 lambda s, leaf: sharding.spread_sharding(s, leaf.shape), layout.param_shardings, self.abstract_state.params
             )
-        opt_shardings = _like_params(self.abstract_state.opt_state, self.abstract_state.params, self.grad_shardings, replicated)
-        if c.optim.name == "muon" and not c.sharding.optimizer_over_data:
-            opt_shardings = jax.tree_util.tree_map_with_path(
-                lambda path, s, leaf: muon_state_sharding(path, leaf, mesh) or s, opt_shardings, self.abstract_state.opt_state)
+        opt_shardings = state_shardings(c, self.abstract_state.opt_state, self.abstract_state.params, self.grad_shardings, replicated)
         loss_scale = self.abstract_state.loss_scale
         self.state_shardings = TrainState(
             step=replicated,

@@ -187,7 +187,6 @@ def _roll_back(program: Program, ckpt: Checkpointer, batches, spikes: SpikeWatch
     restored, data_state = ckpt.restore(program.abstract_sharded_state(), target, need_data=True)
     batches.set_state(data_state)
     batches.skip |= {b for _, b, _ in spike}
-    spikes.forget_after(target)
     writer.write({"step": detected, "spike_rollbacks": count})
     _say(
         f"step {detected}: loss spike ({len(spike)} steps above {spikes.factor:g} x the recent mean {spikes.mean():.4f}: "

@@ -44,10 +44,6 @@ class SpikeWatch:
         self.run = []
         return None
 
-    def forget_after(self, step: int) -> None:
-        """After a rollback to `step`: the spike in progress is gone."""
-        self.run = [r for r in self.run if r[0] <= step]
-
 
 def skipped(workdir: Path) -> list[dict]:
     path = workdir / SKIPPED
