@@ -84,7 +84,7 @@ def default_config() -> ml_collections.ConfigDict:
     # Start a new run from trained weights: a Hugging Face checkpoint directory (config.json and
     # safetensors; its architecture and tokenizer replace the recipe's) or a meshlm run directory.
     c.init = dict(from_hf=config_dict.placeholder(str))
-    c.mesh = dict(data=-1, stage=1, context=1, fsdp=1, tensor=1)
+    c.mesh = dict(data=-1, stage=1, context=1, expert=1, fsdp=1, tensor=1)
     c.pipeline = dict(
         microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages
         repeats=1,  # layer chunks per stage: more is circular / interleaved 1F1B (smaller bubble)

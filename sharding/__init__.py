@@ -5,6 +5,7 @@ Reusable on its own: imports jax (and flax.nnx metadata helpers) only, never `lm
 
 from sharding.constraints import (
     activate,
+    active_axes,
     bind,
     constrain,
     device,
@@ -50,6 +51,7 @@ __all__ = [
     "ShardingError",
     "abstract_module",
     "activate",
+    "active_axes",
     "axis_size",
     "bind",
     "causal_pairs_per_shard",

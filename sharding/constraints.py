@@ -143,6 +143,13 @@ def move(x: jax.Array, from_axes: Sequence[str | None], to_axes: Sequence[str | 
     return x
 
 
+def active_axes(logical: str) -> tuple[str, ...]:
+    """The mesh axes the mesh and rules in force split the logical axis `logical` over, less any a
+    surrounding `shard_map` made manual (() outside `activate`): the axis names a collective
+    inside `per_shard` runs over."""
+    return as_axes(dict(_in_force()[1]).get(logical)) if _ACTIVE.stack else ()
+
+
 def split_ways(logical: str) -> int:
     """How many ways the mesh and rules in force split the logical axis `logical` (1 outside
     `activate`)."""
@@ -166,19 +173,24 @@ def vmap_over(fn: Callable, logical_axis: str, **kwargs) -> Callable:
     return run
 
 
-def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]) -> Callable:
+def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None] | list) -> Callable:
     """`fn` run on each device's shards of its arguments (`jax.shard_map`), the arguments and the
     result placed by logical names under the mesh and rules in force; outside `activate`, `fn`
     itself. For a kernel that cannot be partitioned as its arguments are split (cuDNN attention
     takes queries, keys and values split alike; context parallelism splits only the queries), or
-    at all (inside a partly manual `shard_map`: there, over the axes still automatic)."""
+    at all (inside a partly manual `shard_map`: there, over the axes still automatic), or code
+    that runs its own collectives (`active_axes` names their axes). `out_axes` a list: several
+    results, each placed by its entry."""
 
     def run(*args):
         if not _ACTIVE.stack:
             return fn(*args)
         mesh, rules = _in_force()
         specs = tuple(logical_to_spec(axes, rules, mesh=mesh, shape=a.shape) for axes, a in zip(in_axes, args))
-        out_spec = logical_to_spec(out_axes, rules, mesh=mesh)
+        if isinstance(out_axes, list):
+            out_spec = tuple(logical_to_spec(axes, rules, mesh=mesh) for axes in out_axes)
+        else:
+            out_spec = logical_to_spec(out_axes, rules, mesh=mesh)
         if manual := manual_axes():
             automatic = set(mesh.axis_names) - manual
             return jax.shard_map(fn, in_specs=specs, out_specs=out_spec, axis_names=automatic, check_vma=False)(*args)

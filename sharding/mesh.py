@@ -1,4 +1,4 @@
-"""A device mesh with the axes ('data', 'stage', 'context', 'fsdp', 'tensor'), built from plain sizes."""
+"""A device mesh with the axes ('data', 'stage', 'context', 'expert', 'fsdp', 'tensor'), built from plain sizes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 # Outermost (slowest link) to innermost (fastest link).
-MESH_AXES = ("data", "stage", "context", "fsdp", "tensor")
+MESH_AXES = ("data", "stage", "context", "expert", "fsdp", "tensor")
 
 
 class ShardingError(ValueError):
@@ -25,6 +25,7 @@ class MeshConfig:
     data: int = -1
     stage: int = 1
     context: int = 1
+    expert: int = 1  # a mixture of experts' experts split over it; elsewhere it splits the batch
     fsdp: int = 1
     tensor: int = 1
 

@@ -19,10 +19,11 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
 
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
-    ("batch", ("data", "fsdp")),
-    # The batch split over data-parallel replicas alone: where an activation moves its FSDP split
+    # The batch over `expert` too: outside its experts' layers an expert shard does data-parallel work.
+    ("batch", ("data", "expert", "fsdp")),
+    # The batch split over data-parallel replicas alone (and `expert`, which no such array uses): where an activation moves its FSDP split
     # from the batch to `embed` (the embedding gradient's rows, before they meet the table).
-    ("replica_batch", "data"),
+    ("replica_batch", ("data", "expert")),
     ("length", "context"),  # the sequence inside attention / MLP, where heads and mlp use `tensor`
     ("norm_length", "context"),  # the sequence in the residual stream and norms
     ("kv_length", None),  # keys and values inside attention: whole, gathered over `context`
@@ -38,6 +39,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # repeated whole on each (no stage holds a full-vocabulary logits buffer).
     ("vocab", ("stage", "tensor")),
     ("head_dim", None),
+    ("experts", "expert"),  # a mixture of experts' expert weights, each shard holding its own experts
     ("layers", "stage"),  # stacked layer weights: split into pipeline stages (no-op when stage=1)
     ("stages", "stage"),  # the stage axis of pipeline buffers
 )

@@ -35,6 +35,25 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     sliding_window: int = 0  # > 0: each query attends to its latest this many keys, itself included (Mistral)
     norm_eps: float = 1e-5
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
+    # A mixture of experts (0: a dense MLP): each token's MLP is `experts_per_token` of `num_experts`
+    # SwiGLU experts of width `expert_mlp_dim` (0: mlp_dim), chosen by a float32 router, plus
+    # `shared_experts` always-on ones (DeepSeek / Qwen2-MoE), in the layers `moe_layers` names
+    # ('all', or 'from:K': the first K dense, as DeepSeek-V3). lm.model.moe says how.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    expert_mlp_dim: int = 0
+    shared_experts: int = 0
+    moe_layers: str = "all"
+    router_renormalize: bool = True  # the selected experts' weights sum to 1 (Mixtral; Qwen3's norm_topk_prob)
+    # 0: dropless (tokens sorted by expert, one grouped matmul); > 0: each expert takes at most
+    # factor x its even share of a device's tokens, the rest dropped (counted).
+    expert_capacity_factor: float = 0.0
+    router_aux_loss_coef: float = 0.01  # Switch / Mixtral load-balancing loss
+    router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss
+    # > 0: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the selection scores,
+    # moved by this much each step toward an even load (kept in the train state).
+    expert_bias_rate: float = 0.0
     # How the layers run (the same maths): remat (sharding.remat.REMAT: what a layer keeps); scan_layers
     # False unrolls the layer loop (faster on CPU, slower to compile); attention auto (cudnn on
     # GPU where it applies, einsum on CPU) | cudnn | xla | einsum.
@@ -42,6 +61,14 @@ class ModelConfig:
     scan_layers: bool = True
     attention: str = "auto"
     real_vocab_size: int = 0  # ids from here to vocab_size are padding, never predicted; 0: none
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_mlp_dim or self.mlp_dim
 
     @property
     def used_vocab(self) -> int:

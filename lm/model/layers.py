@@ -242,22 +242,6 @@ class Mlp(nnx.Module):
         return y
 
 
-class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, cfg: ModelConfig, policy: Policy, rngs: nnx.Rngs):
-        self.attn_norm = Norm(cfg, policy)
-        self.attn = Attention(cfg, policy, rngs)
-        self.mlp_norm = Norm(cfg, policy)
-        self.mlp = Mlp(cfg, policy, rngs)
-
-    def __call__(self, x_btd, positions_bt=None, cache=None, cache_index=None, segments_bt=None):
-        y, cache = self.attn(gather_length(self.attn_norm(x_btd)), positions_bt, cache, cache_index, segments_bt)
-        x_btd = constrain(x_btd + gathered_gradient(y), RESIDUAL_AXES, "residual")
-        x_btd = x_btd + gathered_gradient(self.mlp(gather_length(self.mlp_norm(x_btd))))
-        return constrain(x_btd, RESIDUAL_AXES, "residual"), cache
-
-
 @jax.custom_vjp
 def gathered_gradient(y_btd: jax.Array) -> jax.Array:
     """`y_btd` itself; its gradient is made whole along the sequence over `tensor`

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lm.model.block import Block
+from lm.model import moe
 from lm.model.config import ModelConfig
 from lm.model.fp8 import Probe, fp8_suspended
 from lm.model.layers import (
     RESIDUAL_AXES,
-    Block,
     Embedding,
     Norm,
     _param,
@@ -129,12 +130,13 @@ class Transformer(nnx.Module):
             run = functools.partial(pipeline_loss, differentiated=False)
         else:
             run = {"gpipe": pipeline_loss, "1f1b": pipeline_1f1b, "1f1b_per_stage": pipeline_per_stage}[self.pipeline.schedule]
-        return run(
-            stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
-            loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,
-            x_axes=RESIDUAL_AXES, batch_axes=("batch", "length"), probes=probes, probes_axes=probes_axes,
-            seed=loss_scale,
-        )
+        with moe.loss_seed(loss_scale / self.pipeline.microbatches):  # as each microbatch's loss is
+            return run(
+                stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,
+                loss_fn=head_loss, loss_params=(norm_state, self._head_weight()), targets=targets_bt,
+                x_axes=RESIDUAL_AXES, batch_axes=("batch", "length"), probes=probes, probes_axes=probes_axes,
+                seed=loss_scale,
+            )
 
     def _pipeline_stage(self, positions_bt):
         """The stacked layers as a pipeline takes them: (stage fn, their states and logical axes,

@@ -37,7 +37,7 @@ def restore(workdir: str | Path, step: int | None = None, *, own_mesh: bool = Fa
     spec = RunSpec.parse(config, tokenizer.vocab_size)
     if unstaged:
         sizes = dict(zip(sharding.MESH_AXES, spec.mesh.resolve(len(jax.devices()))))
-        folded = sharding.MeshConfig(data=sizes["data"] * sizes["stage"] * sizes["context"], fsdp=sizes["fsdp"], tensor=sizes["tensor"])
+        folded = sharding.MeshConfig(data=sizes["data"] * sizes["stage"] * sizes["context"], expert=sizes["expert"], fsdp=sizes["fsdp"], tensor=sizes["tensor"])
         spec = dataclasses.replace(spec, pipeline=PipelinePlan(), mesh=folded)
         mesh = sharding.make_mesh(folded)
     elif own_mesh:

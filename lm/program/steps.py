@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import sharding
 from lm.compiler import steptime, targets
 from lm.model.attention import check_cudnn
+from lm.model import moe
 from lm.model.fp8 import Fp8Meta, Probe, update_fp8
 from lm.model.layers import Embedding
 from lm.model.transformer import Transformer, segment_positions
@@ -198,7 +199,8 @@ class Program:
         model = self.abstract_model.model(params, fp8, probes)
         if self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe":  # the head and loss per microbatch
             return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated)
-        logits, _ = model(**inputs)
+        with moe.loss_seed(loss_scale):
+            logits, _ = model(**inputs)
         return cross_entropy(logits, targets_bt)
 
     def _grads(self, params, batch, fp8=None, loss_scale=1.0):
@@ -211,7 +213,10 @@ class Program:
         # tensor 2}: 22.7 GiB of temporaries against 43.8).
         pipelined = self.spec.pipeline.stages > 1
         passes = pipelined or self.config.train.grad_accum > 1
-        if not passes or (self.config.sharding.optimizer_over_data and not pipelined):
+        # (Experts split over `expert` inside a pipeline inside per-replica code: XLA's partitioner
+        # fails a check on the third level of manual axes, jaxlib 0.10.2.)
+        nested_experts = pipelined and self.mesh.shape["expert"] > 1
+        if not passes or (self.config.sharding.optimizer_over_data and not pipelined) or nested_experts:
             return self._replica_grads(params, batch, fp8, loss_scale)
         # (`_replica_grads` itself where `data` is 1.)
         grads = sharding.per_replica(self._replica_grads, self.mesh, split=(False, True, False, False), combine=("mean", "sum", "max"))
@@ -322,7 +327,7 @@ def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), obse
     check_batch_split(spec, mesh)
     if spec.policy.fp8 and config.precision.fp8_sites == "auto" and (target := targets.target_of(mesh.devices.flat[0])):
         # Per device a site's GEMMs see the tokens split over the batch axes, its weight over tensor.
-        tokens = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["context"]
+        tokens = mesh.shape["data"] * mesh.shape["expert"] * mesh.shape["fsdp"] * mesh.shape["context"]
         choice = steptime.Fp8SiteChoice(target, tokens, mesh.shape["tensor"])
         spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, fp8_choice=choice))
     if spec.model.attention == "cudnn":  # before a run directory is written, not at the first trace

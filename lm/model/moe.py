@@ -1,0 +1,284 @@
+"""A mixture-of-experts MLP: a float32 router picks `experts_per_token` of `num_experts` SwiGLU
+experts per token, their outputs are summed with the router's weights, plus always-on shared
+experts (DeepSeek / Qwen2-MoE).
+
+Dropless by default: each device's token-expert assignments are sorted by expert and run through
+one grouped matmul (`jax.lax.ragged_dot`), whatever the imbalance. With a capacity factor each
+expert takes at most `factor x` its even share of a device's assignments (first choices before
+second ones, earlier tokens first), in fixed-size buffers and dense batched matmuls; the rest
+are dropped and counted.
+
+Expert parallelism: the expert weights are split over the `experts` logical axis (mesh axis
+`expert`), whose devices split the batch outside these layers. Inside, each device runs its own
+shards (`sharding.per_shard`, every mesh axis manual): its weights gathered along `embed` (FSDP;
+the gradient reduce-scattered by the transpose), its assignments sent to the devices holding
+their experts and the results brought back by two `all_to_all`s of fixed size (dropless: room for
+every assignment going to one device), the expert hidden width split over `tensor` (partial
+outputs summed there).
+
+Balancing: the Switch / Mixtral load-balancing loss (num_experts x sum over experts of the
+fraction of assignments times the mean router probability) and ST-MoE's router z-loss, per
+layer, averaged over the layers. They reach the training loss's gradient from inside the layer
+(`_report`'s backward, at the cotangent the step gives the loss: `loss_seed`), as Megatron's
+aux-loss scaler does, so that every pipeline schedule carries them without passing values
+between stages; the step's reported `loss` is the cross entropy, the balancing losses are
+logged beside it (`moe/...`). The layer's statistics leave the step through the gradient of a
+zero probe, as the matmul statistics do (`lm.model.fp8`): per layer `STAT_FIELDS`.
+
+Shape suffixes: n tokens (of this device), k experts per token, e experts, d embed, f expert
+hidden width, c slots per expert (capacity), p devices along `expert`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import sharding
+from lm.model.config import ModelConfig
+from lm.model.fp8 import Probe
+from lm.model.layers import _param
+from lm.model.precision import Policy
+
+F32 = jnp.float32
+# After the per-expert loads [num_experts] (fractions of assignments, summing to 1):
+STAT_FIELDS = ("aux_loss", "z_loss", "dropped_fraction")
+INPUT_AXES = ("batch", "length", "act_embed")  # the MLP's input: the sequence gathered over `tensor`
+ROUTING_AXES = ("batch", "length", None)
+
+_LOSS_SEED = contextvars.ContextVar("moe_loss_seed", default=1.0)
+
+
+@contextlib.contextmanager
+def loss_seed(seed):
+    """Within: the balancing losses are differentiated at cotangent `seed`, the one the loss of
+    the (micro)batch being traced is (its loss scale over the passes it is averaged over)."""
+    token = _LOSS_SEED.set(seed)
+    try:
+        yield
+    finally:
+        _LOSS_SEED.reset(token)
+
+
+class RouterStats(Probe):
+    """A zero input whose gradient is its layer's routing statistics: loads, then STAT_FIELDS."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    ids_nk: jax.Array  # chosen experts, best first
+    weights_nk: jax.Array  # float32
+    probs_ne: jax.Array  # float32 softmax over every expert
+
+
+def route(logits_ne: jax.Array, k: int, renormalize: bool) -> Routing:
+    """Top-k of the softmax of float32 router logits; `renormalize`: the chosen weights divided
+    by their sum (Mixtral's softmax over the chosen logits; Qwen3-MoE's `norm_topk_prob`)."""
+    probs = jax.nn.softmax(logits_ne.astype(F32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(ids, weights, probs)
+
+
+def balancing_losses(logits_ne: jax.Array, routing: Routing, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(load per expert [e], Switch load-balancing loss, router z-loss) of one layer's routing."""
+    counts_e = jnp.zeros(num_experts, F32).at[routing.ids_nk.reshape(-1)].add(1.0)
+    load_e = counts_e / routing.ids_nk.size
+    tokens_e = counts_e / routing.ids_nk.shape[0]  # fraction of tokens sent to each (sums to k)
+    aux = num_experts * jnp.sum(jax.lax.stop_gradient(tokens_e) * jnp.mean(routing.probs_ne, axis=0))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_ne.astype(F32), axis=-1)))
+    return load_e, aux, z
+
+
+@jax.custom_vjp
+def _report(y, losses, seed, probe, stats):
+    """`y`; in the backward pass `losses` gets cotangent `seed` (they join the training loss's
+    gradient) and `probe` gets `stats` (they leave the step)."""
+    return y
+
+
+def _report_fwd(y, losses, seed, probe, stats):
+    return y, (losses, seed, stats)
+
+
+def _report_bwd(residuals, dy):
+    losses, seed, stats = residuals
+    # An output no loss reads (a pipeline's bubble tick, run on filler) gets a zero cotangent:
+    # it adds no balancing gradient and no statistics.
+    used = jnp.any(dy != 0).astype(F32)
+    return dy, jnp.full_like(losses, seed * used), jnp.zeros_like(seed), stats * used, jnp.zeros_like(stats)
+
+
+_report.defvjp(_report_fwd, _report_bwd)
+
+
+# -- the experts' computation on one device's shards
+
+
+def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype):
+    """Rows sorted by group through the groups' SwiGLU experts (rows past the groups: zeros)."""
+    dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), group_sizes_e, preferred_element_type=F32)  # noqa: E731
+    x = x_md.astype(dtype)
+    h = (jax.nn.silu(dot(x, w_gate)) * dot(x, w_in)).astype(dtype)
+    return dot(h, w_out)
+
+
+def _grouped(x_md, group_m, w_in, w_gate, w_out, dtype):
+    """Each row through expert `group_m` (values >= the experts here: no expert, zeros), by one
+    grouped matmul over the rows sorted by expert."""
+    experts = w_in.shape[0]
+    order = jnp.argsort(group_m, stable=True)
+    sizes = jnp.bincount(group_m, length=experts).astype(jnp.int32)  # out-of-range ids not counted
+    y_sorted = _ragged_swiglu(x_md[order], sizes, w_in, w_gate, w_out, dtype)
+    return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+
+
+def _batched(x_ecd, w_in, w_gate, w_out, dtype):
+    """Fixed-size per-expert buffers through their experts: dense batched matmuls."""
+    dot = lambda spec, a, w: jnp.einsum(spec, a.astype(dtype), w.astype(dtype), preferred_element_type=F32)  # noqa: E731
+    h = (jax.nn.silu(dot("ecd,edf->ecf", x_ecd, w_gate)) * dot("ecd,edf->ecf", x_ecd, w_in)).astype(dtype)
+    return dot("ecf,efd->ecd", h, w_out)
+
+
+def capacity(tokens: int, k: int, experts: int, factor: float) -> int:
+    """Slots per expert on a device with `tokens` tokens: factor x its even share of assignments."""
+    return max(1, math.ceil(factor * tokens * k / experts))
+
+
+def slot_ranks(ids_nk: jax.Array, experts: int) -> jax.Array:
+    """Per assignment [n, k], its place in its expert's queue: first choices before second ones,
+    earlier tokens first."""
+    flat = ids_nk.T.reshape(-1)  # choice-major
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.bincount(flat, length=experts)
+    starts = jnp.cumsum(counts) - counts
+    ranks = jnp.zeros_like(flat).at[order].set(jnp.arange(flat.size) - starts[flat[order]])
+    return ranks.reshape(ids_nk.shape[::-1]).T
+
+
+def _exchange(x, expert_axes):
+    """An all-to-all over the expert devices: chunk p of the leading axis goes to device p."""
+    return jax.lax.all_to_all(x, expert_axes, 0, 0, tiled=True) if expert_axes else x
+
+
+def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_experts, capacity_factor, dtype,
+                  axes: dict[str, tuple[str, ...]]):
+    """One device's part of the experts' output [b, t, d] and its dropped assignments (summed over
+    the devices). `axes`: the mesh axes of 'experts', 'embed', 'mlp' and the token-splitting ones
+    ('tokens'), all manual here (empty: one device)."""
+    b, t, d = x_btd.shape
+    k = ids_btk.shape[-1]
+    if axes["embed"]:  # FSDP: this device's experts whole along embed (reduce-scattered in the backward pass)
+        w_in, w_gate = (jax.lax.all_gather(w, axes["embed"], axis=1, tiled=True) for w in (w_in, w_gate))
+        w_out = jax.lax.all_gather(w_out, axes["embed"], axis=2, tiled=True)
+    here = w_in.shape[0]  # experts on this device
+    ways = num_experts // here
+    x_nd, ids_nk, weights_nk = x_btd.reshape(b * t, d), ids_btk.reshape(b * t, k), weights_btk.reshape(b * t, k)
+    n = b * t
+    if capacity_factor > 0:
+        slots = capacity(n, k, num_experts, capacity_factor)
+        ranks_nk = slot_ranks(ids_nk, num_experts)
+        kept_nk = ranks_nk < slots
+        # Buffers [e * c, d] expert-major: device p's chunk holds its experts' slots.
+        where = jnp.where(kept_nk, ids_nk * slots + ranks_nk, num_experts * slots).reshape(-1)
+        buf = jnp.zeros((num_experts * slots + 1, d), x_nd.dtype).at[where].set(jnp.repeat(x_nd, k, axis=0))[:-1]
+        recv = _exchange(buf, axes["experts"]).reshape(ways, here, slots, d).transpose(1, 0, 2, 3)
+        y = _batched(recv.reshape(here, ways * slots, d), w_in, w_gate, w_out, dtype)
+        y = _exchange(y.reshape(here, ways, slots, d).transpose(1, 0, 2, 3).reshape(-1, d), axes["experts"])
+        y_nkd = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[where].reshape(n, k, d)
+        dropped = jnp.sum(~kept_nk).astype(F32)
+    else:
+        flat = ids_nk.reshape(-1)
+        if ways == 1:
+            y_nkd = _grouped(jnp.repeat(x_nd, k, axis=0), flat, w_in, w_gate, w_out, dtype).reshape(n, k, d)
+        else:  # dropless: room for every assignment at every destination
+            order = jnp.argsort(flat, stable=True)  # by destination device, then by its expert
+            dest = flat[order] // here
+            counts = jnp.bincount(dest, length=ways)
+            ranks = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[dest]
+            slot = dest * (n * k) + ranks
+            buf = jnp.zeros((ways * n * k, d), x_nd.dtype).at[slot].set(x_nd[order // k])
+            group = jnp.full((ways * n * k,), here, jnp.int32).at[slot].set(flat[order] % here)
+            recv, recv_group = _exchange(buf, axes["experts"]), _exchange(group, axes["experts"])
+            y = _exchange(_grouped(recv, recv_group, w_in, w_gate, w_out, dtype), axes["experts"])
+            y_nkd = jnp.zeros((n * k, d), y.dtype).at[order].set(y[slot]).reshape(n, k, d)
+        dropped = jnp.zeros((), F32)
+    y_nd = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(F32))
+    if axes["mlp"]:  # the hidden width split over tensor: partial sums
+        y_nd = jax.lax.psum(y_nd, axes["mlp"])
+    if axes["tokens"]:
+        dropped = jax.lax.psum(dropped, axes["tokens"])
+    return y_nd.reshape(b, t, d), dropped
+
+
+def experts(x_btd, routing_ids, routing_weights, w_in, w_gate, w_out, *, num_experts: int, capacity_factor: float, dtype):
+    """The experts' weighted outputs [b, t, d] (float32) and the dropped assignments, each device
+    running its shards (`local_experts`) under the mesh in force, or everything on one device."""
+    axes = {name: sharding.active_axes(name) for name in ("experts", "embed", "mlp")}
+    axes["tokens"] = tuple(dict.fromkeys(sharding.active_axes("batch") + sharding.active_axes("length")))
+
+    def local(*args):
+        return local_experts(*args, num_experts=num_experts, capacity_factor=capacity_factor, dtype=dtype, axes=axes)
+
+    weight_in_axes, weight_out_axes = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
+    run = sharding.per_shard(
+        local,
+        (INPUT_AXES, ROUTING_AXES, ROUTING_AXES, weight_in_axes, weight_in_axes, weight_out_axes),
+        [INPUT_AXES, ()],
+    )
+    return run(x_btd, routing_ids, routing_weights, w_in, w_gate, w_out)
+
+
+def dense_reference(x_btd, routing: Routing, w_in, w_gate, w_out, dtype=F32):
+    """Every token through every expert, the chosen ones weighted by one-hot sums: the grouped
+    path's reference (tests)."""
+    b, t, _ = x_btd.shape
+    e = w_in.shape[0]
+    gates_bte = jnp.einsum("nke,nk->ne", jax.nn.one_hot(routing.ids_nk, e, dtype=F32), routing.weights_nk).reshape(b, t, e)
+    h = jax.nn.silu(jnp.einsum("btd,edf->btef", x_btd, w_gate)) * jnp.einsum("btd,edf->btef", x_btd, w_in)
+    return jnp.einsum("btef,efd,bte->btd", h, w_out, gates_bte).astype(dtype)
+
+
+class MoeMlp(nnx.Module):
+    def __init__(self, cfg: ModelConfig, policy: Policy, rngs: nnx.Rngs, shared_mlp=None):
+        self.cfg, self.policy = cfg, policy
+        d, e, f, dt = cfg.embed_dim, cfg.num_experts, cfg.expert_width, policy.param_dtype
+        out_std = 0.02 / (2 * cfg.num_layers) ** 0.5
+        self.router = _param(rngs.params(), (d, e), ("embed", None), 0.02, dt)
+        self.w_in = _param(rngs.params(), (e, d, f), ("experts", "embed", "mlp"), 0.02, dt)
+        self.w_gate = _param(rngs.params(), (e, d, f), ("experts", "embed", "mlp"), 0.02, dt)
+        self.w_out = _param(rngs.params(), (e, f, d), ("experts", "mlp", "embed"), out_std, dt)
+        self.shared = shared_mlp  # the always-on experts, one MLP of their summed width, or None
+        self.stats = RouterStats(jnp.zeros(e + len(STAT_FIELDS), F32), out_sharding=(None,), eager_sharding=False)
+
+    def router_logits(self, x_btd) -> jax.Array:
+        """Float32 router logits [b, t, e]."""
+        return jnp.einsum("btd,de->bte", x_btd.astype(F32), self.router[...].astype(F32))
+
+    def __call__(self, x_btd):
+        cfg = self.cfg
+        b, t, _ = x_btd.shape
+        logits_bte = sharding.constrain(self.router_logits(x_btd), ("batch", "length", None), "router logits")
+        logits_ne = logits_bte.reshape(b * t, -1)
+        routing = route(logits_ne, cfg.experts_per_token, cfg.router_renormalize)
+        load_e, aux, z = balancing_losses(logits_ne, routing, cfg.num_experts)
+        k = cfg.experts_per_token
+        y, dropped = experts(
+            x_btd, routing.ids_nk.reshape(b, t, k), routing.weights_nk.reshape(b, t, k),
+            self.w_in[...], self.w_gate[...], self.w_out[...],
+            num_experts=cfg.num_experts, capacity_factor=cfg.expert_capacity_factor, dtype=self.policy.compute_dtype,
+        )
+        if self.shared is not None:
+            y = y + self.shared(x_btd).astype(F32)
+        layers = cfg.num_layers
+        losses = (cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z) / layers
+        stats = jnp.concatenate([load_e, jnp.stack([aux, z, dropped / routing.ids_nk.size])])
+        y = _report(self.policy.cast(y), losses, jnp.asarray(_LOSS_SEED.get(), F32), self.stats[...], jax.lax.stop_gradient(stats))
+        return sharding.constrain(y, INPUT_AXES, "moe output")
