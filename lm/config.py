@@ -17,7 +17,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from lm.errors import UserError
-from lm.model.config import config_defaults
+from lm.model.config import config_defaults, moe_problem
 from sharding.remat import REMAT
 
 
@@ -149,7 +149,8 @@ _POSITIVE = (
 )
 _NOT_NEGATIVE = (
     "optim.weight_decay", "optim.clip_norm", "optim.warmup_steps", "optim.decay_steps", "model.head_dim",
-    "model.vocab_size", "model.max_positions", "model.sliding_window",
+    "model.vocab_size", "model.max_positions", "model.sliding_window", "model.num_experts", "model.expert_mlp_dim",
+    "model.shared_experts", "model.expert_capacity_factor", "model.router_aux_loss_coef", "model.router_z_loss_coef",
     "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed", "data.workers", "eval.limit",
 )
 # [low, high) intervals
@@ -212,6 +213,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"train.seq_len={c.train.seq_len} is longer than the model's {m.max_positions} learned positions "
             "(model.max_positions); lower train.seq_len"
         )
+    if problem := moe_problem(m, c.mesh.expert):
+        raise UserError(problem)
     if c.train.batch_size % c.train.grad_accum:
         raise UserError(
             f"train.batch_size={c.train.batch_size} is not divisible by "

@@ -23,6 +23,11 @@ FAMILIES = {
     "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     "mistral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=5),
     "qwen2": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "mixtral": dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                    num_experts_per_tok=2),
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
 }
 
@@ -33,7 +38,8 @@ def make_hf_model(directory: Path, family: str, std: float = 0.5, seed: int = 0,
     import torch
     import transformers
 
-    kind = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "gpt2": "GPT2Config"}[family]
+    kind = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
+            "qwen3_moe": "Qwen3MoeConfig", "gpt2": "GPT2Config"}[family]
     # A copy: transformers writes into the rope settings it is given.
     config = getattr(transformers, kind)(vocab_size=VOCAB, **copy.deepcopy({**FAMILIES[family], **overrides}))
     torch.manual_seed(seed)

@@ -34,6 +34,10 @@ CASES = {
     "llama3-rope": ("llama", dict(rope_scaling=LLAMA3)),
     "qwen2-qkv-bias": ("qwen2", {}),
     "mistral-window": ("mistral", {}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    "mixtral": ("mixtral", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-unnormalised": ("qwen3_moe", dict(norm_topk_prob=False)),
     "gpt2": ("gpt2", {}),
 }
 STD = 0.4  # logits reach |12..18|: far from uniform
@@ -103,6 +107,37 @@ def test_negative_controls_fail_the_parity_check(hf_dirs, control):
     assert err > 1e-1 and not same_argmax
 
 
+@pytest.mark.parametrize("case", ["qwen3-moe", "qwen3-moe-unnormalised"])
+def test_the_other_top_k_normalisation_fails_the_parity_check(hf_dirs, case):
+    path, model = hf_dirs[case]
+    renormalised = case == "qwen3-moe"
+    layout, params = imported(path, **{"model.router_renormalize": not renormalised})
+    err, _ = _parity(hf_logits(model, TOKENS), meshlm_logits(layout, params, TOKENS))
+    assert err > 1e-1
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
+def test_load_balancing_loss_equals_transformers(hf_dirs, case):
+    """transformers' aux_loss (output_router_logits) from meshlm's routing statistics of the same
+    batch, and the training step's gradient carrying router_aux_loss_coef x each layer's own."""
+    from lm.model import moe
+
+    path, model = hf_dirs[case]
+    layout, params = imported(path)
+    hf_dir, hf_config = hf_checkpoint.read_hf_config(path)
+    overrides = {"mesh.data": 1, "train.batch_size": 2, "train.seq_len": 23, "model.attention": "einsum"}
+    program = setup(hf_checkpoint.config_from_hf(lm_config.default_config(), hf_dir, hf_config, overrides), 0, jax.devices()[:1])
+    tokens = TOKENS.astype(np.int32)
+    _, _, stats = program.grads(params, tokens)
+    _, routing = moe.split_stats(jax.device_get(stats))
+    with torch.no_grad():
+        out = model(torch.as_tensor(tokens[:, :-1], dtype=torch.long), output_router_logits=True)
+    ours, theirs = moe.transformers_aux_loss(routing, model.config.num_experts_per_tok), float(out.aux_loss)
+    print(f"{case}: aux loss {ours:.6f} (transformers {theirs:.6f})")
+    assert abs(ours - theirs) <= 1e-5 * theirs and theirs > 1.0
+    assert program.spec.model.router_aux_loss_coef == model.config.router_aux_loss_coef
+
+
 @pytest.mark.parametrize("mesh", [{"fsdp": 4, "tensor": 2}, {"stage": 2, "data": 4}])
 def test_sharded_import_gives_the_same_logits(hf_dirs, mesh):
     path, _ = hf_dirs["llama-gqa2-tied"]
@@ -131,7 +166,7 @@ def _state_dict(directory):
     return out
 
 
-@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "llama3-rope"])
+@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "llama3-rope", "qwen3-qk-norm", "mixtral", "qwen3-moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hf_meshlm_hf_round_trip_is_bit_identical(tmp_path, case, dtype):
     family, kw = CASES[case]
@@ -177,7 +212,7 @@ def _abstract(workdir):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), restored["params"])
 
 
-@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2"])
+@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "qwen3-qk-norm", "mixtral", "qwen3-moe"])
 def test_greedy_generation_matches_transformers(hf_dirs, tmp_path, case):
     path, model = hf_dirs[case]
     hf_checkpoint.import_hf(path, tmp_path / "run", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])

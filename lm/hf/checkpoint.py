@@ -138,6 +138,9 @@ def load_params(reader: Reader, layout: AbstractModel) -> dict:
 
     def device_slice(path: str, index: tuple) -> np.ndarray:
         link, j = owner[path]
+        if link.per_expert:  # [layers, experts, ...]: one tensor per layer and expert
+            layers, experts = range(shapes[path][0])[index[0]], range(shapes[path][1])[index[1]]
+            return np.stack([np.stack([np.asarray(converted(link, (i, e))[j][index[2:]], dtype) for e in experts]) for i in layers])
         if link.stacked:
             layers = range(shapes[path][0])[index[0]]
             return np.stack([np.asarray(converted(link, i)[j][index[1:]], dtype) for i in layers])
@@ -157,8 +160,14 @@ def _fetch(x: jax.Array) -> np.ndarray:
 
 
 def _tensors(cfg):
-    """(link, layer) of every checkpoint tensor of `cfg`'s family, in the order they are written."""
-    return [(link, layer) for link in hf.links(cfg) for layer in (range(cfg.num_layers) if link.stacked else [None])]
+    """(link, layer or (layer, expert)) of every checkpoint tensor of `cfg`'s family, in the order
+    they are written."""
+    def places(link):
+        if link.per_expert:
+            return [(i, e) for i in range(cfg.num_layers) for e in range(cfg.num_experts)]
+        return range(cfg.num_layers) if link.stacked else [None]
+
+    return [(link, place) for link in hf.links(cfg) for place in places(link)]
 
 
 def tensor_plan(cfg, our_shapes: dict, dtype) -> list[tuple[str, tuple, np.dtype]]:
@@ -171,7 +180,7 @@ def save_params(params: dict, cfg, writer: Writer | None, dtype) -> None:
     process only contributes its shards)."""
     flat = _flat(params)
     for link, layer in _tensors(cfg):
-        parts = [_fetch(flat[p] if layer is None else flat[p][layer]) for p in link.ours]
+        parts = [_fetch(flat[p] if layer is None else flat[p][layer]) for p in link.ours]  # layer: an index or (layer, expert)
         if writer is not None:
             writer.add(hf.tensor_name(link, layer), link.to_theirs(*parts).astype(dtype))
 

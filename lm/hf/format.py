@@ -3,8 +3,9 @@
 onto meshlm's parameters (`links`). No I/O and no torch here: `lm.convert` moves the tensors.
 
 Families: Llama (2, 3, 3.1's `llama3` RoPE scaling), Mistral (sliding-window attention), Qwen2
-(biases on q / k / v) and GPT-2 (LayerNorm, learned positions, GELU, biases, fused `c_attn`
-in Conv1D's `(in, out)` layout). A `config.json` meshlm cannot represent exactly is a UserError
+(biases on q / k / v), Qwen3 (q / k RMSNorm), the mixtures of experts Mixtral and Qwen3-MoE (one
+checkpoint tensor per layer and expert) and GPT-2 (LayerNorm, learned positions, GELU, biases,
+fused `c_attn` in Conv1D's `(in, out)` layout). A `config.json` meshlm cannot represent exactly is a UserError
 naming the field; an import is never approximate.
 
 RoPE: meshlm's rotary embedding is the rotate-half form `transformers` uses, so q / k weights are
@@ -23,9 +24,14 @@ import numpy as np
 from lm.config import UserError
 from lm.model.config import ModelConfig
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 FAMILIES = (*LLAMA_LIKE, "gpt2")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel",
+}
+# Families meshlm knows but cannot represent: the field that says why.
+UNSUPPORTED = {"deepseek_v2": "kv_lora_rank", "deepseek_v3": "kv_lora_rank"}
 
 
 def _unsupported(field: str, value, why: str) -> UserError:
@@ -41,6 +47,9 @@ def _require(hf: dict, field: str, allowed, default, why: str):
 
 def family(hf: dict) -> str:
     kind = hf.get("model_type")
+    if kind in UNSUPPORTED:
+        field = UNSUPPORTED[kind]
+        raise _unsupported(field, hf.get(field), "multi-head latent attention is not modelled")
     if kind not in FAMILIES:
         raise UserError(f"config.json: model_type={kind!r} is not supported; meshlm imports {', '.join(FAMILIES)}")
     return kind
@@ -115,9 +124,11 @@ def _model_keys(hf: dict, kind: str) -> dict:
         _require(hf, "attention_bias", (False,), False, "no attention biases in a Llama block")
         _require(hf, "mlp_bias", (False,), False, "no MLP biases in a Llama block")
     window = 0
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         window = hf.get("sliding_window") or 0
-    if kind == "qwen2":
+    if kind in ("qwen3", "qwen3_moe"):
+        _require(hf, "attention_bias", (False,), False, "no attention biases in a Qwen3 block")
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):
         _require(hf, "use_sliding_window", (False, None), False, "Qwen2's per-layer sliding windows are not modelled")
         layer_types = set(hf.get("layer_types") or ["full_attention"])
         if layer_types != {"full_attention"}:
@@ -140,7 +151,31 @@ def _model_keys(hf: dict, kind: str) -> dict:
         "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "model.vocab_size": hf["vocab_size"],
         "model.sliding_window": window,
+        "model.qk_norm": kind in ("qwen3", "qwen3_moe"),
         **_rope_keys(hf),
+        **_expert_keys(hf, kind),
+    }
+
+
+def _expert_keys(hf: dict, kind: str) -> dict:
+    """The mixture-of-experts `model.*` keys of a Mixtral or Qwen3-MoE config ({} otherwise)."""
+    if kind == "mixtral":
+        _require(hf, "router_jitter_noise", (0, 0.0, None), 0.0, "no noise on the router's logits")
+        width, renormalize = hf["intermediate_size"], True
+    elif kind == "qwen3_moe":
+        _require(hf, "decoder_sparse_step", (1,), 1, "every layer a mixture of experts")
+        if hf.get("mlp_only_layers"):
+            raise _unsupported("mlp_only_layers", hf["mlp_only_layers"], "every layer a mixture of experts")
+        width, renormalize = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False))
+    else:
+        return {"model.num_experts": 0}
+    return {
+        "model.num_experts": hf.get("num_local_experts") or hf["num_experts"],
+        "model.experts_per_token": hf["num_experts_per_tok"],
+        "model.expert_mlp_dim": width,
+        "model.shared_experts": 0,
+        "model.router_renormalize": renormalize,
+        "model.router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
     }
 
 
@@ -149,16 +184,25 @@ def family_of(cfg: ModelConfig) -> str:
     if cfg.position == "learned":
         if cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.use_bias and cfg.num_kv_heads == cfg.num_heads and cfg.num_heads * cfg.head_dim == cfg.embed_dim:
             return "gpt2"
-    elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias:
-        if cfg.qkv_bias:
+    elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.shared_experts:
+        if cfg.moe and not cfg.qkv_bias:
+            if cfg.qk_norm and not cfg.sliding_window:
+                return "qwen3_moe"
+            if not cfg.qk_norm and cfg.router_renormalize:
+                return "mixtral"
+        elif cfg.qk_norm:
+            if not cfg.qkv_bias and not cfg.sliding_window:
+                return "qwen3"
+        elif cfg.qkv_bias:
             if not cfg.sliding_window:
                 return "qwen2"
         else:
             return "mistral" if cfg.sliding_window else "llama"
     raise UserError(
         f"this model (norm={cfg.norm}, position={cfg.position}, mlp={cfg.mlp}, use_bias={cfg.use_bias}, qkv_bias={cfg.qkv_bias}, "
-        f"sliding_window={cfg.sliding_window}) has no exact Hugging Face equivalent; export supports Llama-, Mistral-, "
-        "Qwen2- and GPT-2-shaped models"
+        f"qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}, num_experts={cfg.num_experts}, shared_experts={cfg.shared_experts}, "
+        f"router_renormalize={cfg.router_renormalize}) has no exact Hugging Face equivalent; export supports Llama-, Mistral-, "
+        "Qwen2-, Qwen3-, Mixtral-, Qwen3-MoE- and GPT-2-shaped models"
     )
 
 
@@ -200,8 +244,22 @@ def hf_config(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
         out.update(attention_bias=False, mlp_bias=False)
     if kind == "mistral":
         out["sliding_window"] = cfg.sliding_window
-    if kind == "qwen2":
+    if kind in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.num_layers)
+    if kind == "qwen3":
+        out["attention_bias"] = False
+    if kind == "mixtral":
+        out.update(
+            sliding_window=cfg.sliding_window or None, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+            intermediate_size=cfg.expert_width, router_aux_loss_coef=cfg.router_aux_loss_coef, router_jitter_noise=0.0,
+        )
+    if kind == "qwen3_moe":
+        out.pop("num_local_experts", None)
+        out.update(
+            attention_bias=False, use_sliding_window=False, sliding_window=None, num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_width, norm_topk_prob=cfg.router_renormalize,
+            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef,
+        )
     rope = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling}
     if cfg.rope_scaling != "none":
         rope["factor"] = cfg.rope_factor
@@ -232,6 +290,7 @@ class Link:
     theirs: str
     to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
     to_theirs: Callable[..., np.ndarray]
+    per_expert: bool = False  # ours are [layers, experts, ...]; theirs has a `{j}` for the expert too
 
     @property
     def stacked(self) -> bool:
@@ -298,22 +357,41 @@ def links(cfg: ModelConfig) -> list[Link]:
         Link(("blocks/attn/wk",), layer + "self_attn.k_proj.weight", *columns(d, g, k)),
         Link(("blocks/attn/wv",), layer + "self_attn.v_proj.weight", *columns(d, g, k)),
         Link(("blocks/attn/wo",), layer + "self_attn.o_proj.weight", *rows(h, k, d)),
-        Link(("blocks/mlp/w_gate",), layer + "mlp.gate_proj.weight", *columns(d, cfg.mlp_dim)),
-        Link(("blocks/mlp/w_in",), layer + "mlp.up_proj.weight", *columns(d, cfg.mlp_dim)),
-        Link(("blocks/mlp/w_out",), layer + "mlp.down_proj.weight", *rows(cfg.mlp_dim, d)),
     ]
+    if not cfg.moe:
+        out += [
+            Link(("blocks/mlp/w_gate",), layer + "mlp.gate_proj.weight", *columns(d, cfg.mlp_dim)),
+            Link(("blocks/mlp/w_in",), layer + "mlp.up_proj.weight", *columns(d, cfg.mlp_dim)),
+            Link(("blocks/mlp/w_out",), layer + "mlp.down_proj.weight", *rows(cfg.mlp_dim, d)),
+        ]
+    else:
+        prefix, names = (layer + "block_sparse_moe.", ("w1", "w3", "w2")) if kind == "mixtral" else (layer + "mlp.", ("gate_proj", "up_proj", "down_proj"))
+        expert = prefix + "experts.{j}.%s.weight"
+        f = cfg.expert_width
+        out += [
+            Link(("blocks/mlp/router",), prefix + "gate.weight", *columns(d, cfg.num_experts)),
+            Link(("blocks/mlp/w_gate",), expert % names[0], *columns(d, f), per_expert=True),
+            Link(("blocks/mlp/w_in",), expert % names[1], *columns(d, f), per_expert=True),
+            Link(("blocks/mlp/w_out",), expert % names[2], *rows(f, d), per_expert=True),
+        ]
+    if cfg.qk_norm:
+        out += [_same("blocks/attn/q_norm", layer + "self_attn.q_norm.weight"), _same("blocks/attn/k_norm", layer + "self_attn.k_norm.weight")]
     if cfg.qkv_bias:
         for name, heads in (("q", h), ("k", g), ("v", g)):
             out.append(Link((f"blocks/attn/b{name}",), layer + f"self_attn.{name}_proj.bias", lambda b, n=heads: (b.reshape(n, k),), lambda x: x.reshape(-1)))
     return out if cfg.tie_embeddings else [*out, head]
 
 
-def tensor_name(link: Link, layer: int | None) -> str:
+def tensor_name(link: Link, layer: int | tuple[int, int] | None) -> str:
+    """The checkpoint name of `link`'s tensor of a layer, or of (layer, expert)."""
+    if link.per_expert:
+        return link.theirs.format(i=layer[0], j=layer[1])
     return link.theirs.format(i=layer) if link.stacked else link.theirs
 
 
 def expected_shapes(link: Link, our_shapes: dict[str, tuple]) -> tuple:
     """The checkpoint tensor's shape implied by one layer's slices of `link.ours` (computed on
     zero-stride views: no memory)."""
-    views = [np.broadcast_to(np.zeros((), np.float32), our_shapes[p][1:] if link.stacked else our_shapes[p]) for p in link.ours]
+    skip = 2 if link.per_expert else 1 if link.stacked else 0
+    views = [np.broadcast_to(np.zeros((), np.float32), our_shapes[p][skip:]) for p in link.ours]
     return link.to_theirs(*views).shape

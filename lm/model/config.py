@@ -90,6 +90,24 @@ class ModelConfig:
         )
 
 
+def moe_problem(m, expert_ways: int) -> str | None:
+    """What is wrong with the `model` group's mixture of experts on `expert_ways` expert devices,
+    in one line (None: nothing)."""
+    if not m.num_experts:
+        if expert_ways > 1:
+            return f"mesh.expert={expert_ways} splits a mixture of experts' experts, but the model is dense (model.num_experts=0); set mesh.expert=1"
+        return None
+    if not 1 <= m.experts_per_token <= m.num_experts:
+        return f"model.experts_per_token={m.experts_per_token} must be between 1 and model.num_experts={m.num_experts}"
+    if expert_ways > 0 and m.num_experts % expert_ways:
+        return f"model.num_experts={m.num_experts} is not divisible by mesh.expert={expert_ways}; each expert device holds an equal share"
+    if m.moe_layers != "all":
+        return f"model.moe_layers={m.moe_layers!r}: only 'all' (every layer a mixture of experts) is supported yet"
+    if m.mlp != "swiglu" or m.use_bias:
+        return "a mixture of experts' experts are SwiGLU without biases: set model.mlp=swiglu and model.use_bias=False"
+    return None
+
+
 def config_defaults() -> dict:
     """The `model` group's keys and defaults, from `ModelConfig` (one source). Zero means derived:
     `head_dim` embed_dim // num_heads, `vocab_size` the tokenizer's, `max_positions` (rows of

@@ -2,7 +2,8 @@
 
 FLOPs per trained token, the convention used for MFU (`flops_per_token`):
   * every matmul weight (Q, K, V, O, the MLP matrices, the output head) costs 2 FLOPs per
-    weight per token forward and 4 backward: 6 * matmul_params;
+    weight per token forward and 4 backward: 6 * matmul_params; in a mixture of experts only
+    the *active* ones count: the chosen experts, the shared experts and the router;
   * attention scores (Q K^T) and the weighted sum (A V) each cost 2 * T * heads * head_dim
     FLOPs per token forward for a full T x T attention; causal attention halves that (each
     query sees T/2 keys on average), so forward is 2 * T * heads * head_dim per layer and
@@ -19,9 +20,12 @@ from lm.model.config import ModelConfig
 
 
 def matmul_params(cfg: ModelConfig) -> int:
+    """The matmul weights a token goes through (a mixture of experts: its active ones)."""
     d, h, g, k, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     attention = d * h * k + 2 * d * g * k + h * k * d
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    if cfg.moe:
+        mlp = 3 * d * cfg.expert_width * (cfg.experts_per_token + cfg.shared_experts) + d * cfg.num_experts
     return cfg.num_layers * (attention + mlp) + d * cfg.vocab_size
 
 

@@ -90,6 +90,13 @@ class Norm(nnx.Module):
         return self.policy.cast(y)
 
 
+def head_norm(x_bthk: jax.Array, scale_k: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over each head's features, in float32, the result in x's dtype."""
+    x = x_bthk.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * scale_k.astype(jnp.float32)
+    return y.astype(x_bthk.dtype)
+
+
 @jax.custom_vjp
 def add_bias(x: jax.Array, bias: jax.Array) -> jax.Array:
     """`x + bias` over x's trailing axes, in x's dtype."""
@@ -156,6 +163,9 @@ class Attention(nnx.Module):
             self.bv = _param(None, (g, k), ("kv_heads", "head_dim"), None, dt)
         if cfg.use_bias:
             self.bo = _param(None, (d,), ("embed",), None, dt)
+        if cfg.qk_norm:
+            self.q_norm = _param(None, (k,), ("head_dim",), None, dt, fill=1.0)
+            self.k_norm = _param(None, (k,), ("head_dim",), None, dt, fill=1.0)
 
     def __call__(self, x_btd, positions_bt=None, cache=None, cache_index=None, segments_bt=None):
         """`positions_bt` None: the tokens are in order from position 0, and the mask is causal by
@@ -167,6 +177,8 @@ class Attention(nnx.Module):
         v = self.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_site)
         if cfg.use_bias or cfg.qkv_bias:
             q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
+        if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3)
+            q, k = head_norm(q, self.q_norm[...], cfg.norm_eps), head_norm(k, self.k_norm[...], cfg.norm_eps)
         q, k, v = name_qkv(q), name_qkv(k), name_qkv(v)
         # Each context shard projects its own part of the sequence; only then are keys and
         # values gathered (left free, XLA may gather the wider input instead and project it all).

@@ -38,6 +38,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import sharding
@@ -47,7 +48,8 @@ from lm.model.layers import _param
 from lm.model.precision import Policy
 
 F32 = jnp.float32
-# After the per-expert loads [num_experts] (fractions of assignments, summing to 1):
+# After the per-expert loads [num_experts] (fractions of assignments, summing to 1) and mean
+# router probabilities [num_experts]:
 STAT_FIELDS = ("aux_loss", "z_loss", "dropped_fraction")
 INPUT_AXES = ("batch", "length", "act_embed")  # the MLP's input: the sequence gathered over `tensor`
 ROUTING_AXES = ("batch", "length", None)
@@ -67,7 +69,8 @@ def loss_seed(seed):
 
 
 class RouterStats(Probe):
-    """A zero input whose gradient is its layer's routing statistics: loads, then STAT_FIELDS."""
+    """A zero input whose gradient is its layer's routing statistics: loads, mean router
+    probabilities, then STAT_FIELDS."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +90,16 @@ def route(logits_ne: jax.Array, k: int, renormalize: bool) -> Routing:
     return Routing(ids, weights, probs)
 
 
-def balancing_losses(logits_ne: jax.Array, routing: Routing, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(load per expert [e], Switch load-balancing loss, router z-loss) of one layer's routing."""
+def balancing_losses(logits_ne: jax.Array, routing: Routing, num_experts: int):
+    """(load per expert [e], mean router probability per expert [e], Switch load-balancing loss,
+    router z-loss) of one layer's routing."""
     counts_e = jnp.zeros(num_experts, F32).at[routing.ids_nk.reshape(-1)].add(1.0)
     load_e = counts_e / routing.ids_nk.size
     tokens_e = counts_e / routing.ids_nk.shape[0]  # fraction of tokens sent to each (sums to k)
-    aux = num_experts * jnp.sum(jax.lax.stop_gradient(tokens_e) * jnp.mean(routing.probs_ne, axis=0))
+    prob_e = jnp.mean(routing.probs_ne, axis=0)
+    aux = num_experts * jnp.sum(jax.lax.stop_gradient(tokens_e) * prob_e)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_ne.astype(F32), axis=-1)))
-    return load_e, aux, z
+    return load_e, prob_e, aux, z
 
 
 @jax.custom_vjp
@@ -117,6 +122,45 @@ def _report_bwd(residuals, dy):
 
 
 _report.defvjp(_report_fwd, _report_bwd)
+
+
+def split_stats(stats: dict) -> tuple[dict, jax.Array | None]:
+    """(the matmul sites' statistics, the routing statistics [layers, 2 x experts + STAT_FIELDS]
+    or None) of a step's probe gradients."""
+    mlp = stats.get("blocks", {}).get("mlp", {})
+    if "stats" not in mlp:
+        return stats, None
+    rest = {**stats, "blocks": {**stats["blocks"], "mlp": {k: v for k, v in mlp.items() if k != "stats"}}}
+    return rest, mlp["stats"]
+
+
+def transformers_aux_loss(stats_lf, k: int) -> float:
+    """The load-balancing loss as `transformers` computes it for Mixtral / Qwen3-MoE
+    (`output_router_logits`): over every layer's tokens at once, num_experts x sum over experts of
+    (fraction of tokens sent to it) x (mean probability), from the routing statistics. (Training
+    uses each layer's own loss, averaged: `MoeMlp`.)"""
+    stats_lf = np.asarray(stats_lf, np.float64)
+    experts = (stats_lf.shape[1] - len(STAT_FIELDS)) // 2
+    tokens_e, prob_e = stats_lf[:, :experts].mean(0) * k, stats_lf[:, experts : 2 * experts].mean(0)
+    return float(experts * np.sum(tokens_e * prob_e))
+
+
+def metric_rows(stats_lf) -> dict[str, float]:
+    """Metrics rows of the routing statistics [layers, 2 x experts + STAT_FIELDS]: per layer each
+    expert's load, max / mean load and STAT_FIELDS; and the layers' mean balancing losses."""
+    stats_lf = np.asarray(stats_lf, np.float64)
+    experts = (stats_lf.shape[1] - len(STAT_FIELDS)) // 2
+    stats_lf = np.concatenate([stats_lf[:, :experts], stats_lf[:, 2 * experts :]], axis=1)
+    row = {}
+    for layer, stats in enumerate(stats_lf):
+        load = stats[:experts]
+        row |= {f"moe/layer{layer}/load/expert{e}": float(v) for e, v in enumerate(load)}
+        row[f"moe/layer{layer}/max_over_mean_load"] = float(load.max() * experts)
+        row |= {f"moe/layer{layer}/{name}": float(v) for name, v in zip(STAT_FIELDS, stats[experts:])}
+    for i, name in enumerate(STAT_FIELDS):
+        row[f"moe/{name}"] = float(stats_lf[:, experts + i].mean())
+    row["moe/max_over_mean_load"] = float((stats_lf[:, :experts].max(axis=1) * experts).mean())
+    return row
 
 
 # -- the experts' computation on one device's shards
@@ -256,7 +300,7 @@ class MoeMlp(nnx.Module):
         self.w_gate = _param(rngs.params(), (e, d, f), ("experts", "embed", "mlp"), 0.02, dt)
         self.w_out = _param(rngs.params(), (e, f, d), ("experts", "mlp", "embed"), out_std, dt)
         self.shared = shared_mlp  # the always-on experts, one MLP of their summed width, or None
-        self.stats = RouterStats(jnp.zeros(e + len(STAT_FIELDS), F32), out_sharding=(None,), eager_sharding=False)
+        self.stats = RouterStats(jnp.zeros(2 * e + len(STAT_FIELDS), F32), out_sharding=(None,), eager_sharding=False)
 
     def router_logits(self, x_btd) -> jax.Array:
         """Float32 router logits [b, t, e]."""
@@ -268,7 +312,7 @@ class MoeMlp(nnx.Module):
         logits_bte = sharding.constrain(self.router_logits(x_btd), ("batch", "length", None), "router logits")
         logits_ne = logits_bte.reshape(b * t, -1)
         routing = route(logits_ne, cfg.experts_per_token, cfg.router_renormalize)
-        load_e, aux, z = balancing_losses(logits_ne, routing, cfg.num_experts)
+        load_e, prob_e, aux, z = balancing_losses(logits_ne, routing, cfg.num_experts)
         k = cfg.experts_per_token
         y, dropped = experts(
             x_btd, routing.ids_nk.reshape(b, t, k), routing.weights_nk.reshape(b, t, k),
@@ -279,6 +323,6 @@ class MoeMlp(nnx.Module):
             y = y + self.shared(x_btd).astype(F32)
         layers = cfg.num_layers
         losses = (cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z) / layers
-        stats = jnp.concatenate([load_e, jnp.stack([aux, z, dropped / routing.ids_nk.size])])
+        stats = jnp.concatenate([load_e, prob_e, jnp.stack([aux, z, dropped / routing.ids_nk.size])])
         y = _report(self.policy.cast(y), losses, jnp.asarray(_LOSS_SEED.get(), F32), self.stats[...], jax.lax.stop_gradient(stats))
         return sharding.constrain(y, INPUT_AXES, "moe output")

@@ -282,6 +282,9 @@ class Program:
             fp8 = jax.tree.map(lambda n, o: jnp.where(opt_state.last_finite, n, o), updated, fp8)
         if self.loss_scaling.kind != "none":
             metrics["loss_scale"] = scale
+        stats, routing = moe.split_stats(stats)
+        if routing is not None:
+            metrics["moe"] = routing
         if self.policy.observe:
             metrics["matmul_stats"] = stats
         params = optax.apply_updates(state.params, updates)

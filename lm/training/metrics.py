@@ -17,6 +17,7 @@ import numpy as np
 
 from lm import cache_home
 from lm.hardware.peaks import PEAK_FLOPS
+from lm.model import moe
 
 
 def peak_dtype(precision) -> str:
@@ -124,7 +125,9 @@ class StepRate:
             "tokens_per_sec": self.tokens_per_step / step_time,
             "step_time_s": step_time,
             "mfu": self.flops_per_token * self.tokens_per_step / step_time / self.peak_flops,
-        } | ({"loss_scale": float(host_metrics[-1]["loss_scale"])} if "loss_scale" in host_metrics[-1] else {})
+        } | ({"loss_scale": float(host_metrics[-1]["loss_scale"])} if "loss_scale" in host_metrics[-1] else {}) | (
+            moe.metric_rows(np.mean([m["moe"] for m in applied], axis=0)) if "moe" in host_metrics[-1] else {}
+        )
 
 
 def _summary_writer_class():

@@ -19,8 +19,8 @@ from sharding import (
 
 def test_mesh_fills_minus_one_and_orders_axes():
     mesh = make_mesh(MeshConfig(data=-1, tensor=2))
-    assert mesh.axis_names == ("data", "stage", "context", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 4, "stage": 1, "context": 1, "fsdp": 1, "tensor": 2}
+    assert mesh.axis_names == ("data", "stage", "context", "expert", "fsdp", "tensor")
+    assert dict(mesh.shape) == {"data": 4, "stage": 1, "context": 1, "expert": 1, "fsdp": 1, "tensor": 2}
 
 
 @pytest.mark.parametrize(
@@ -38,8 +38,9 @@ def test_mesh_errors(cfg, message):
 
 
 def test_default_rules():
-    assert logical_to_spec(("batch", "length", "act_embed")) == P(("data", "fsdp"), "context", None)
-    assert logical_to_spec(("batch", "kv_length", "kv_heads")) == P(("data", "fsdp"), None, "tensor")
+    assert logical_to_spec(("batch", "length", "act_embed")) == P(("data", "expert", "fsdp"), "context", None)
+    assert logical_to_spec(("batch", "kv_length", "kv_heads")) == P(("data", "expert", "fsdp"), None, "tensor")
+    assert logical_to_spec(("experts", "embed", "mlp")) == P("expert", ("context", "fsdp"), "tensor")
     assert logical_to_spec(("layers", "embed", "mlp")) == P("stage", ("context", "fsdp"), "tensor")
 
 
