@@ -50,7 +50,7 @@ def test_empty_corpus_and_sequence_longer_than_corpus(tmp_path, capsys):
 
 def test_batch_not_divisible_by_data_parallel_size(tmp_path, capsys):
     result = train_cli(capsys, f"--workdir={tmp_path}", "--config.train.batch_size=12")
-    assert_one_line_error(result, "train.batch_size=12 is not divisible by the data-parallel size 8 (mesh data x fsdp)")
+    assert_one_line_error(result, "train.batch_size=12 is not divisible by the data-parallel size 8 (mesh data x expert x fsdp)")
 
 
 def test_workdir_of_an_incompatible_config(tmp_path, capsys):

@@ -139,7 +139,7 @@ def overlapped_collectives(hlo: str) -> Counter:
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
           "f64": 8, "s64": 8, "u64": 8}
 _BUFFER = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
-_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s(all-gather|reduce-scatter|all-reduce)(-start)?\(")
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s(all-gather|reduce-scatter|all-reduce|all-to-all)(-start)?\(")
 
 
 def buffers(types: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -165,8 +165,8 @@ def _group_size(line: str) -> int:
 
 def _collective_bytes(line: str) -> tuple[tuple[str, int], int] | None:
     """((op, replica group size), bytes) that one instruction moves on each device, if it is an
-    all-gather (its result), reduce-scatter (its operand) or all-reduce; combined collectives
-    count all their buffers."""
+    all-gather (its result), reduce-scatter (its operand), all-reduce or all-to-all (its result);
+    combined collectives count all their buffers."""
     if not (m := _COLLECTIVE.match(line)):
         return None
     types, op, start = m.groups()
