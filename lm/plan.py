@@ -2,7 +2,7 @@
 
     python -m lm.plan --config=configs/llama_70b.py --gpus=1024 --target=h100 --top=5 [--verify]
 
-Enumerates the layouts the config allows (mesh sizes for data / stage / context / fsdp /
+Enumerates the layouts the config allows (mesh sizes for data / stage / context / expert / fsdp /
 tensor, with the optimizer state over the data replicas (ZeRO-1) where data > 1 without FSDP,
 sequence parallelism, remat policy, gradient accumulation or pipeline microbatches and
 schedule (`SCHEDULES`, with two chunks per stage where the layers allow), for the config's

@@ -488,3 +488,32 @@ def test_fsdp_gathers_the_weights_fp8_sites_quantise_as_their_fp8_copies(h100s):
     assert "f8e4m3fn" in fp8_types.values() and "f8e4m3fn" not in bf16_types.values()
     # The blocks' weights are most of what is gathered; the embedding table stays bf16.
     assert fp8_bytes < 0.6 * bf16_bytes, (fp8_bytes, bf16_bytes)
+
+
+MOE = dict(model__num_experts=16, model__experts_per_token=2, model__expert_mlp_dim=128)
+
+
+def _ragged_gemm_shapes(text: str) -> list[tuple[int, ...]]:
+    """Result shapes of the GEMMs XLA made of `jax.lax.ragged_dot` (by their op_name)."""
+    out = []
+    for line in text.splitlines():
+        if "ragged_dot_general" in line and (m := re.search(r"= (\w+)\[([\d,]+)\]\S* dot\(", line)):
+            out.append(tuple(int(d) for d in m.group(2).split(",")))
+    return out
+
+
+def test_an_expert_parallel_mixture_of_experts_compiles_with_all_to_alls_and_the_dense_ragged_dot(h100s):
+    """16 experts on {expert: 8}: 2 per GPU, each GPU's 256 tokens x 2 choices sent in fixed
+    8 x 512-row buffers (4096 rows back). The exchange is two all-to-alls per MoE layer each way
+    over the 8 GPUs. jax 0.10.2's XLA:GPU has no grouped GEMM for `ragged_dot`: every row goes
+    through both local experts (their weights concatenated: 256 = 2 x 128 columns) and each row's
+    own is selected, the fallback `lm.planner.cost` prices (RAGGED_DOT_IS_DENSE). Negative
+    control: capacity mode runs batched GEMMs, no ragged_dot."""
+    text = compiled(h100s, {"expert": 8}, **MOE)
+    exchanged = {n: b for (op, n), b in hlo.collective_traffic(text).items() if op == "all-to-all"}
+    assert list(exchanged) == [8], exchanged
+    shapes = _ragged_gemm_shapes(text)
+    assert (256, 4096) in shapes or (4096, 256) in shapes, shapes  # all 4096 rows x both local experts
+    capacity = compiled(h100s, {"expert": 8}, model__expert_capacity_factor=1.25, **MOE)
+    assert not _ragged_gemm_shapes(capacity)
+    assert any(op == "all-to-all" for op, _ in hlo.collective_traffic(capacity))

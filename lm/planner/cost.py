@@ -10,7 +10,8 @@ compiles (`lm.calibrate --memory`). Its inputs (Parallelism, System, Run) are `l
 Step time: FLOPs (`lm.model.flops.flops_per_token`, plus what remat recomputes) at one calibrated
 share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
 pipeline bubble (a per-stage 1F1B slot lasts its longest piece of work: the wait counted with it) and its
-stash's memory traffic, and the exposed time of each collective from ring formulas over the link its
+stash's memory traffic, a mixture of experts' GEMMs as the grouped matmul or capacity buffers run
+them (`_expert_work`) and its all-to-alls over `expert`, and the exposed time of each collective from ring formulas over the link its
 group spans (NVLink inside a host, the network across hosts: one NIC per GPU, as many at once as
 the group has GPUs on a host). FSDP's gathers and
 reduce-scatters overlap the layer they feed (XLA's latency-hiding scheduler); tensor, context,
@@ -32,6 +33,12 @@ from sharding.mesh import MESH_AXES
 from sharding.schedules import PipelinePlan, balanced_slots, report
 
 MEMORY_TERMS = ("grads", "accumulator", "saved", "layer", "weights", "logits", "head")
+# jax 0.10.2's XLA:GPU runs `ragged_dot` as one masked GEMM per group over every row (seen in the
+# deviceless H100 compile of moe_tiny: f32[8,512,192] GEMMs for 8 experts over 512 rows).
+RAGGED_DOT_IS_DENSE = True
+# A dropless layer's busiest device over the mean, with a grouped GEMM: moe_tiny with the
+# balancing loss at 0.05 measured 1.2-1.3 max / mean load (PERFORMANCE.md).
+DROPLESS_IMBALANCE = 1.25
 
 
 @functools.cache
@@ -66,7 +73,7 @@ class Cost:
         self.run, self.parallelism, self.system, self.platform = run, parallelism, system, platform
         self.constants = constants or calibration()
         m, lay = run.model, parallelism
-        self.replica_batch = run.batch // (lay.data * lay.fsdp)
+        self.replica_batch = run.batch // (lay.data * lay.expert * lay.fsdp)
         self.passes = lay.microbatches if lay.stage > 1 else lay.grad_accum  # forward-backward passes per step
         self.microbatch = self.replica_batch // self.passes
         self.local_tokens = self.microbatch * run.seq_len // lay.context  # per pass, on each device
@@ -165,7 +172,8 @@ class Cost:
     def _weight_copies(self) -> float:
         """The blocks' weights in the compute dtype (every local shard cast), plus under FSDP a
         gathered layer in use and the next one arriving (gathered in the parameters' dtype)."""
-        lay, layer = self.parallelism, self.run.layer_params / self.parallelism.tensor
+        lay = self.parallelism
+        layer = self.run.layer_weights(lay.tensor, lay.expert)
         fsdp = lay.fsdp * lay.context
         gathered = 2 * layer * self.run.param_bytes if fsdp > 1 else 0.0
         return self.layers * layer / fsdp * self.run.compute_bytes + gathered
@@ -210,11 +218,46 @@ class Cost:
         recompute_attention = attention if lay.remat in ("full", "qkv_proj", "dots_no_batch") else 0.0
         if self._recomputes_ticks:  # each tick is recomputed whole in the backward
             recompute, recompute_attention = recompute + block, recompute_attention + attention
+        # The experts' GEMMs cost `expert_work` times their active FLOPs (the busiest device's
+        # share, or what the grouped matmul computes: `_expert_work`).
+        experts = 2 * m.num_layers * run.expert_active_params * (self._expert_work() - 1)
+        recomputed_experts = experts if lay.remat != "none" and lay.remat != "dots" else 0.0
         return {
-            "block": tokens * (3 * block + recompute),
+            "block": tokens * (3 * (block + experts) + recompute + recomputed_experts),
             "head": tokens * 6 * m.embed_dim * m.vocab_size,
             "attention": tokens * (3 * attention + recompute_attention),
         }
+
+    def _expert_work(self) -> float:
+        """The experts' GEMM work over their active FLOPs. Capacity mode: the fixed buffers, the
+        capacity factor. Dropless: jax 0.10.2's XLA:GPU lowers `ragged_dot` to one masked GEMM
+        per expert over every row (deviceless H100 compile; `RAGGED_DOT_IS_DENSE`), and the rows
+        are the exchange's fixed-size buffers (room for every assignment at every expert
+        device): every expert's work on every assignment, num_experts x; with a grouped GEMM it
+        would be the busiest device's load, `DROPLESS_IMBALANCE` x the mean."""
+        m = self.run.model
+        if not m.moe:
+            return 1.0
+        if m.expert_capacity_factor > 0:
+            return m.expert_capacity_factor
+        return float(m.num_experts) if RAGGED_DOT_IS_DENSE else DROPLESS_IMBALANCE
+
+    def expert_exchange_bytes(self) -> float:
+        """Bytes of one all-to-all buffer on each device per pass and MoE layer (0 without expert
+        parallelism): dropless, room for all its assignments at each of the expert devices;
+        capacity mode, every expert's slots."""
+        m, lay = self.run.model, self.parallelism
+        if lay.expert == 1:
+            return 0.0
+        rows = self.local_tokens * m.experts_per_token
+        rows *= m.expert_capacity_factor if m.expert_capacity_factor > 0 else lay.expert
+        return rows * m.embed_dim * self.run.compute_bytes
+
+    def _exchanges_per_layer(self) -> int:
+        """All-to-alls per MoE layer and pass: dispatch and combine, forward and backward, and
+        the forward's again when the layer is recomputed."""
+        recomputed = self.parallelism.remat in ("full", "qkv_proj") or self._recomputes_ticks
+        return 4 + (2 if recomputed else 0)
 
     def bubble_fraction(self) -> float:
         """The idle share of the pipeline's work slots (0 without one)."""
@@ -257,6 +300,11 @@ class Cost:
         data = self._ring(("data",), self.state_bytes["params"], "reduce")
         if lay.optimizer_over_data and lay.fsdp * lay.context > 1:
             data += self._ring(("data",), self.state_bytes["params"])
+        expert = 0.0
+        if lay.expert > 1:
+            exchange = self.expert_exchange_bytes() * (lay.expert - 1) / lay.expert
+            per_exchange = exchange / send_bandwidth(s, self._mesh_sizes, ("expert",)) + s.nvlink_latency_s
+            expert = self.passes * self.layers * self._exchanges_per_layer() * per_exchange
         pipeline = 0.0
         if lay.stage > 1:
             bandwidth = send_bandwidth(s, self._mesh_sizes, ("stage",))
@@ -271,6 +319,7 @@ class Cost:
             "tensor": self.passes * self.layers * tp_per_layer,
             "context": self.passes * self.layers * cp_per_layer,
             "data": data,
+            "expert": expert,
             "pipeline": pipeline,
         }
         out["total"] = sum(out.values())
@@ -282,7 +331,7 @@ class Cost:
         gradients scattered, the embedding and head tables' likewise, once; the activation each
         tensor-parallel reduction carries and how many a layer runs."""
         run, lay, m = self.run, self.parallelism, self.run.model
-        layer, e = run.layer_params / lay.tensor, run.compute_bytes
+        layer, e = run.layer_weights(lay.tensor, lay.expert), run.compute_bytes
         tables = m.embed_dim * m.vocab_size / (lay.stage * lay.tensor) * (1 if m.tie_embeddings else 2)
         # All-reduce equivalents per layer (an all-gather plus a reduce-scatter under sequence
         # parallelism): one per sublayer forward, one per sublayer backward (plus the gathered
@@ -309,6 +358,7 @@ class Cost:
             "fsdp_gather": fsdp * self.passes * (2 * self.layers * v["fsdp_gather"] + v["table_gather"]),
             "fsdp_scatter": fsdp * self.passes * (self.layers * v["fsdp_scatter"] + v["table_scatter"]),
             "tensor": (self.parallelism.tensor > 1) * 2 * layer_passes * v["tensor_reductions"] * v["tensor"],
+            "expert": layer_passes * self._exchanges_per_layer() * self.expert_exchange_bytes(),
         }
 
     def _update_traffic(self) -> float:

@@ -19,6 +19,7 @@ class Parallelism:
     data: int = 1
     stage: int = 1
     context: int = 1
+    expert: int = 1
     fsdp: int = 1
     tensor: int = 1
     sequence_parallel: bool = False
@@ -32,7 +33,7 @@ class Parallelism:
 
     @property
     def gpus(self) -> int:
-        return self.data * self.stage * self.context * self.fsdp * self.tensor
+        return self.data * self.stage * self.context * self.expert * self.fsdp * self.tensor
 
     @property
     def plan(self) -> PipelinePlan:

@@ -52,7 +52,26 @@ class Run:
 
     @cached_property
     def layer_params(self) -> int:
+        """A layer's matmul weights a token goes through (of a mixture of experts: the active ones)."""
         return (matmul_params(self.model) - self.model.embed_dim * self.model.vocab_size) // self.model.num_layers
+
+    @cached_property
+    def layer_expert_params(self) -> int:
+        """A layer's expert weights, all of them (0 in a dense model)."""
+        m = self.model
+        return 3 * m.embed_dim * m.expert_width * m.num_experts if m.moe else 0
+
+    @cached_property
+    def expert_active_params(self) -> int:
+        """The routed experts' weights one token goes through in a layer."""
+        m = self.model
+        return 3 * m.embed_dim * m.expert_width * m.experts_per_token if m.moe else 0
+
+    def layer_weights(self, tensor: int, expert: int) -> float:
+        """One layer's matmul weights on each device before FSDP's split: all but the experts
+        split over `tensor`, the experts over `expert` too."""
+        shared = self.layer_params - self.expert_active_params
+        return (shared + self.layer_expert_params / expert) / tensor
 
 
 def run_of(config) -> Run:

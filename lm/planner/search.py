@@ -34,7 +34,7 @@ def divisors(n: int) -> list[int]:
 
 
 def meshes(gpus: int) -> Iterator[tuple[int, ...]]:
-    """Every (data, stage, context, fsdp, tensor) whose product is `gpus`."""
+    """Every (data, stage, context, expert, fsdp, tensor) whose product is `gpus`."""
 
     def split(n: int, axes: int):
         if axes == 1:
@@ -56,7 +56,11 @@ def mesh_problem(run: Run, mesh: dict, gpus_per_host: int) -> str | None:
         return "indivisible"  # heads, MLP or vocabulary by tensor (x stage)
     if m.embed_dim % (mesh["context"] * mesh["fsdp"]) or m.num_layers % mesh["stage"]:
         return "indivisible"
-    if run.batch % (mesh["data"] * mesh["fsdp"]) or (mesh["context"] > 1 and run.seq_len % (2 * mesh["context"])):
+    if run.batch % (mesh["data"] * mesh["expert"] * mesh["fsdp"]) or (mesh["context"] > 1 and run.seq_len % (2 * mesh["context"])):
+        return "indivisible"
+    if mesh["expert"] > 1 and (not m.moe or m.num_experts % mesh["expert"]):
+        return "indivisible"  # experts by expert, or no experts to split
+    if m.moe and m.expert_width % mesh["tensor"]:
         return "indivisible"
     return None
 
@@ -73,7 +77,7 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[P
         if problem:
             yield base, problem
             continue
-        replica = run.batch // (mesh["data"] * mesh["fsdp"])
+        replica = run.batch // (mesh["data"] * mesh["expert"] * mesh["fsdp"])
         for sp in (False, True) if mesh["tensor"] > 1 else (False,):
             if sp and run.seq_len % (mesh["context"] * mesh["tensor"]):
                 yield dataclasses.replace(base, sequence_parallel=True), "indivisible"
