@@ -79,9 +79,10 @@ def one_device():
 def test_expert_parallel_training_matches_one_device(one_device, mesh):
     losses, params = run_steps(small_config(mesh, **MOE))
     ref_losses, ref_params = one_device
-    print(losses, ref_losses)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), params, ref_params)
+    # Parameters to 1e-4: an attention weight whose gradient is near 0 moves by Adam's normalised
+    # step, which amplifies the sums' float32 order (seen: one element of 4096 off by 3.5e-5).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -91,7 +92,6 @@ def test_expert_parallel_pipeline_matches_one_device_accumulating_alike(schedule
     aux = dict(MOE, model__router_aux_loss_coef=0.1, model__router_z_loss_coef=0.01)
     ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **aux), jax.devices()[:1])
     losses, params = run_steps(small_config({"expert": 2, "stage": 2, "data": 2}, pipeline__schedule=schedule, **aux))
-    print(losses, ref_losses)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
@@ -127,20 +127,21 @@ def test_bad_moe_input_is_one_line(tmp_path, capsys, extra, fragment):
     assert not (tmp_path / "run").exists()
 
 
-def test_the_load_balancing_loss_evens_the_experts_load(tmp_path, small_corpus):
-    """moe_tiny for 30 steps with the balancing loss off and on: the busiest expert's load over
-    the mean (averaged over layers) is lower with it on (measured at step 25: 2.45 off, 1.38 at 0.05 on the
-    default corpus), and the metrics rows carry every layer's loads."""
+def test_balancing_evens_the_experts_load(tmp_path, small_corpus):
+    """moe_tiny for 30 steps with no balancing, the balancing loss (0.05), and DeepSeek-V3's bias
+    instead (rate 0.01): the busiest expert's load over the mean (averaged over layers) is lower
+    with either (measured at step 30 on the default corpus: 2.95 off, 1.24 loss, 1.46 bias), and
+    the metrics rows carry every layer's loads."""
     from lm.training.loop import train
 
     loads = {}
-    for coef in (0.0, 0.05):
+    for name, coef, rate in (("off", 0.0, 0.0), ("loss", 0.05, 0.0), ("bias", 0.0, 0.01)):
         c = recipe("moe_tiny", data__path=str(small_corpus), train__steps=30, train__batch_size=8, train__seq_len=64, train__log_every=15,
-                   train__eval_every=1000, checkpoint__every_steps=1000, model__router_aux_loss_coef=coef)
-        train(c, tmp_path / str(coef), jax.devices()[:1])
-        rows = [json.loads(line) for line in (tmp_path / str(coef) / "metrics.jsonl").read_text().splitlines()]
+                   train__eval_every=1000, checkpoint__every_steps=1000, model__router_aux_loss_coef=coef, model__expert_bias_rate=rate)
+        train(c, tmp_path / name, jax.devices()[:1])
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         last = [r for r in rows if "moe/max_over_mean_load" in r][-1]
         assert sum(last[f"moe/layer3/load/expert{e}"] for e in range(8)) == pytest.approx(1.0)
-        loads[coef] = last["moe/max_over_mean_load"]
+        loads[name] = last["moe/max_over_mean_load"]
     print(loads)
-    assert loads[0.05] < 0.75 * loads[0.0]
+    assert loads["loss"] < 0.75 * loads["off"] and loads["bias"] < 0.75 * loads["off"]

@@ -220,7 +220,7 @@ def test_a_gpu_count_nothing_divides_says_so_and_names_a_power_of_two_that_fits(
     # 3 divides no dimension of the 70B's (batch 256, 64 heads, 80 layers), nor do its multiples
     # 6, 12, 24, ...: the answer says the layouts were indivisible, and looks at powers of two too.
     result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=3", "--target=h100")
-    assert_one_line_error(result, "no layout of this config fits 3 h100 GPUs", "of 5 layouts: indivisible 5",
+    assert_one_line_error(result, "no layout of this config fits 3 h100 GPUs", "of 6 layouts: indivisible 6",
                           "the smallest GPU count that fits is 32")
     for flags, fragment in [(["--gpus=0"], "--gpus=0 and --top=5 must be at least 1"), (["--gpus=8", "--top=-1"], "--top=-1 must be"),
                             (["--gpus=8", "--memory_gib=-5"], "--memory_gib=-5.0 at least 0"), (["--gpus=8", "--remat=,"], "names no remat policy")]:

@@ -168,12 +168,13 @@ def _expert_keys(hf: dict, kind: str) -> dict:
             raise _unsupported("mlp_only_layers", hf["mlp_only_layers"], "every layer a mixture of experts")
         width, renormalize = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False))
     else:
-        return {"model.num_experts": 0}
+        return {"model.num_experts": 0, "model.expert_bias_rate": 0.0}
     return {
         "model.num_experts": hf.get("num_local_experts") or hf["num_experts"],
         "model.experts_per_token": hf["num_experts_per_tok"],
         "model.expert_mlp_dim": width,
         "model.shared_experts": 0,
+        "model.expert_bias_rate": 0.0,
         "model.router_renormalize": renormalize,
         "model.router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
     }
@@ -184,7 +185,7 @@ def family_of(cfg: ModelConfig) -> str:
     if cfg.position == "learned":
         if cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.use_bias and cfg.num_kv_heads == cfg.num_heads and cfg.num_heads * cfg.head_dim == cfg.embed_dim:
             return "gpt2"
-    elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.shared_experts:
+    elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.shared_experts and not cfg.expert_bias_rate:
         if cfg.moe and not cfg.qkv_bias:
             if cfg.qk_norm and not cfg.sliding_window:
                 return "qwen3_moe"
@@ -201,7 +202,7 @@ def family_of(cfg: ModelConfig) -> str:
     raise UserError(
         f"this model (norm={cfg.norm}, position={cfg.position}, mlp={cfg.mlp}, use_bias={cfg.use_bias}, qkv_bias={cfg.qkv_bias}, "
         f"qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}, num_experts={cfg.num_experts}, shared_experts={cfg.shared_experts}, "
-        f"router_renormalize={cfg.router_renormalize}) has no exact Hugging Face equivalent; export supports Llama-, Mistral-, "
+        f"router_renormalize={cfg.router_renormalize}, expert_bias_rate={cfg.expert_bias_rate}) has no exact Hugging Face equivalent; export supports Llama-, Mistral-, "
         "Qwen2-, Qwen3-, Mixtral-, Qwen3-MoE- and GPT-2-shaped models"
     )
 

@@ -52,6 +52,9 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.01  # Switch / Mixtral load-balancing loss
     router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss
     # > 0: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the selection scores,
+    # moved by this much each step toward an even load (a parameter no gradient reaches).
+    expert_bias_rate: float = 0.0
+    # > 0: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the selection scores,
     # moved by this much each step toward an even load (kept in the train state).
     expert_bias_rate: float = 0.0
     # How the layers run (the same maths): remat (sharding.remat.REMAT: what a layer keeps); scan_layers
@@ -96,6 +99,8 @@ def moe_problem(m, expert_ways: int) -> str | None:
     if not m.num_experts:
         if expert_ways > 1:
             return f"mesh.expert={expert_ways} splits a mixture of experts' experts, but the model is dense (model.num_experts=0); set mesh.expert=1"
+        if m.expert_bias_rate or m.shared_experts:
+            return "model.expert_bias_rate and model.shared_experts apply to a mixture of experts; set model.num_experts too"
         return None
     if not 1 <= m.experts_per_token <= m.num_experts:
         return f"model.experts_per_token={m.experts_per_token} must be between 1 and model.num_experts={m.num_experts}"

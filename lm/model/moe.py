@@ -68,6 +68,12 @@ def loss_seed(seed):
         _LOSS_SEED.reset(token)
 
 
+class RouterBias(nnx.Param):
+    """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the selection
+    scores only (never to the combine weights). A parameter (it routes at inference too) that no
+    gradient reaches; the step moves it toward an even load (`updated_router_bias`)."""
+
+
 class RouterStats(Probe):
     """A zero input whose gradient is its layer's routing statistics: loads, mean router
     probabilities, then STAT_FIELDS."""
@@ -80,11 +86,16 @@ class Routing:
     probs_ne: jax.Array  # float32 softmax over every expert
 
 
-def route(logits_ne: jax.Array, k: int, renormalize: bool) -> Routing:
-    """Top-k of the softmax of float32 router logits; `renormalize`: the chosen weights divided
-    by their sum (Mixtral's softmax over the chosen logits; Qwen3-MoE's `norm_topk_prob`)."""
+def route(logits_ne: jax.Array, k: int, renormalize: bool, bias_e: jax.Array | None = None) -> Routing:
+    """Top-k of the softmax of float32 router logits (chosen by softmax + `bias_e` where given);
+    `renormalize`: the chosen weights divided by their sum (Mixtral's softmax over the chosen
+    logits; Qwen3-MoE's `norm_topk_prob`)."""
     probs = jax.nn.softmax(logits_ne.astype(F32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, k)
+    if bias_e is None:
+        weights, ids = jax.lax.top_k(probs, k)
+    else:
+        _, ids = jax.lax.top_k(probs + jax.lax.stop_gradient(bias_e.astype(F32)), k)
+        weights = jnp.take_along_axis(probs, ids, axis=-1)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(ids, weights, probs)
@@ -132,6 +143,16 @@ def split_stats(stats: dict) -> tuple[dict, jax.Array | None]:
         return stats, None
     rest = {**stats, "blocks": {**stats["blocks"], "mlp": {k: v for k, v in mlp.items() if k != "stats"}}}
     return rest, mlp["stats"]
+
+
+def updated_router_bias(params: dict, routing_lf: jax.Array, rate: float) -> dict:
+    """`params` with every layer's router bias moved by `rate` toward an even load: up for the
+    experts below the mean load, down for those above (DeepSeek-V3)."""
+    mlp = params["blocks"]["mlp"]
+    experts = mlp["router_bias"].shape[-1]
+    load_le = routing_lf[:, :experts]
+    bias = mlp["router_bias"] + rate * jnp.sign(1.0 / experts - load_le)
+    return {**params, "blocks": {**params["blocks"], "mlp": {**mlp, "router_bias": bias}}}
 
 
 def transformers_aux_loss(stats_lf, k: int) -> float:
@@ -300,6 +321,8 @@ class MoeMlp(nnx.Module):
         self.w_gate = _param(rngs.params(), (e, d, f), ("experts", "embed", "mlp"), 0.02, dt)
         self.w_out = _param(rngs.params(), (e, f, d), ("experts", "mlp", "embed"), out_std, dt)
         self.shared = shared_mlp  # the always-on experts, one MLP of their summed width, or None
+        if cfg.expert_bias_rate > 0:
+            self.router_bias = RouterBias(jnp.zeros(e, F32), out_sharding=(None,), eager_sharding=False)
         self.stats = RouterStats(jnp.zeros(2 * e + len(STAT_FIELDS), F32), out_sharding=(None,), eager_sharding=False)
 
     def router_logits(self, x_btd) -> jax.Array:
@@ -311,7 +334,8 @@ class MoeMlp(nnx.Module):
         b, t, _ = x_btd.shape
         logits_bte = sharding.constrain(self.router_logits(x_btd), ("batch", "length", None), "router logits")
         logits_ne = logits_bte.reshape(b * t, -1)
-        routing = route(logits_ne, cfg.experts_per_token, cfg.router_renormalize)
+        bias = self.router_bias[...] if cfg.expert_bias_rate > 0 else None
+        routing = route(logits_ne, cfg.experts_per_token, cfg.router_renormalize, bias)
         load_e, prob_e, aux, z = balancing_losses(logits_ne, routing, cfg.num_experts)
         k = cfg.experts_per_token
         y, dropped = experts(

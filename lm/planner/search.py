@@ -210,8 +210,9 @@ def verify(config, costs: list[Cost], devices: list, platform: str, target: str 
 
 
 def collective_check(c: Cost, moved: dict) -> dict:
-    """{kind: [model's, compiled] bytes per step and device} for FSDP's gathers and scatters and
-    tensor parallelism's reductions (an all-reduce as a gather plus a scatter); `moved`: the
+    """{kind: [model's, compiled] bytes per step and device} for FSDP's gathers and scatters,
+    tensor parallelism's reductions (an all-reduce as a gather plus a scatter) and the experts'
+    all-to-alls; `moved`: the
     compiled step's `lm.compiler.hlo.summary` collective bytes, told apart by replica group size (FSDP's
     groups are fsdp x context devices, tensor parallelism's tensor: equal sizes are compared
     together, as `fsdp and tensor`)."""
@@ -222,9 +223,10 @@ def collective_check(c: Cost, moved: dict) -> dict:
         "fsdp_gather": bytes_of("all-gather", fsdp),
         "fsdp_scatter": bytes_of("reduce-scatter", fsdp),
         "tensor": 2 * bytes_of("all-reduce", tensor) + bytes_of("all-gather", tensor) + bytes_of("reduce-scatter", tensor),
+        "expert": bytes_of("all-to-all", c.parallelism.expert),
     }
     if fsdp == tensor > 1:
-        return {"fsdp and tensor": [sum(model.values()), compiled["tensor"]]}
+        return {"fsdp and tensor": [model["fsdp_gather"] + model["fsdp_scatter"] + model["tensor"], compiled["tensor"]]}
     return {k: [model[k], compiled[k]] for k in model if model[k] or compiled[k]}
 
 

@@ -288,6 +288,9 @@ class Program:
         if self.policy.observe:
             metrics["matmul_stats"] = stats
         params = optax.apply_updates(state.params, updates)
+        if self.model_cfg.expert_bias_rate > 0:  # no gradient moves it: the observed load does, on applied steps
+            balanced = moe.updated_router_bias(params, routing, self.model_cfg.expert_bias_rate)
+            params = jax.tree.map(lambda n, o: jnp.where(opt_state.last_finite, n, o), balanced, params)
         if self.config.sharding.optimizer_over_data:  # each replica's updated share, all-gathered
             params = jax.lax.with_sharding_constraint(params, self.abstract_model.param_shardings)
         new_state = TrainState(
