@@ -214,7 +214,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"train.seq_len={c.train.seq_len} is longer than the model's {m.max_positions} learned positions "
             "(model.max_positions); lower train.seq_len"
         )
-    if problem := moe_problem(m, c.mesh.expert):
+    if problem := moe_problem(m, c.mesh.expert, c.mesh.stage):
         raise UserError(problem)
     if c.train.batch_size % c.train.grad_accum:
         raise UserError(

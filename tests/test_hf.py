@@ -38,6 +38,7 @@ CASES = {
     "mixtral": ("mixtral", {}),
     "qwen3-moe": ("qwen3_moe", {}),
     "qwen3-moe-unnormalised": ("qwen3_moe", dict(norm_topk_prob=False)),
+    "qwen3-moe-dense-first": ("qwen3_moe", dict(mlp_only_layers=[0])),
     "gpt2": ("gpt2", {}),
 }
 STD = 0.4  # logits reach |12..18|: far from uniform
@@ -166,7 +167,8 @@ def _state_dict(directory):
     return out
 
 
-@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "llama3-rope", "qwen3-qk-norm", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "llama3-rope", "qwen3-qk-norm", "mixtral", "qwen3-moe",
+                                  "qwen3-moe-dense-first"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hf_meshlm_hf_round_trip_is_bit_identical(tmp_path, case, dtype):
     family, kw = CASES[case]
@@ -212,7 +214,7 @@ def _abstract(workdir):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), restored["params"])
 
 
-@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "qwen3-qk-norm", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "qwen3-qk-norm", "mixtral", "qwen3-moe-dense-first"])
 def test_greedy_generation_matches_transformers(hf_dirs, tmp_path, case):
     path, model = hf_dirs[case]
     hf_checkpoint.import_hf(path, tmp_path / "run", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])

@@ -138,12 +138,13 @@ def load_params(reader: Reader, layout: AbstractModel) -> dict:
 
     def device_slice(path: str, index: tuple) -> np.ndarray:
         link, j = owner[path]
+        first = link.first_layer  # the stack's layer i is the model's first + i
         if link.per_expert:  # [layers, experts, ...]: one tensor per layer and expert
             layers, experts = range(shapes[path][0])[index[0]], range(shapes[path][1])[index[1]]
-            return np.stack([np.stack([np.asarray(converted(link, (i, e))[j][index[2:]], dtype) for e in experts]) for i in layers])
+            return np.stack([np.stack([np.asarray(converted(link, (first + i, e))[j][index[2:]], dtype) for e in experts]) for i in layers])
         if link.stacked:
             layers = range(shapes[path][0])[index[0]]
-            return np.stack([np.asarray(converted(link, i)[j][index[1:]], dtype) for i in layers])
+            return np.stack([np.asarray(converted(link, first + i)[j][index[1:]], dtype) for i in layers])
         return np.asarray(converted(link, None)[j][index], dtype)
 
     shardings = _flat(layout.param_shardings)
@@ -163,9 +164,10 @@ def _tensors(cfg):
     """(link, layer or (layer, expert)) of every checkpoint tensor of `cfg`'s family, in the order
     they are written."""
     def places(link):
+        layers = range(link.first_layer, link.first_layer + (link.layers or cfg.num_layers))
         if link.per_expert:
-            return [(i, e) for i in range(cfg.num_layers) for e in range(cfg.num_experts)]
-        return range(cfg.num_layers) if link.stacked else [None]
+            return [(i, e) for i in layers for e in range(cfg.num_experts)]
+        return layers if link.stacked else [None]
 
     return [(link, place) for link in hf.links(cfg) for place in places(link)]
 
@@ -180,7 +182,8 @@ def save_params(params: dict, cfg, writer: Writer | None, dtype) -> None:
     process only contributes its shards)."""
     flat = _flat(params)
     for link, layer in _tensors(cfg):
-        parts = [_fetch(flat[p] if layer is None else flat[p][layer]) for p in link.ours]  # layer: an index or (layer, expert)
+        where = layer if layer is None else (layer[0] - link.first_layer, layer[1]) if link.per_expert else layer - link.first_layer
+        parts = [_fetch(flat[p] if where is None else flat[p][where]) for p in link.ours]  # the stack's layer (and expert)
         if writer is not None:
             writer.add(hf.tensor_name(link, layer), link.to_theirs(*parts).astype(dtype))
 

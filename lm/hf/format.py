@@ -161,18 +161,21 @@ def _expert_keys(hf: dict, kind: str) -> dict:
     """The mixture-of-experts `model.*` keys of a Mixtral or Qwen3-MoE config ({} otherwise)."""
     if kind == "mixtral":
         _require(hf, "router_jitter_noise", (0, 0.0, None), 0.0, "no noise on the router's logits")
-        width, renormalize = hf["intermediate_size"], True
+        width, renormalize, moe_layers = hf["intermediate_size"], True, "all"
     elif kind == "qwen3_moe":
-        _require(hf, "decoder_sparse_step", (1,), 1, "every layer a mixture of experts")
-        if hf.get("mlp_only_layers"):
-            raise _unsupported("mlp_only_layers", hf["mlp_only_layers"], "every layer a mixture of experts")
+        _require(hf, "decoder_sparse_step", (1,), 1, "every layer from the first sparse one a mixture of experts")
+        dense = list(hf.get("mlp_only_layers") or [])
+        if dense != list(range(len(dense))) or len(dense) >= hf["num_hidden_layers"]:
+            raise _unsupported("mlp_only_layers", dense, "only the first layers may be dense (model.moe_layers='from:K')")
         width, renormalize = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False))
+        moe_layers = f"from:{len(dense)}" if dense else "all"
     else:
         return {"model.num_experts": 0, "model.expert_bias_rate": 0.0}
     return {
         "model.num_experts": hf.get("num_local_experts") or hf["num_experts"],
         "model.experts_per_token": hf["num_experts_per_tok"],
         "model.expert_mlp_dim": width,
+        "model.moe_layers": moe_layers,
         "model.shared_experts": 0,
         "model.expert_bias_rate": 0.0,
         "model.router_renormalize": renormalize,
@@ -189,7 +192,7 @@ def family_of(cfg: ModelConfig) -> str:
         if cfg.moe and not cfg.qkv_bias:
             if cfg.qk_norm and not cfg.sliding_window:
                 return "qwen3_moe"
-            if not cfg.qk_norm and cfg.router_renormalize:
+            if not cfg.qk_norm and cfg.router_renormalize and not cfg.dense_layers:
                 return "mixtral"
         elif cfg.qk_norm:
             if not cfg.qkv_bias and not cfg.sliding_window:
@@ -259,7 +262,7 @@ def hf_config(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
         out.update(
             attention_bias=False, use_sliding_window=False, sliding_window=None, num_experts=cfg.num_experts,
             num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_width, norm_topk_prob=cfg.router_renormalize,
-            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef,
+            decoder_sparse_step=1, mlp_only_layers=list(range(cfg.dense_layers)), router_aux_loss_coef=cfg.router_aux_loss_coef,
         )
     rope = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling}
     if cfg.rope_scaling != "none":
@@ -292,14 +295,26 @@ class Link:
     to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
     to_theirs: Callable[..., np.ndarray]
     per_expert: bool = False  # ours are [layers, experts, ...]; theirs has a `{j}` for the expert too
+    # Of a stack: the model's first layer it holds, and how many (the `{i}` is the model's index).
+    first_layer: int = 0
+    layers: int = 0
 
     @property
     def stacked(self) -> bool:
-        return self.ours[0].startswith("blocks/")
+        return self.ours[0].startswith(("blocks/", "dense_blocks/"))
 
 
 def _same(path: str, name: str) -> Link:
     return Link((path,), name, lambda w: (w,), lambda x: x)
+
+
+# A (out, in) torch Linear weight <-> meshlm's (in, *out) / (*in, out) layouts.
+def _columns(*shape):
+    return lambda w: (w.T.reshape(shape),), lambda x: x.reshape(shape[0], -1).T
+
+
+def _rows(*shape):
+    return lambda w: (w.T.reshape(shape),), lambda x: x.reshape(-1, shape[-1]).T
 
 
 def links(cfg: ModelConfig) -> list[Link]:
@@ -312,9 +327,6 @@ def links(cfg: ModelConfig) -> list[Link]:
 
     embedding = lambda name: Link(("embedding",), name, lambda w: (pad_rows(w),), lambda x: x[:v])  # noqa: E731
     head = Link(("head",), "lm_head.weight", lambda w: (pad_rows(w).T,), lambda x: x[:, :v].T)
-    # A (out, in) torch Linear weight <-> meshlm's (in, *out) / (*in, out) layouts.
-    columns = lambda *shape: (lambda w: (w.T.reshape(shape),), lambda x: x.reshape(shape[0], -1).T)  # noqa: E731
-    rows = lambda *shape: (lambda w: (w.T.reshape(shape),), lambda x: x.reshape(-1, shape[-1]).T)  # noqa: E731
     if kind == "gpt2":
         p = "transformer."
         layer = p + "h.{i}."
@@ -348,39 +360,54 @@ def links(cfg: ModelConfig) -> list[Link]:
             _same("blocks/mlp/b_out", layer + "mlp.c_proj.bias"),
         ]
         return out if cfg.tie_embeddings else [*out, head]
+    out = [embedding("model.embed_tokens.weight"), _same("final_norm/scale", "model.norm.weight")]
+    if cfg.moe and cfg.dense_layers:  # a dense stack first (Qwen3-MoE's mlp_only_layers)
+        out += _layer_links(dataclasses.replace(cfg, num_experts=0), kind, "dense_blocks/", 0, cfg.dense_layers)
+    out += _layer_links(cfg, kind, "blocks/", cfg.dense_layers if cfg.moe else 0, cfg.sparse_layers if cfg.moe else cfg.num_layers)
+    return out if cfg.tie_embeddings else [*out, head]
+
+
+def _layer_links(cfg: ModelConfig, kind: str, stack: str, first: int, count: int) -> list[Link]:
+    """The Llama-like per-layer tensors of the model's layers `first` .. `first + count`, held
+    by the stacked parameters under `stack`."""
+    d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    columns, rows = _columns, _rows
     layer = "model.layers.{i}."
+
+    def link(ours, theirs, to_ours, to_theirs, per_expert=False):
+        return Link((stack + ours,), theirs, to_ours, to_theirs, per_expert, first, count)
+
+    same = lambda ours, theirs: link(ours, theirs, lambda w: (w,), lambda x: x)  # noqa: E731
     out = [
-        embedding("model.embed_tokens.weight"),
-        _same("final_norm/scale", "model.norm.weight"),
-        _same("blocks/attn_norm/scale", layer + "input_layernorm.weight"),
-        _same("blocks/mlp_norm/scale", layer + "post_attention_layernorm.weight"),
-        Link(("blocks/attn/wq",), layer + "self_attn.q_proj.weight", *columns(d, h, k)),
-        Link(("blocks/attn/wk",), layer + "self_attn.k_proj.weight", *columns(d, g, k)),
-        Link(("blocks/attn/wv",), layer + "self_attn.v_proj.weight", *columns(d, g, k)),
-        Link(("blocks/attn/wo",), layer + "self_attn.o_proj.weight", *rows(h, k, d)),
+        same("attn_norm/scale", layer + "input_layernorm.weight"),
+        same("mlp_norm/scale", layer + "post_attention_layernorm.weight"),
+        link("attn/wq", layer + "self_attn.q_proj.weight", *columns(d, h, k)),
+        link("attn/wk", layer + "self_attn.k_proj.weight", *columns(d, g, k)),
+        link("attn/wv", layer + "self_attn.v_proj.weight", *columns(d, g, k)),
+        link("attn/wo", layer + "self_attn.o_proj.weight", *rows(h, k, d)),
     ]
     if not cfg.moe:
         out += [
-            Link(("blocks/mlp/w_gate",), layer + "mlp.gate_proj.weight", *columns(d, cfg.mlp_dim)),
-            Link(("blocks/mlp/w_in",), layer + "mlp.up_proj.weight", *columns(d, cfg.mlp_dim)),
-            Link(("blocks/mlp/w_out",), layer + "mlp.down_proj.weight", *rows(cfg.mlp_dim, d)),
+            link("mlp/w_gate", layer + "mlp.gate_proj.weight", *columns(d, cfg.mlp_dim)),
+            link("mlp/w_in", layer + "mlp.up_proj.weight", *columns(d, cfg.mlp_dim)),
+            link("mlp/w_out", layer + "mlp.down_proj.weight", *rows(cfg.mlp_dim, d)),
         ]
     else:
         prefix, names = (layer + "block_sparse_moe.", ("w1", "w3", "w2")) if kind == "mixtral" else (layer + "mlp.", ("gate_proj", "up_proj", "down_proj"))
         expert = prefix + "experts.{j}.%s.weight"
         f = cfg.expert_width
         out += [
-            Link(("blocks/mlp/router",), prefix + "gate.weight", *columns(d, cfg.num_experts)),
-            Link(("blocks/mlp/w_gate",), expert % names[0], *columns(d, f), per_expert=True),
-            Link(("blocks/mlp/w_in",), expert % names[1], *columns(d, f), per_expert=True),
-            Link(("blocks/mlp/w_out",), expert % names[2], *rows(f, d), per_expert=True),
+            link("mlp/router", prefix + "gate.weight", *columns(d, cfg.num_experts)),
+            link("mlp/w_gate", expert % names[0], *columns(d, f), per_expert=True),
+            link("mlp/w_in", expert % names[1], *columns(d, f), per_expert=True),
+            link("mlp/w_out", expert % names[2], *rows(f, d), per_expert=True),
         ]
     if cfg.qk_norm:
-        out += [_same("blocks/attn/q_norm", layer + "self_attn.q_norm.weight"), _same("blocks/attn/k_norm", layer + "self_attn.k_norm.weight")]
+        out += [same("attn/q_norm", layer + "self_attn.q_norm.weight"), same("attn/k_norm", layer + "self_attn.k_norm.weight")]
     if cfg.qkv_bias:
         for name, heads in (("q", h), ("k", g), ("v", g)):
-            out.append(Link((f"blocks/attn/b{name}",), layer + f"self_attn.{name}_proj.bias", lambda b, n=heads: (b.reshape(n, k),), lambda x: x.reshape(-1)))
-    return out if cfg.tie_embeddings else [*out, head]
+            out.append(link(f"attn/b{name}", layer + f"self_attn.{name}_proj.bias", lambda b, n=heads: (b.reshape(n, k),), lambda x: x.reshape(-1)))
+    return out
 
 
 def tensor_name(link: Link, layer: int | tuple[int, int] | None) -> str:

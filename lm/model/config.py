@@ -74,6 +74,18 @@ class ModelConfig:
         return self.expert_mlp_dim or self.mlp_dim
 
     @property
+    def dense_layers(self) -> int:
+        """How many layers, first, have a dense MLP: all of a dense model; `moe_layers='from:K'`, K."""
+        if not self.moe:
+            return self.num_layers
+        return int(self.moe_layers.removeprefix("from:")) if self.moe_layers.startswith("from:") else 0
+
+    @property
+    def sparse_layers(self) -> int:
+        """How many layers (the last ones) are a mixture of experts."""
+        return self.num_layers - self.dense_layers
+
+    @property
     def used_vocab(self) -> int:
         """How many token ids are real (the rest of the `vocab_size` rows are padding)."""
         return self.real_vocab_size or self.vocab_size
@@ -93,9 +105,9 @@ class ModelConfig:
         )
 
 
-def moe_problem(m, expert_ways: int) -> str | None:
-    """What is wrong with the `model` group's mixture of experts on `expert_ways` expert devices,
-    in one line (None: nothing)."""
+def moe_problem(m, expert_ways: int, stages: int = 1) -> str | None:
+    """What is wrong with the `model` group's mixture of experts on `expert_ways` expert devices
+    and `stages` pipeline stages, in one line (None: nothing)."""
     if not m.num_experts:
         if expert_ways > 1:
             return f"mesh.expert={expert_ways} splits a mixture of experts' experts, but the model is dense (model.num_experts=0); set mesh.expert=1"
@@ -106,8 +118,12 @@ def moe_problem(m, expert_ways: int) -> str | None:
         return f"model.experts_per_token={m.experts_per_token} must be between 1 and model.num_experts={m.num_experts}"
     if expert_ways > 0 and m.num_experts % expert_ways:
         return f"model.num_experts={m.num_experts} is not divisible by mesh.expert={expert_ways}; each expert device holds an equal share"
-    if m.moe_layers != "all":
-        return f"model.moe_layers={m.moe_layers!r}: only 'all' (every layer a mixture of experts) is supported yet"
+    first = m.moe_layers.removeprefix("from:")
+    if m.moe_layers != "all" and not (m.moe_layers.startswith("from:") and first.isdigit() and 0 < int(first) < m.num_layers):
+        return (f"model.moe_layers={m.moe_layers!r} is not 'all' or 'from:K' (the first K of the {m.num_layers} layers dense, "
+                "the rest mixtures of experts, 0 < K < model.num_layers)")
+    if m.moe_layers != "all" and stages > 1:
+        return f"model.moe_layers={m.moe_layers!r} mixes dense and sparse layers, which a pipeline (mesh.stage={stages}) cannot stage alike; use mesh.stage=1 or moe_layers='all'"
     if m.mlp != "swiglu" or m.use_bias:
         return "a mixture of experts' experts are SwiGLU without biases: set model.mlp=swiglu and model.use_bias=False"
     return None

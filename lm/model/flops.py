@@ -24,9 +24,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     d, h, g, k, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     attention = d * h * k + 2 * d * g * k + h * k * d
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
-    if cfg.moe:
-        mlp = 3 * d * cfg.expert_width * (cfg.experts_per_token + cfg.shared_experts) + d * cfg.num_experts
-    return cfg.num_layers * (attention + mlp) + d * cfg.vocab_size
+    sparse = 3 * d * cfg.expert_width * (cfg.experts_per_token + cfg.shared_experts) + d * cfg.num_experts if cfg.moe else 0
+    return cfg.num_layers * attention + cfg.dense_layers * mlp + cfg.sparse_layers * sparse + d * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

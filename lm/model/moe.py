@@ -166,14 +166,15 @@ def transformers_aux_loss(stats_lf, k: int) -> float:
     return float(experts * np.sum(tokens_e * prob_e))
 
 
-def metric_rows(stats_lf) -> dict[str, float]:
-    """Metrics rows of the routing statistics [layers, 2 x experts + STAT_FIELDS]: per layer each
-    expert's load, max / mean load and STAT_FIELDS; and the layers' mean balancing losses."""
+def metric_rows(stats_lf, first_layer: int = 0) -> dict[str, float]:
+    """Metrics rows of the routing statistics [layers, 2 x experts + STAT_FIELDS] of the model's
+    layers `first_layer` ..: per layer each expert's load, max / mean load and STAT_FIELDS; and
+    the layers' mean balancing losses."""
     stats_lf = np.asarray(stats_lf, np.float64)
     experts = (stats_lf.shape[1] - len(STAT_FIELDS)) // 2
     stats_lf = np.concatenate([stats_lf[:, :experts], stats_lf[:, 2 * experts :]], axis=1)
     row = {}
-    for layer, stats in enumerate(stats_lf):
+    for layer, stats in enumerate(stats_lf, start=first_layer):
         load = stats[:experts]
         row |= {f"moe/layer{layer}/load/expert{e}": float(v) for e, v in enumerate(load)}
         row[f"moe/layer{layer}/max_over_mean_load"] = float(load.max() * experts)
@@ -345,8 +346,7 @@ class MoeMlp(nnx.Module):
         )
         if self.shared is not None:
             y = y + self.shared(x_btd).astype(F32)
-        layers = cfg.num_layers
-        losses = (cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z) / layers
+        losses = (cfg.router_aux_loss_coef * aux + cfg.router_z_loss_coef * z) / cfg.sparse_layers
         stats = jnp.concatenate([load_e, prob_e, jnp.stack([aux, z, dropped / routing.ids_nk.size])])
         y = _report(self.policy.cast(y), losses, jnp.asarray(_LOSS_SEED.get(), F32), self.stats[...], jax.lax.stop_gradient(stats))
         return sharding.constrain(y, INPUT_AXES, "moe output")

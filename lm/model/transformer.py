@@ -8,6 +8,7 @@ blocks themselves are in `lm.model.layers`. Shape suffixes as there; `n` is the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -43,11 +44,18 @@ class Transformer(nnx.Module):
         if cfg.position == "learned":
             self.pos_embedding = _param(rngs.params(), (cfg.max_len, cfg.embed_dim), (None, "embed"), 0.01, dt, kind=Embedding)
 
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(layer_rngs):
-            return Block(cfg, policy, layer_rngs)
+        def stacked(block_cfg, count):
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked_blocks(layer_rngs):
+                return Block(block_cfg, policy, layer_rngs)
 
-        self.blocks = stacked_blocks(rngs.split(cfg.num_layers))
+            return stacked_blocks(rngs.split(count))
+
+        # A mixture of experts with its first layers dense (`model.moe_layers='from:K'`): those in
+        # a stack of their own, run first.
+        if cfg.moe and cfg.dense_layers:
+            self.dense_blocks = stacked(dataclasses.replace(cfg, num_experts=0), cfg.dense_layers)
+        self.blocks = stacked(cfg, cfg.sparse_layers if cfg.moe else cfg.num_layers)
         self.final_norm = Norm(cfg, policy)
         if not cfg.tie_embeddings:
             self.head = _param(rngs.params(), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), 0.02, dt)
@@ -156,13 +164,21 @@ class Transformer(nnx.Module):
         if self.pipeline.stages > 1 and cache is None:
             stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
             return pipeline(stage, stacked, stacked_axes, x, RESIDUAL_AXES, self.pipeline, probes, probes_axes), None
-        graphdef, stacked = nnx.split(self.blocks)
-        return self._run_stack(graphdef, (stacked,), x, positions_bt, cache, cache_index, segments_bt)
+        stacks = [self.blocks] if not hasattr(self, "dense_blocks") else [self.dense_blocks, self.blocks]
+        first, caches = 0, []
+        for blocks in stacks:
+            graphdef, stacked = nnx.split(blocks)
+            size = jax.tree.leaves(stacked)[0].shape[0]
+            part = None if cache is None else jax.tree.map(lambda a: a[first : first + size], cache)
+            x, part = self._run_stack(graphdef, (stacked,), x, positions_bt, part, cache_index, segments_bt, first=first)
+            first, caches = first + size, [*caches, part]
+        return x, None if cache is None else jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
 
-    def _run_stack(self, graphdef, stacked: tuple, x, positions_bt, cache, cache_index, segments_bt=None, chunk=None):
-        """The stacked layers (all of them, or pipeline chunk `chunk`, a traced index: layers
-        chunk * n .. of the model's; `stacked`: their states) applied in order; layers that
-        `precision.fp8_skip` keeps out of fp8 run as separate segments."""
+    def _run_stack(self, graphdef, stacked: tuple, x, positions_bt, cache, cache_index, segments_bt=None, chunk=None, first=0):
+        """The stacked layers (all of them, the model's layers `first` .., or pipeline chunk
+        `chunk`, a traced index: layers chunk * n .. of the model's; `stacked`: their states)
+        applied in order; layers that `precision.fp8_skip` keeps out of fp8 run as separate
+        segments."""
 
         def layer(x, params_and_cache):
             params, layer_cache = params_and_cache
@@ -187,7 +203,7 @@ class Transformer(nnx.Module):
             return jax.lax.cond(in_fp8, lambda x: run(x, segment, True)[0], lambda x: run(x, segment, False)[0], x), None
 
         num_layers = jax.tree.leaves(stacked)[0].shape[0]
-        in_fp8 = self._fp8_positions(num_layers, chunk)
+        in_fp8 = self._fp8_positions(num_layers, chunk, first)
         runs, new_caches = _runs(in_fp8), []
         for start, stop in runs:
             segment = (stacked, cache) if len(runs) == 1 else jax.tree.map(lambda a: a[start:stop], (stacked, cache))
@@ -197,11 +213,13 @@ class Transformer(nnx.Module):
             return x, None
         return x, jax.tree.map(lambda *a: jnp.concatenate(a), *new_caches)
 
-    def _fp8_positions(self, size: int, chunk) -> list:
-        """Per layer of a stack of `size`: in fp8 (True / False), or, in a pipeline chunk whose
-        layer at that position is skipped in some chunks only, a traced bool (`fp8_skip` indices
-        are the model's layer indices, whatever the schedule)."""
-        mask = self.policy.fp8_layer_mask(self.cfg.num_layers if chunk is not None else size)
+    def _fp8_positions(self, size: int, chunk, first: int = 0) -> list:
+        """Per layer of a stack of `size` (from the model's layer `first`): in fp8 (True / False),
+        or, in a pipeline chunk whose layer at that position is skipped in some chunks only, a
+        traced bool (`fp8_skip` indices are the model's layer indices, whatever the schedule)."""
+        mask = self.policy.fp8_layer_mask(self.cfg.num_layers)
+        if chunk is None:
+            mask = mask[first : first + size]
         columns = [[mask[c * size + j] for c in range(len(mask) // size)] for j in range(size)]
         return [column[0] if len(set(column)) == 1 else jnp.asarray(column)[chunk] for column in columns]
 

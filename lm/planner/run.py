@@ -57,15 +57,15 @@ class Run:
 
     @cached_property
     def layer_expert_params(self) -> int:
-        """A layer's expert weights, all of them (0 in a dense model)."""
+        """A layer's expert weights, all of them, averaged over the layers (0 in a dense model)."""
         m = self.model
-        return 3 * m.embed_dim * m.expert_width * m.num_experts if m.moe else 0
+        return 3 * m.embed_dim * m.expert_width * m.num_experts * m.sparse_layers // m.num_layers if m.moe else 0
 
     @cached_property
     def expert_active_params(self) -> int:
-        """The routed experts' weights one token goes through in a layer."""
+        """The routed experts' weights one token goes through in a layer (averaged over the layers)."""
         m = self.model
-        return 3 * m.embed_dim * m.expert_width * m.experts_per_token if m.moe else 0
+        return 3 * m.embed_dim * m.expert_width * m.experts_per_token * m.sparse_layers // m.num_layers if m.moe else 0
 
     def layer_weights(self, tensor: int, expert: int) -> float:
         """One layer's matmul weights on each device before FSDP's split: all but the experts

@@ -74,13 +74,17 @@ def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer: Program, fre
 def rows(stats: dict) -> list[dict]:
     """One row per (layer, matmul, role) from the probes' statistics [layers, roles, stats]."""
     out = []
+    # A dense stack first (a mixture of experts' dense layers): the other stack's layers follow it.
+    dense = jax.tree.leaves(stats.get("dense_blocks", {}))
+    first = {"dense_blocks": 0, "blocks": dense[0].shape[0] if dense else 0}
     for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
         keys = [str(getattr(k, "key", k)) for k in path]
         # blocks/attn/wq_site/probe -> attn.wq
         name = ".".join(k.removesuffix("_site") for k in keys[1:-1])
-        for layer in range(leaf.shape[0]):
+        for index in range(leaf.shape[0]):
+            layer = first[keys[0]] + index
             for r, role in enumerate(ROLES):
-                stat = named_stats(leaf[layer, r])
+                stat = named_stats(leaf[index, r])
                 row = {"layer": layer, "tensor": f"{name}.{role}", "absmax": stat["absmax"], "nonfinite": stat["nonfinite"]}
                 for fmt in REPORT_FORMATS:
                     row[fmt] = {"overflow": stat[f"{fmt}_overflow"], "underflow": stat[f"{fmt}_underflow"]}
