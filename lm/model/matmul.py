@@ -115,7 +115,22 @@ def _matmul_fwd(spec, out_dtype, x, w):
 
 def _matmul_bwd(spec, out_dtype, residuals, dy):
     x, w = residuals
-    return backward(spec, x, w, dy.astype(x.dtype))
+    dx, dw = backward(spec, x, w, dy.astype(x.dtype))
+    return summed_as(dx, x), summed_as(dw, w)
+
+
+def _varying(a) -> set[str]:
+    """The manual mesh axes `a` varies over inside a `shard_map` (none outside one)."""
+    kind = getattr(jax.typeof(a), "manual_axis_type", None)
+    return set(kind.varying) if kind is not None else set(getattr(jax.typeof(a), "vma", None) or ())
+
+
+def summed_as(cotangent, primal):
+    """A hand-written backward's `cotangent` summed over the manual axes (inside `shard_map`) it
+    varies over and `primal` does not: what autodiff does itself where an invariant value (a
+    weight, the same on every data shard) meets varying ones (each shard's tokens)."""
+    extra = _varying(cotangent) - _varying(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)

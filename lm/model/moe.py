@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 
 import jax
@@ -45,7 +46,9 @@ import sharding
 from lm.model.config import ModelConfig
 from lm.model.fp8 import Probe
 from lm.model.layers import _param
+from lm.model.matmul import backward, summed_as
 from lm.model.precision import Policy
+from sharding.remat import name_matmul
 
 F32 = jnp.float32
 # After the per-expert loads [num_experts] (fractions of assignments, summing to 1) and mean
@@ -188,9 +191,77 @@ def metric_rows(stats_lf, first_layer: int = 0) -> dict[str, float]:
 # -- the experts' computation on one device's shards
 
 
+# The experts' matmuls take compute-dtype activations and float32 weights (cast inside), and
+# return float32; their backward GEMMs take compute-dtype operands too (autodiff would feed them
+# the float32 cotangent, and XLA runs float32 x bf16 GEMMs in float32), the weight gradient left
+# in float32 for its reduction over the devices (as `lm.model.matmul`).
+
+
+@jax.custom_vjp
+def grouped_matmul(x_md, w_edf, group_sizes_e):
+    """`ragged_dot(x, w)`: row block g of the rows sorted by group through w[g]."""
+    return jax.lax.ragged_dot(x_md, w_edf.astype(x_md.dtype), group_sizes_e, preferred_element_type=F32)
+
+
+def _grouped_fwd(x_md, w_edf, group_sizes_e):
+    return grouped_matmul(x_md, w_edf, group_sizes_e), (x_md, w_edf.astype(x_md.dtype), group_sizes_e)
+
+
+def _grouped_bwd(residuals, dy_mf):
+    x_md, w_edf, group_sizes_e = residuals
+    dy = dy_mf.astype(x_md.dtype)
+    dx = jax.lax.ragged_dot(dy, w_edf.swapaxes(1, 2), group_sizes_e, preferred_element_type=F32)
+    # The weight gradient contracts the rows, group by group: [e, d, f].
+    rows = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    dw = jax.lax.ragged_dot_general(x_md, dy, group_sizes_e, rows, preferred_element_type=F32)
+    return summed_as(dx.astype(x_md.dtype), x_md), summed_as(dw, w_edf), None
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def batched_matmul(spec: str, x, w):
+    """`einsum(spec, x, w)` over the experts' fixed-size buffers."""
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=F32)
+
+
+def _batched_fwd(spec, x, w):
+    return batched_matmul(spec, x, w), (x, w.astype(x.dtype))
+
+
+def _batched_bwd(spec, residuals, dy):
+    x, w = residuals
+    dx, dw = backward(spec, x, w, dy.astype(x.dtype), dtypes=(x.dtype, F32))
+    return summed_as(dx, x), summed_as(dw, w)
+
+
+batched_matmul.defvjp(_batched_fwd, _batched_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gathered(w, axes: tuple[str, ...], axis: int, dtype):
+    """FSDP inside `shard_map`: `w` whole along `axis` over the mesh `axes`, moved in the compute
+    `dtype` and returned in w's; its gradient reduce-scattered in w's (float32), as the dense
+    layers' are (XLA's placement there)."""
+    return jax.lax.all_gather(w.astype(dtype), axes, axis=axis, tiled=True).astype(w.dtype)
+
+
+def _gathered_fwd(w, axes, axis, dtype):
+    return gathered(w, axes, axis, dtype), None
+
+
+def _gathered_bwd(axes, axis, dtype, _, dw):
+    return (jax.lax.psum_scatter(dw, axes, scatter_dimension=axis, tiled=True),)
+
+
+gathered.defvjp(_gathered_fwd, _gathered_bwd)
+
+
 def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype):
     """Rows sorted by group through the groups' SwiGLU experts (rows past the groups: zeros)."""
-    dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(dtype), group_sizes_e, preferred_element_type=F32)  # noqa: E731
+    # Tagged as matmul outputs: what remat's `dots` policies keep (a custom VJP hides the dot).
+    dot = lambda a, w: name_matmul(grouped_matmul(a, w, group_sizes_e), batched=False)  # noqa: E731
     x = x_md.astype(dtype)
     h = (jax.nn.silu(dot(x, w_gate)) * dot(x, w_in)).astype(dtype)
     return dot(h, w_out)
@@ -208,8 +279,9 @@ def _grouped(x_md, group_m, w_in, w_gate, w_out, dtype):
 
 def _batched(x_ecd, w_in, w_gate, w_out, dtype):
     """Fixed-size per-expert buffers through their experts: dense batched matmuls."""
-    dot = lambda spec, a, w: jnp.einsum(spec, a.astype(dtype), w.astype(dtype), preferred_element_type=F32)  # noqa: E731
-    h = (jax.nn.silu(dot("ecd,edf->ecf", x_ecd, w_gate)) * dot("ecd,edf->ecf", x_ecd, w_in)).astype(dtype)
+    dot = lambda spec, a, w: name_matmul(batched_matmul(spec, a, w), batched=True)  # noqa: E731
+    x = x_ecd.astype(dtype)
+    h = (jax.nn.silu(dot("ecd,edf->ecf", x, w_gate)) * dot("ecd,edf->ecf", x, w_in)).astype(dtype)
     return dot("ecf,efd->ecd", h, w_out)
 
 
@@ -242,8 +314,8 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
     b, t, d = x_btd.shape
     k = ids_btk.shape[-1]
     if axes["embed"]:  # FSDP: this device's experts whole along embed (reduce-scattered in the backward pass)
-        w_in, w_gate = (jax.lax.all_gather(w, axes["embed"], axis=1, tiled=True) for w in (w_in, w_gate))
-        w_out = jax.lax.all_gather(w_out, axes["embed"], axis=2, tiled=True)
+        w_in, w_gate = (gathered(w, axes["embed"], 1, dtype) for w in (w_in, w_gate))
+        w_out = gathered(w_out, axes["embed"], 2, dtype)
     here = w_in.shape[0]  # experts on this device
     ways = num_experts // here
     x_nd, ids_nk, weights_nk = x_btd.reshape(b * t, d), ids_btk.reshape(b * t, k), weights_btk.reshape(b * t, k)
