@@ -7,7 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import VOCAB, assert_one_line_error, compiled_train_step, recipe, run_cli, run_steps, small_config
+from conftest import (
+    VOCAB,
+    assert_one_line_error,
+    compiled_train_step,
+    recipe,
+    run_cli,
+    run_steps,
+    small_config,
+)
 
 from lm import train as lm_train
 from lm.compiler.hlo import collective_traffic

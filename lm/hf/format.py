@@ -320,7 +320,7 @@ def _rows(*shape):
 def links(cfg: ModelConfig) -> list[Link]:
     """Every checkpoint tensor of `cfg`'s family, each with the parameters it maps onto."""
     kind = family_of(cfg)
-    d, h, g, k, v, vp = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.used_vocab, cfg.vocab_size
+    d, h, k, v, vp = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.used_vocab, cfg.vocab_size
 
     def pad_rows(w):  # padding ids get zero rows; export drops them
         return np.pad(w, ((0, vp - w.shape[0]), (0, 0)))

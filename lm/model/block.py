@@ -8,7 +8,14 @@ import dataclasses
 from flax import nnx
 
 from lm.model.config import ModelConfig
-from lm.model.layers import RESIDUAL_AXES, Attention, Mlp, Norm, gather_length, gathered_gradient
+from lm.model.layers import (
+    RESIDUAL_AXES,
+    Attention,
+    Mlp,
+    Norm,
+    gather_length,
+    gathered_gradient,
+)
 from lm.model.moe import MoeMlp
 from lm.model.precision import Policy
 from sharding import constrain

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm.model.block import Block
 from lm.model import moe
+from lm.model.block import Block
 from lm.model.config import ModelConfig
 from lm.model.fp8 import Probe, fp8_suspended
 from lm.model.layers import (

@@ -19,8 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from lm.compiler import steptime, targets
-from lm.model.attention import check_cudnn
 from lm.model import moe
+from lm.model.attention import check_cudnn
 from lm.model.fp8 import Fp8Meta, Probe, update_fp8
 from lm.model.layers import Embedding
 from lm.model.transformer import Transformer, segment_positions
