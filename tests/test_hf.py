@@ -418,6 +418,10 @@ def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_vers
         ({"attention_bias": True}, "attention_bias=True"),
         ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"model_type": "deepseek_v3", "kv_lora_rank": 512}, "kv_lora_rank=512"),
+        ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
+        ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]},
+         "mlp_only_layers=[1]"),
     ],
 )
 def test_configs_meshlm_cannot_represent_are_refused(change, fragment):

@@ -83,9 +83,14 @@ def one_device():
     return run_steps(small_config({}, **MOE), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh", [{"expert": 4, "data": 2}, {"expert": 2, "fsdp": 2, "tensor": 2}], ids=["expert4-data2", "expert2-fsdp2-tensor2"])
-def test_expert_parallel_training_matches_one_device(one_device, mesh):
-    losses, params = run_steps(small_config(mesh, **MOE))
+@pytest.mark.parametrize(
+    "mesh, options",
+    [({"expert": 4, "data": 2}, {}), ({"expert": 2, "fsdp": 2, "tensor": 2}, {}),
+     ({"expert": 2, "context": 2, "tensor": 2}, {"sharding__sequence_parallel": True})],
+    ids=["expert4-data2", "expert2-fsdp2-tensor2", "expert2-context2-tensor2-sp"],
+)
+def test_expert_parallel_training_matches_one_device(one_device, mesh, options):
+    losses, params = run_steps(small_config(mesh, **MOE, **options))
     ref_losses, ref_params = one_device
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     # Parameters to 1e-4: an attention weight whose gradient is near 0 moves by Adam's normalised
