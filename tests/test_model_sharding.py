@@ -48,14 +48,14 @@ def _setup(**overrides):
 
 
 def test_config_rules_are_validated_naming_parameter_shape_logical_and_mesh_axes():
-    mesh = r"mesh data=1 stage=1 context=1 fsdp=8 tensor=1"
+    mesh = r"mesh data=1 stage=1 context=1 expert=1 fsdp=8 tensor=1"
     with pytest.raises(ShardingError, match=rf"blocks/attn/wk \(shape \(2, 64, 2, 16\), logical axes \('layers', 'embed', 'kv_heads', 'head_dim'\), {mesh}\): rule 'embed' -> 'model' names a mesh axis that does not exist"):
         _setup(mesh__data=1, mesh__fsdp=8, sharding__rules="(('embed', 'model'),)")
-    with pytest.raises(ShardingError, match=r"rule \('experts', 'expert'\) names mesh axis 'expert', which does not exist"):
-        _setup(sharding__rules="(('experts', 'expert'),)")  # no parameter uses it: still an error
+    with pytest.raises(ShardingError, match=r"rule \('experts', 'moe'\) names mesh axis 'moe', which does not exist"):
+        _setup(sharding__rules="(('experts', 'moe'),)")  # no parameter uses it: still an error
     with pytest.raises(ShardingError, match=rf"blocks/mlp/w_gate \(shape \(2, 64, 128\), logical axes \('layers', 'embed', 'mlp'\), {mesh}\): mesh axis 'fsdp' is used by both 'embed' and 'mlp'"):
         _setup(mesh__data=1, mesh__fsdp=8, sharding__rules="(('mlp', 'fsdp'),)")
-    with pytest.raises(ShardingError, match=r"blocks/attn/wk \(shape \(2, 64, 2, 16\), .*mesh data=1 stage=1 context=1 fsdp=1 tensor=8\): dimension 2 \('kv_heads', size 2\) is not divisible by mesh axes \('tensor',\) of total size 8"):
+    with pytest.raises(ShardingError, match=r"blocks/attn/wk \(shape \(2, 64, 2, 16\), .*mesh data=1 stage=1 context=1 expert=1 fsdp=1 tensor=8\): dimension 2 \('kv_heads', size 2\) is not divisible by mesh axes \('tensor',\) of total size 8"):
         _setup(mesh__data=1, mesh__tensor=8)
 
 
@@ -65,7 +65,7 @@ def test_a_logical_name_without_a_rule_names_the_parameter():
 
     state = nnx.state(nnx.eval_shape(lambda: Transformer(ModelConfig(vocab_size=256, max_len=16), rngs=nnx.Rngs(0))))
     rules = [r for r in DEFAULT_RULES if r[0] != "mlp"]
-    with pytest.raises(ShardingError, match=r"blocks/mlp/w_gate \(shape \(2, 128, 512\), logical axes \('layers', 'embed', 'mlp'\), mesh data=8 stage=1 context=1 fsdp=1 tensor=1\): logical axis 'mlp' has no rule"):
+    with pytest.raises(ShardingError, match=r"blocks/mlp/w_gate \(shape \(2, 128, 512\), logical axes \('layers', 'embed', 'mlp'\), mesh data=8 stage=1 context=1 expert=1 fsdp=1 tensor=1\): logical axis 'mlp' has no rule"):
         sharding.tree_shardings(nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state)), make_mesh(MeshConfig()), rules)
 
 

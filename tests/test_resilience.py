@@ -47,7 +47,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores_on_other_meshes(t
     )
     wall = time.perf_counter() - start
     assert launched.returncode == 0, launched.stdout[-3000:]
-    assert "[0] model:" in launched.stdout and "mesh {'data': 2, 'stage': 1, 'context': 1, 'fsdp': 2, 'tensor': 2}" in launched.stdout
+    assert "[0] model:" in launched.stdout and "mesh {'data': 2, 'stage': 1, 'context': 1, 'expert': 1, 'fsdp': 2, 'tensor': 2}" in launched.stdout
     print(f"2 processes x 4 devices, 5 steps: {wall:.1f} s wall")
 
     train(fast_config(small_corpus, train__steps=5, **MESH), tmp_path / "one")
