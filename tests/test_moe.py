@@ -153,20 +153,20 @@ def test_bad_moe_input_is_one_line(tmp_path, capsys, extra, fragment):
 
 
 def test_balancing_evens_the_experts_load(tmp_path, small_corpus):
-    """moe_tiny for 30 steps with no balancing, the balancing loss (0.05), and DeepSeek-V3's bias
-    instead (rate 0.01): the busiest expert's load over the mean (averaged over layers) is lower
-    with either (measured at step 30 on the default corpus: 2.95 off, 1.24 loss, 1.46 bias), and
-    the metrics rows carry every layer's loads."""
+    """moe_tiny (2 of its layers) for 20 steps with no balancing, the balancing loss (0.05), and
+    DeepSeek-V3's bias instead (rate 0.01): the busiest expert's load over the mean (averaged over
+    layers) is lower with either (measured: 3.08 off, 1.50 loss, 1.99 bias; 60 steps of the whole
+    recipe in PERFORMANCE.md), and the metrics rows carry every layer's loads."""
     from lm.training.loop import train
 
     loads = {}
     for name, coef, rate in (("off", 0.0, 0.0), ("loss", 0.05, 0.0), ("bias", 0.0, 0.01)):
-        c = recipe("moe_tiny", data__path=str(small_corpus), train__steps=30, train__batch_size=8, train__seq_len=64, train__log_every=15,
+        c = recipe("moe_tiny", data__path=str(small_corpus), train__steps=20, train__batch_size=8, train__seq_len=64, train__log_every=10, model__num_layers=2,
                    train__eval_every=1000, checkpoint__every_steps=1000, model__router_aux_loss_coef=coef, model__expert_bias_rate=rate)
         train(c, tmp_path / name, jax.devices()[:1])
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         last = [r for r in rows if "moe/max_over_mean_load" in r][-1]
-        assert sum(last[f"moe/layer3/load/expert{e}"] for e in range(8)) == pytest.approx(1.0)
+        assert sum(last[f"moe/layer1/load/expert{e}"] for e in range(8)) == pytest.approx(1.0)
         loads[name] = last["moe/max_over_mean_load"]
     print(loads)
     assert loads["loss"] < 0.75 * loads["off"] and loads["bias"] < 0.75 * loads["off"]
