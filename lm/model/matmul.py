@@ -119,7 +119,7 @@ def _matmul_bwd(spec, out_dtype, residuals, dy):
     return summed_as(dx, x), summed_as(dw, w)
 
 
-def _varying(a) -> set[str]:
+def varying(a) -> set[str]:
     """The manual mesh axes `a` varies over inside a `shard_map` (none outside one)."""
     kind = getattr(jax.typeof(a), "manual_axis_type", None)
     return set(kind.varying) if kind is not None else set(getattr(jax.typeof(a), "vma", None) or ())
@@ -129,7 +129,7 @@ def summed_as(cotangent, primal):
     """A hand-written backward's `cotangent` summed over the manual axes (inside `shard_map`) it
     varies over and `primal` does not: what autodiff does itself where an invariant value (a
     weight, the same on every data shard) meets varying ones (each shard's tokens)."""
-    extra = _varying(cotangent) - _varying(primal)
+    extra = varying(cotangent) - varying(primal)
     return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 

@@ -12,9 +12,10 @@ Expert parallelism: the expert weights are split over the `experts` logical axis
 `expert`), whose devices split the batch outside these layers. Inside, each device runs its own
 shards (`sharding.per_shard`, every mesh axis manual): its weights gathered along `embed` (FSDP;
 the gradient reduce-scattered by the transpose), its assignments sent to the devices holding
-their experts and the results brought back by two `all_to_all`s of fixed size (dropless: room for
-every assignment going to one device), the expert hidden width split over `tensor` (partial
-outputs summed there).
+their experts and the results brought back (dropless: `ragged_exchange`, only the real rows
+where XLA has `ragged_all_to_all`, received into room for every assignment of every device;
+capacity mode: fixed-size `all_to_all`s of every expert's slots), the expert hidden width split
+over `tensor` (partial outputs summed there).
 
 Balancing: the Switch / Mixtral load-balancing loss (num_experts x sum over experts of the
 fraction of assignments times the mean router probability) and ST-MoE's router z-loss, per
@@ -46,7 +47,7 @@ import sharding
 from lm.model.config import ModelConfig
 from lm.model.fp8 import Probe
 from lm.model.layers import _param
-from lm.model.matmul import backward, summed_as
+from lm.model.matmul import backward, summed_as, varying
 from lm.model.precision import Policy
 from sharding.remat import name_matmul
 
@@ -306,6 +307,63 @@ def _exchange(x, expert_axes):
     return jax.lax.all_to_all(x, expert_axes, 0, 0, tiled=True) if expert_axes else x
 
 
+def _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis):
+    """`jax.lax.ragged_all_to_all` over `axis`: rows `input_offsets[p]` .. `+ send_sizes[p]` of
+    `operand` written into device p's `output` from its row `output_offsets[p]`; `recv_sizes[p]`
+    rows arrive from p. Only the real rows move where XLA has the collective (GPUs); XLA:CPU has
+    not, so there the same exchange runs as a fixed-size `all_to_all` (each device's chunk for
+    each peer padded to the operand's length) and each received chunk is placed at its offset."""
+    if sharding.platform() == "gpu":
+        if devices := tuple(sorted(varying(operand) - varying(output))):  # the result varies as the rows sent do
+            output = jax.lax.pcast(output, devices, to="varying")
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis)
+    ways, rows = input_offsets.shape[0], operand.shape[0]
+    span = jnp.arange(rows)
+    padded = jnp.concatenate([operand, jnp.zeros_like(operand)])
+    chunks = jnp.stack([jax.lax.dynamic_slice_in_dim(padded, input_offsets[p], rows) for p in range(ways)])
+    chunks = jnp.where((span[None] < send_sizes[:, None]).reshape(ways, rows, *(1,) * (operand.ndim - 1)), chunks, 0)
+    arrived = _exchange(chunks.reshape(ways * rows, *operand.shape[1:]), axis).reshape(chunks.shape)
+    at = _exchange(output_offsets, axis)  # where each source's rows go here
+    where = jnp.where(span[None] < recv_sizes[:, None], at[:, None] + span[None], output.shape[0])  # past the end: dropped
+    return output.at[where.reshape(-1)].set(arrived.reshape(ways * rows, *operand.shape[1:]), mode="drop")
+
+
+def ragged_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows: int, fill, axis: tuple[str, ...]):
+    """`_ragged` into a new buffer of `rows` rows filled with `fill`. On GPUs its backward sends
+    the cotangent's rows back the way they came (`_gpu_exchange`); the CPU's emulation is
+    differentiated as it is."""
+    if sharding.platform() == "gpu":
+        return _gpu_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, fill, axis)
+    output = jnp.full((rows, *operand.shape[1:]), fill, operand.dtype)
+    return _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _gpu_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows: int, fill, axis: tuple[str, ...]):
+    """`ragged_all_to_all` into a new buffer, with a hand-written backward: autodiff would also
+    all-reduce the cotangent of the buffer (an invariant zero made varying) over every device,
+    2 GiB a step in Mixtral's 64-GPU program."""
+    output = jnp.full((rows, *operand.shape[1:]), fill, operand.dtype)
+    return _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis)
+
+
+def _exchange_fwd(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, fill, axis):
+    shape = operand[:, :0]  # the operand's rows (and the devices it varies over), for the backward
+    out = _gpu_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, fill, axis)
+    return out, (input_offsets, send_sizes, output_offsets, recv_sizes, shape)
+
+
+def _exchange_bwd(rows, fill, axis, residuals, d_out):
+    input_offsets, send_sizes, output_offsets, recv_sizes, shape = residuals
+    # Back to each source p: the rows it put here (from here's row `at[p]`), into its operand's rows.
+    at, their_offsets = _exchange(output_offsets, axis), _exchange(input_offsets, axis)
+    back = _ragged(d_out, jnp.zeros((shape.shape[0], *d_out.shape[1:]), d_out.dtype), at, recv_sizes, their_offsets, send_sizes, axis)
+    return summed_as(back, shape), None, None, None, None
+
+
+_gpu_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
 def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_experts, capacity_factor, dtype,
                   axes: dict[str, tuple[str, ...]]):
     """One device's part of the experts' output [b, t, d] and its dropped assignments (summed over
@@ -336,17 +394,21 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
         flat = ids_nk.reshape(-1)
         if ways == 1:
             y_nkd = _grouped(jnp.repeat(x_nd, k, axis=0), flat, w_in, w_gate, w_out, dtype).reshape(n, k, d)
-        else:  # dropless: room for every assignment at every destination
+        else:  # dropless: each device receives into room for every assignment from every device
             order = jnp.argsort(flat, stable=True)  # by destination device, then by its expert
-            dest = flat[order] // here
-            counts = jnp.bincount(dest, length=ways)
-            ranks = jnp.arange(n * k) - (jnp.cumsum(counts) - counts)[dest]
-            slot = dest * (n * k) + ranks
-            buf = jnp.zeros((ways * n * k, d), x_nd.dtype).at[slot].set(x_nd[order // k])
-            group = jnp.full((ways * n * k,), here, jnp.int32).at[slot].set(flat[order] % here)
-            recv, recv_group = _exchange(buf, axes["experts"]), _exchange(group, axes["experts"])
-            y = _exchange(_grouped(recv, recv_group, w_in, w_gate, w_out, dtype), axes["experts"])
-            y_nkd = jnp.zeros((n * k, d), y.dtype).at[order].set(y[slot]).reshape(n, k, d)
+            counts = jnp.bincount(flat[order] // here, length=ways).astype(jnp.int32)
+            starts = jnp.cumsum(counts) - counts  # each destination's rows in the sorted order
+            # Per source device: how many rows it sends here, and where its rows for here start.
+            recv_counts, their_starts = _exchange(counts, axes["experts"]), _exchange(starts, axes["experts"])
+            me = jax.lax.axis_index(axes["experts"])
+            room = jnp.full((ways,), me * n * k, jnp.int32)  # here's rows land at chunk `me` of each receiver
+            group = axes["experts"]
+            recv = ragged_exchange(x_nd[order // k], starts, counts, room, recv_counts, ways * n * k, 0, group)
+            recv_group = _ragged(flat[order] % here, jnp.full((ways * n * k,), here, flat.dtype), starts, counts, room, recv_counts, group)
+            y = _grouped(recv, recv_group, w_in, w_gate, w_out, dtype)
+            chunks = jnp.arange(ways, dtype=jnp.int32) * n * k
+            back = ragged_exchange(y, chunks, recv_counts, their_starts, counts, n * k, 0, group)
+            y_nkd = jnp.zeros_like(back).at[order].set(back).reshape(n, k, d)
         dropped = jnp.zeros((), F32)
     y_nd = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(F32))
     if axes["mlp"]:  # the hidden width split over tensor: partial sums

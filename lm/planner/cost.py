@@ -232,8 +232,8 @@ class Cost:
         """The experts' GEMM work over their active FLOPs. Capacity mode: the fixed buffers, the
         capacity factor. Dropless: jax 0.10.2's XLA:GPU lowers `ragged_dot` to one masked GEMM
         per expert over every row (deviceless H100 compile; `RAGGED_DOT_IS_DENSE`), and the rows
-        are the exchange's fixed-size buffers (room for every assignment at every expert
-        device): every expert's work on every assignment, num_experts x; with a grouped GEMM it
+        are the exchange's receive buffer (room for every assignment of every expert device):
+        every expert's work on every assignment, num_experts x; with a grouped GEMM it
         would be the busiest device's load, `DROPLESS_IMBALANCE` x the mean."""
         m = self.run.model
         if not m.moe:
@@ -243,14 +243,13 @@ class Cost:
         return float(m.num_experts) if RAGGED_DOT_IS_DENSE else DROPLESS_IMBALANCE
 
     def expert_exchange_bytes(self) -> float:
-        """Bytes of one all-to-all buffer on each device per pass and MoE layer (0 without expert
-        parallelism): dropless, room for all its assignments at each of the expert devices;
-        capacity mode, every expert's slots."""
+        """Bytes one exchange sends from each device per pass and MoE layer (0 without expert
+        parallelism): dropless, its assignments (`ragged_all_to_all` on GPUs); capacity mode,
+        every expert's slots."""
         m, lay = self.run.model, self.parallelism
         if lay.expert == 1:
             return 0.0
-        rows = self.local_tokens * m.experts_per_token
-        rows *= m.expert_capacity_factor if m.expert_capacity_factor > 0 else lay.expert
+        rows = self.local_tokens * m.experts_per_token * (m.expert_capacity_factor if m.expert_capacity_factor > 0 else 1.0)
         return rows * m.embed_dim * self.run.compute_bytes
 
     def _exchanges_per_layer(self) -> int:
