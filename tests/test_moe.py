@@ -1,4 +1,4 @@
-"""Mixture of experts: the grouped path against a dense reference, capacity dropping by hand,
+"""Mixture of experts (lm.model.moe, lm.model.experts): the grouped path against a dense reference, capacity dropping by hand,
 expert parallelism against one device, balancing."""
 
 import json
@@ -19,7 +19,7 @@ from conftest import (
 
 from lm import train as lm_train
 from lm.compiler.hlo import collective_traffic
-from lm.model import moe
+from lm.model import experts, moe
 from lm.program.steps import setup
 from sharding import report
 
@@ -37,9 +37,9 @@ def _experts(x, w_in, w_gate, w_out, router, k=2, factor=0.0, reference=False):
     b, t, _ = x.shape
     routing = moe.route(jnp.einsum("btd,de->bte", x, router).reshape(b * t, -1), k, True)
     if reference:
-        return moe.dense_reference(x, routing, w_in, w_gate, w_out), 0.0
+        return experts.dense_reference(x, routing.ids_nk, routing.weights_nk, w_in, w_gate, w_out), 0.0
     ids, weights = routing.ids_nk.reshape(b, t, k), routing.weights_nk.reshape(b, t, k)
-    return moe.experts(x, ids, weights, w_in, w_gate, w_out, num_experts=w_in.shape[0], capacity_factor=factor, dtype=jnp.float32)
+    return experts.apply_experts(x, ids, weights, w_in, w_gate, w_out, num_experts=w_in.shape[0], capacity_factor=factor, dtype=jnp.float32)
 
 
 @pytest.mark.parametrize("factor", [0.0, 4.0], ids=["dropless", "capacity-ample"])
@@ -64,16 +64,16 @@ def test_a_small_capacity_drops_exactly_the_hand_counted_assignments():
     # choices of 4 and 6 dropped (4). Expert 1: first choices of 4 and 7 kept; second choices of
     # 0, 1, 3 dropped (3). Expert 2: second choices of 2 and 5 kept. Expert 3: first choices of
     # 5, 6 kept; second choice of 7 dropped (1). 8 dropped in all.
-    assert moe.capacity(8, 2, 4, 0.5) == 2
-    ranks = np.asarray(moe.slot_ranks(jnp.asarray(ids), 4))
+    assert experts.capacity(8, 2, 4, 0.5) == 2
+    ranks = np.asarray(experts.slot_ranks(jnp.asarray(ids), 4))
     assert int((ranks >= 2).sum()) == 8
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 16)), jnp.float32)
     _, (w_in, w_gate, w_out), _ = _layer()
     weights = jnp.full((1, 8, 2), 0.5)
-    y, dropped = moe.experts(x, jnp.asarray(ids)[None], weights, w_in, w_gate, w_out, num_experts=4, capacity_factor=0.5, dtype=jnp.float32)
+    y, dropped = experts.apply_experts(x, jnp.asarray(ids)[None], weights, w_in, w_gate, w_out, num_experts=4, capacity_factor=0.5, dtype=jnp.float32)
     assert float(dropped) == 8
     # A dropped assignment contributes nothing: token 2 kept only its second choice (expert 2).
-    kept = moe.experts(x, jnp.asarray(ids)[None], weights.at[0, 2, 0].set(0.0), w_in, w_gate, w_out, num_experts=4, capacity_factor=0.0, dtype=jnp.float32)[0]
+    kept = experts.apply_experts(x, jnp.asarray(ids)[None], weights.at[0, 2, 0].set(0.0), w_in, w_gate, w_out, num_experts=4, capacity_factor=0.0, dtype=jnp.float32)[0]
     np.testing.assert_allclose(y[0, 2], kept[0, 2], atol=1e-6)
     assert float(jnp.abs(y[0, 3]).max()) == 0.0  # token 3: both choices dropped
 
