@@ -156,6 +156,13 @@ def _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_siz
         if devices := tuple(sorted(varying(operand) - varying(output))):  # the result varies as the rows sent do
             output = jax.lax.pcast(output, devices, to="varying")
         return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis)
+    return emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis)
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all`'s exchange by a fixed-size `all_to_all` (XLA:CPU has no
+    ragged one)."""
+    axis = axis_name
     ways, rows = input_offsets.shape[0], operand.shape[0]
     span = jnp.arange(rows)
     padded = jnp.concatenate([operand, jnp.zeros_like(operand)])
