@@ -22,6 +22,7 @@ from lm import paths
 from lm.config import UserError
 from lm.data import tokenizer as lm_tokenizer
 from lm.hf import format as hf
+from lm.hf import tensors
 from lm.hf.safetensors_dir import Reader, Writer, parse_size
 from lm.program.checkpoint import Checkpointer
 from lm.program.restore import restore
@@ -130,11 +131,11 @@ def load_params(reader: Reader, layout: AbstractModel) -> dict:
     cfg, dtype = layout.spec.model, layout.spec.policy.param_dtype
     shapes = {p: a.shape for p, a in _flat(layout.abstract_params).items()}
     check_tensors(reader, cfg, shapes)
-    owner = {path: (link, j) for link in hf.links(cfg) for j, path in enumerate(link.ours)}
+    owner = {path: (link, j) for link in tensors.links(cfg) for j, path in enumerate(link.ours)}
 
     @functools.lru_cache(maxsize=1)  # the devices of one parameter ask for the same tensors in turn
-    def converted(link: hf.Link, layer: int | None) -> tuple[np.ndarray, ...]:
-        return link.to_ours(reader.read(_resolve(reader, hf.tensor_name(link, layer))))
+    def converted(link: tensors.Link, layer: int | None) -> tuple[np.ndarray, ...]:
+        return link.to_ours(reader.read(_resolve(reader, tensors.tensor_name(link, layer))))
 
     def device_slice(path: str, index: tuple) -> np.ndarray:
         link, j = owner[path]
@@ -169,12 +170,12 @@ def _tensors(cfg):
             return [(i, e) for i in layers for e in range(cfg.num_experts)]
         return layers if link.stacked else [None]
 
-    return [(link, place) for link in hf.links(cfg) for place in places(link)]
+    return [(link, place) for link in tensors.links(cfg) for place in places(link)]
 
 
 def tensor_plan(cfg, our_shapes: dict, dtype) -> list[tuple[str, tuple, np.dtype]]:
     """(name, shape, dtype) of every checkpoint tensor, in writing order."""
-    return [(hf.tensor_name(link, layer), hf.expected_shapes(link, our_shapes), dtype) for link, layer in _tensors(cfg)]
+    return [(tensors.tensor_name(link, layer), tensors.expected_shapes(link, our_shapes), dtype) for link, layer in _tensors(cfg)]
 
 
 def save_params(params: dict, cfg, writer: Writer | None, dtype) -> None:
@@ -185,7 +186,7 @@ def save_params(params: dict, cfg, writer: Writer | None, dtype) -> None:
         where = layer if layer is None else (layer[0] - link.first_layer, layer[1]) if link.per_expert else layer - link.first_layer
         parts = [_fetch(flat[p] if where is None else flat[p][where]) for p in link.ours]  # the stack's layer (and expert)
         if writer is not None:
-            writer.add(hf.tensor_name(link, layer), link.to_theirs(*parts).astype(dtype))
+            writer.add(tensors.tensor_name(link, layer), link.to_theirs(*parts).astype(dtype))
 
 
 # ---------------------------------------------------------------------------- commands
