@@ -1,7 +1,7 @@
 """Rematerialisation by name: what a layer (or a pipeline tick) keeps for its backward pass.
 
 One vocabulary for the layer stack and the pipeline: `none` keeps every intermediate (no
-`jax.checkpoint`), `full` keeps only the inputs and recomputes the rest, `dots` keeps matmul
+`jax.checkpoint`), `full` keeps only the inputs (and fp8 scales) and recomputes the rest, `dots` keeps matmul
 outputs and flash attention's (cuDNN's output and softmax statistics, which its backward
 needs), `dots_no_batch` keeps the outputs of matmuls without dot batch dimensions (the
 projections, not attention's scores; attention is recomputed), `qkv_proj` keeps only the query / key / value projections
@@ -21,6 +21,9 @@ REMAT = ("none", "full", "dots", "dots_no_batch", "qkv_proj")
 # (a matmul behind a custom VJP is no `dot_general` to `checkpoint_dots`).
 MATMUL, BATCHED_MATMUL = "matmul", "batched_matmul"  # without / with dot_general batch dims
 QKV = "qkv_proj"
+# An fp8 site's scales under current scaling (a few floats, each from a whole tensor's amax): every
+# policy keeps them, so a recomputed forward quantises with them instead of reducing its tensors again.
+FP8_SCALES = "fp8_scales"
 # cuDNN flash attention (jax.nn.dot_product_attention) is a custom call behind a custom VJP, no
 # `dot_general`: unless its forward's results are saved, `dots` runs every layer's attention
 # forward again in the backward to get them (seen in the compiled H100 step: 2 forward calls a layer).
@@ -32,23 +35,29 @@ def _saves_flash_attention(prim, *_, **__) -> bool:
 
 
 _SAVEABLE = {
-    "full": None,  # jax.checkpoint's default policy: save nothing
+    "full": jax.checkpoint_policies.save_only_these_names(FP8_SCALES),  # nothing else
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(MATMUL, BATCHED_MATMUL)
+            jax.checkpoint_policies.checkpoint_dots,
+            jax.checkpoint_policies.save_only_these_names(MATMUL, BATCHED_MATMUL, FP8_SCALES),
         ),
         _saves_flash_attention,
     ),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names(MATMUL)
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names(MATMUL, FP8_SCALES)
     ),
-    "qkv_proj": jax.checkpoint_policies.save_only_these_names(QKV),
+    "qkv_proj": jax.checkpoint_policies.save_only_these_names(QKV, FP8_SCALES),
 }
 
 
 def name_matmul(y: jax.Array, batched: bool) -> jax.Array:
     """`y`, tagged as a matmul's output (batched: its dot has batch dimensions, as attention's)."""
     return checkpoint_name(y, BATCHED_MATMUL if batched else MATMUL)
+
+
+def name_fp8_scales(scales: jax.Array) -> jax.Array:
+    """`scales`, tagged as an fp8 site's current-scaling scales (what every policy keeps)."""
+    return checkpoint_name(scales, FP8_SCALES)
 
 
 def name_qkv(y: jax.Array) -> jax.Array:

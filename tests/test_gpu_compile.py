@@ -11,17 +11,20 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import ROOT, compiled_train_step, recipe, run_cli
 
 from lm import layout as lm_layout
-from lm.compiler import hlo, targets
+from lm.compiler import hlo, passes, targets
 from lm.data.corpus import nominal_vocab_size
 from lm.errors import UserError
 from lm.hardware import data_file
 from lm.model.attention import attention_kernel, cudnn_available
 from lm.program.steps import setup
+from sharding import remat as remat_module
+from sharding.remat import BATCHED_MATMUL, MATMUL
 
 pytestmark = pytest.mark.skipif(
     not targets.compiler_available(), reason="the XLA GPU compiler plugin is not installed (make gpu-compiler)"
@@ -488,6 +491,51 @@ def test_fsdp_gathers_the_weights_fp8_sites_quantise_as_their_fp8_copies(h100s):
     assert "f8e4m3fn" in fp8_types.values() and "f8e4m3fn" not in bf16_types.values()
     # The blocks' weights are most of what is gathered; the embedding table stays bf16.
     assert fp8_bytes < 0.6 * bf16_bytes, (fp8_bytes, bf16_bytes)
+
+
+def _llama_1b_layers(layers: int = 2, **overrides) -> str:
+    """The optimized HLO of `llama_1b`'s GEMM shapes (one microbatch of 16 x 2048, `layers`
+    layers, remat `dots`) on one H100: where the kernel cache has XLA's real choices (the
+    weight-gradient GEMMs as Triton fusions that read either layout)."""
+    return compiled_train_step(setup(recipe("llama_1b", model__num_layers=layers, train__batch_size=16,
+                                            train__grad_accum=1, **overrides), 32768, targets.devices("h100", 1))).as_text()
+
+
+def test_fp8_current_scaling_reduces_each_tensor_once_and_never_transposes_fp8_data(monkeypatch):
+    """Point 3 of the fp8 issue, counted on the compiled step (`lm.compiler.passes`). Per layer the
+    forward quantises 11 tensors once each (the attention and MLP inputs, the attention output,
+    the SwiGLU product, 7 weights), each fp8 copy written from wider data in the layout its GEMM
+    reads: no transpose of fp8 data. The scales are kept through remat, so the backward pass
+    reduces only the 7 output gradients, and the step's reduction fusions exceed bf16's by at
+    most one split amax (2 kernels) per quantised tensor. Negative control: remat that keeps no
+    scales (the structure before) reduces x and w again in the backward."""
+    layers, tensors, gradients = 2, 11, 7
+    bf16 = passes.count(_llama_1b_layers(layers))
+    current = passes.count(_llama_1b_layers(layers, precision__fp8="current", precision__fp8_sites="all"))
+    assert current["fp8_transposes"] == 0 and current["quantising"]["forward"] == tensors * layers
+    assert current["amax_reductions"]["backward"] <= 2 * gradients * layers
+    assert current["reduction_fusions"] - bf16["reduction_fusions"] <= 2 * (tensors + gradients) * layers
+    assert current["hbm_bytes"] < 1.1 * bf16["hbm_bytes"]
+
+    dots = remat_module._SAVEABLE["dots"]
+    monkeypatch.setitem(remat_module._SAVEABLE, "dots", jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(MATMUL, BATCHED_MATMUL)),
+        remat_module._saves_flash_attention))
+    assert remat_module._SAVEABLE["dots"] is not dots
+    before = passes.count(_llama_1b_layers(layers, precision__fp8="current", precision__fp8_sites="all"))
+    assert before["amax_reductions"]["backward"] > 2 * gradients * layers
+    assert before["reduction_fusions"] - bf16["reduction_fusions"] > 2 * (tensors + gradients) * layers
+    assert before["hbm_bytes"] > current["hbm_bytes"]
+
+
+def test_the_fp8_transpose_count_sees_a_transposed_fp8_operand():
+    """The detector above can fail: an fp8 array written again transposed is one transpose of
+    fp8 data."""
+    one = targets.devices("h100", 1)[0]
+    q = jax.ShapeDtypeStruct((512, 256), jnp.float8_e4m3fn, sharding=jax.sharding.SingleDeviceSharding(one))
+    text = jax.jit(jnp.transpose).lower(q).compile().as_text()
+    assert passes.count(text)["fp8_transposes"] >= 1
 
 
 MOE = dict(model__num_experts=16, model__experts_per_token=2, model__expert_mlp_dim=128)

@@ -31,6 +31,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 from lm.model.matmul import F32, backward, einsum
+from sharding.remat import name_fp8_scales
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 ROLES = ("x", "w", "g")  # a matmul's input activation, its weight, the gradient of its output
@@ -206,7 +207,8 @@ def site_matmul(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
 def _site_fwd(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
     del probe  # only its gradient matters
     if mode.quantize and mode.current:  # g's scale comes from the output gradient, in the backward pass
-        scales = jnp.stack([current_scale(x, E4M3, mode.margin), current_scale(w, E4M3, mode.margin), scales[2]])
+        # Kept through remat: a recomputed forward quantises with them, reducing x and w once a step.
+        scales = name_fp8_scales(jnp.stack([current_scale(x, E4M3, mode.margin), current_scale(w, E4M3, mode.margin), scales[2]]))
     stats = [tensor_stats(t, d, s, mode.observe) for t, d, s in ((x, E4M3, scales[0]), (w, E4M3, scales[1]))]
     if not mode.quantize:
         return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(out_dtype), (x, w, scales, stats)

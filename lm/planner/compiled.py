@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from lm import GPU_MEMORY_FRACTION
-from lm.compiler import hlo, kernels, steptime, targets
+from lm.compiler import hlo, kernels, passes, steptime, targets
 from lm.data import corpus as lm_data
 from lm.model.flops import flops_per_token
 from lm.program.steps import placed, setup
@@ -61,6 +61,7 @@ def step_report(config, devices=None, compile_step: bool = True, save_hlo: str |
             # Against the pool JAX runs meshlm in, not the whole device.
             summary["fits"] = compiled.get("peak_estimate_bytes", 0) <= GPU_MEMORY_FRACTION * summary["device_memory_bytes"]
             summary["step_time"] = predicted_step(config, program, text, target, executable)
+            summary["passes"] = passes.count(text)
             if choice := program.spec.policy.fp8_choice:  # precision.fp8_sites=auto: what each site chose
                 summary["fp8_sites"] = choice.decisions
     return report.rows(state.params, program.abstract_model.logical_axes), summary
@@ -120,6 +121,8 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
         lines.append(f"  {'ms/step':>8} {'share':>6} {'runs':>5} {'kind':10} {'GFLOP/run':>10} {'MB/run':>9}  kernel, result")
         lines += [f"  {1e3 * r['seconds_per_step']:8.2f} {100 * r['share']:5.1f}% {r['count']:5d} {r['kind']:10} "
                   f"{r['flops_per_run'] / 1e9:10.2f} {r['bytes_per_run'] / 1e6:9.1f}  {r['name']}, {r['shape']}" for r in timed["top"]]
+    if counted := summary.get("passes"):
+        lines.append(passes.describe(counted))
     if sites := summary.get("fp8_sites"):
         lines.append("fp8 sites (precision.fp8_sites=auto; predicted forward + backward GEMMs per device, fp8 with its passes):")
         lines += [f"  {'fp8 ' if d['fp8'] else 'bf16'} {1e6 * d['bf16_s']:8.1f} us bf16 {1e6 * d['fp8_s']:8.1f} us fp8  {site}"

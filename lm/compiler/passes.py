@@ -1,0 +1,74 @@
+"""The memory-bound passes of a compiled step, counted per step from its optimized HLO (`count`):
+what fp8 adds to a step beside its GEMMs, comparable with the same step in bf16.
+
+Counted over `lm.compiler.kernels.table` (loops' trip counts applied), each kernel as forward or
+backward by its `op_name` (JAX names the backward pass `transpose(jvp(...))`):
+
+- `quantising`: kernels that write an fp8 array from wider data (a quantising pass; one may also
+  write other results), forward / backward;
+- `amax_reductions`: kernels whose computation reduces with `maximum` (an fp8 scale's amax, or
+  anything else taking a maximum: the loss's logits), forward / backward;
+- `fp8_transposes`: kernels that read fp8 data and write it again (a transpose or layout copy of
+  an fp8 operand: what an fp8 GEMM needs when its operand was written in the other layout);
+- `reduction_fusions`: runs of XLA's reduction (kInput) fusions;
+- `hbm_bytes`: bytes read and written by all kernels, and `pass_bytes`: by those other than GEMMs
+  and attention (the memory-bound work).
+"""
+
+from __future__ import annotations
+
+import re
+
+from lm.compiler import kernels
+
+BACKWARD = "transpose(jvp"
+_FP8 = re.compile(r"\bf8e\w+\[")
+_TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
+
+
+def _fp8(types: str) -> bool:
+    return bool(_FP8.search(types))
+
+
+def _reduces_with_max(module: kernels.Module, computation: str, seen: frozenset = frozenset()) -> bool:
+    for row in module.bodies.get(computation, []):
+        if row.op in ("reduce", "reduce-window") and (fn := _TO_APPLY.search(row.rest)):
+            if "maximum" in {r.op for r in module.bodies.get(fn.group(1), [])}:
+                return True
+        if any(_reduces_with_max(module, c, seen | {computation}) for c in set(row.called) - seen - {computation}):
+            return True
+    return False
+
+
+def count(hlo: str) -> dict:
+    module = kernels.Module(hlo)
+    rows = {(c, r.name): r for c, body in module.bodies.items() for r in body}
+    out = {"quantising": {"forward": 0, "backward": 0}, "amax_reductions": {"forward": 0, "backward": 0},
+           "fp8_transposes": 0, "reduction_fusions": 0, "hbm_bytes": 0.0, "pass_bytes": 0.0}
+    for k in kernels.table(hlo):
+        i = rows[(k.computation, k.name)]
+        out["hbm_bytes"] += k.count * k.bytes
+        if k.kind in ("gemm", "gemm_fp8", "attention"):
+            continue
+        out["pass_bytes"] += k.count * k.bytes
+        out["reduction_fusions"] += k.count if k.kind == "reduction" else 0
+        direction = "backward" if BACKWARD in i.rest else "forward"
+        reads_fp8 = any(_fp8(module.types.get(o, "")) for o in i.operands)
+        if _fp8(i.type):
+            if reads_fp8 and k.kind in ("transpose", "copy"):
+                out["fp8_transposes"] += k.count
+            elif not reads_fp8:
+                out["quantising"][direction] += k.count
+        if i.called and _reduces_with_max(module, i.called[0]):
+            out["amax_reductions"][direction] += k.count
+    return out
+
+
+def describe(c: dict) -> str:
+    q, a = c["quantising"], c["amax_reductions"]
+    line = (f"memory-bound passes per step: {c['reduction_fusions']} reduction fusions, {c['pass_bytes'] / 1e9:.2f} GB "
+            f"of {c['hbm_bytes'] / 1e9:.2f} GB HBM traffic")
+    if q["forward"] + q["backward"]:
+        line += (f"; fp8: {q['forward']} + {q['backward']} quantising (forward + backward), {a['forward']} + {a['backward']} "
+                 f"max-reductions, {c['fp8_transposes']} transposes of fp8 data")
+    return line
