@@ -22,6 +22,7 @@ from lm.data.corpus import nominal_vocab_size
 from lm.errors import UserError
 from lm.hardware import data_file
 from lm.model.attention import attention_kernel, cudnn_available
+from lm.model import precision as precision_module
 from lm.program.steps import setup
 from sharding import remat as remat_module
 from sharding.remat import BATCHED_MATMUL, MATMUL
@@ -502,19 +503,25 @@ def _llama_1b_layers(layers: int = 2, **overrides) -> str:
 
 
 def test_fp8_current_scaling_reduces_each_tensor_once_and_never_transposes_fp8_data(monkeypatch):
-    """Point 3 of the fp8 issue, counted on the compiled step (`lm.compiler.passes`). Per layer the
-    forward quantises 11 tensors once each (the attention and MLP inputs, the attention output,
-    the SwiGLU product, 7 weights), each fp8 copy written from wider data in the layout its GEMM
-    reads: no transpose of fp8 data. The scales are kept through remat, so the backward pass
-    reduces only the 7 output gradients, and the step's reduction fusions exceed bf16's by at
-    most one split amax (2 kernels) per quantised tensor. Negative control: remat that keeps no
-    scales (the structure before) reduces x and w again in the backward."""
-    layers, tensors, gradients = 2, 11, 7
+    """Point 3 of the fp8 issue, counted on the compiled step (`lm.compiler.passes`), the sites
+    `fp8_sites=auto` picks at `llama_1b`'s widths (q, o and the MLP; k / v stay bf16). Per layer
+    the forward quantises 9 tensors once each (the attention and MLP inputs, the attention
+    output, the SwiGLU product, 5 weights), each fp8 copy written from wider data in the layout
+    its GEMM reads: no transpose of fp8 data, and no transposed copy of the float32 weights
+    either (the weights' layout is pinned: XLA transposes each as it quantises it). The scales
+    are kept through remat, so the backward pass reduces only the 5 output gradients: the
+    step's max-reductions are one amax per quantised tensor (XLA splits a large one in two
+    kernels). Negative control: remat that keeps no scales (the structure before) reduces x and
+    w again in the backward."""
+    layers, tensors, gradients = 2, 9, 5
     bf16 = passes.count(_llama_1b_layers(layers))
-    current = passes.count(_llama_1b_layers(layers, precision__fp8="current", precision__fp8_sites="all"))
+    current = passes.count(_llama_1b_layers(layers, precision__fp8="current"))
     assert current["fp8_transposes"] == 0 and current["quantising"]["forward"] == tensors * layers
-    assert current["amax_reductions"]["backward"] <= 2 * gradients * layers
-    assert current["reduction_fusions"] - bf16["reduction_fusions"] <= 2 * (tensors + gradients) * layers
+    forward_amaxes = current["amax_reductions"]["forward"] - bf16["amax_reductions"]["forward"]
+    assert forward_amaxes <= 2 * tensors * layers and current["amax_reductions"]["backward"] <= 2 * gradients * layers
+    # Beyond the amaxes, XLA may recompute a layer's two RMS norms once more to feed their amaxes.
+    extra = current["reduction_fusions"] - bf16["reduction_fusions"]
+    assert extra <= forward_amaxes + current["amax_reductions"]["backward"] + 2 * layers
     assert current["hbm_bytes"] < 1.1 * bf16["hbm_bytes"]
 
     dots = remat_module._SAVEABLE["dots"]
@@ -523,10 +530,22 @@ def test_fp8_current_scaling_reduces_each_tensor_once_and_never_transposes_fp8_d
             jax.checkpoint_policies.checkpoint_dots, jax.checkpoint_policies.save_only_these_names(MATMUL, BATCHED_MATMUL)),
         remat_module._saves_flash_attention))
     assert remat_module._SAVEABLE["dots"] is not dots
-    before = passes.count(_llama_1b_layers(layers, precision__fp8="current", precision__fp8_sites="all"))
+    before = passes.count(_llama_1b_layers(layers, precision__fp8="current"))
     assert before["amax_reductions"]["backward"] > 2 * gradients * layers
-    assert before["reduction_fusions"] - bf16["reduction_fusions"] > 2 * (tensors + gradients) * layers
-    assert before["hbm_bytes"] > current["hbm_bytes"]
+    assert before["reduction_fusions"] > current["reduction_fusions"] and before["hbm_bytes"] > current["hbm_bytes"]
+
+
+def test_fp8_weights_are_transposed_as_they_are_quantised_not_copied_transposed_in_float32(monkeypatch):
+    """An fp8 GEMM reads its weight with the contracted axes minor. Left to itself, XLA met that
+    by giving the layer loop the float32 weight stack in that layout: a transposed float32 copy
+    of every weight, each step (8 bytes a parameter moved, 4 kept: 10.5 GiB on the wide proxy,
+    which then did not fit an H100). Pinned to its stored layout (`Policy.matmul`), the weight is
+    transposed inside the kernel that quantises it: the step moves no byte through a transpose,
+    as in bf16. Negative control: without the pin the transposed copies are back."""
+    fp8 = passes.count(_llama_1b_layers(2, precision__fp8="delayed"))
+    assert fp8["transpose_bytes"] == 0 == passes.count(_llama_1b_layers(2))["transpose_bytes"]
+    monkeypatch.setattr(precision_module, "with_layout_constraint", lambda x, layout: x)
+    assert passes.count(_llama_1b_layers(2, precision__fp8="delayed"))["transpose_bytes"] > 0
 
 
 def test_the_fp8_transpose_count_sees_a_transposed_fp8_operand():

@@ -10,7 +10,10 @@ backward by its `op_name` (JAX names the backward pass `transpose(jvp(...))`):
   anything else taking a maximum: the loss's logits), forward / backward;
 - `fp8_transposes`: kernels that read fp8 data and write it again (a transpose or layout copy of
   an fp8 operand: what an fp8 GEMM needs when its operand was written in the other layout);
-- `reduction_fusions`: runs of XLA's reduction (kInput) fusions;
+- `reduction_fusions`: runs of kernels that reduce (XLA's kInput fusions also transpose: those
+  that only transpose are not counted);
+- `transpose_bytes`: bytes moved by kernels that only transpose (any type: a transposed copy of
+  the float32 weights for an fp8 GEMM's layout is one);
 - `hbm_bytes`: bytes read and written by all kernels, and `pass_bytes`: by those other than GEMMs
   and attention (the memory-bound work).
 """
@@ -30,12 +33,15 @@ def _fp8(types: str) -> bool:
     return bool(_FP8.search(types))
 
 
-def _reduces_with_max(module: kernels.Module, computation: str, seen: frozenset = frozenset()) -> bool:
+def _reduces(module: kernels.Module, computation: str, with_max: bool, seen: frozenset = frozenset()) -> bool:
+    """Whether `computation` (or one it calls) reduces: at all, or `with_max` with `maximum`."""
     for row in module.bodies.get(computation, []):
         if row.op in ("reduce", "reduce-window") and (fn := _TO_APPLY.search(row.rest)):
-            if "maximum" in {r.op for r in module.bodies.get(fn.group(1), [])}:
+            if not with_max or "maximum" in {r.op for r in module.bodies.get(fn.group(1), [])}:
                 return True
-        if any(_reduces_with_max(module, c, seen | {computation}) for c in set(row.called) - seen - {computation}):
+        if row.op in ("reduce", "reduce-window"):
+            continue
+        if any(_reduces(module, c, with_max, seen | {computation}) for c in set(row.called) - seen - {computation}):
             return True
     return False
 
@@ -44,14 +50,16 @@ def count(hlo: str) -> dict:
     module = kernels.Module(hlo)
     rows = {(c, r.name): r for c, body in module.bodies.items() for r in body}
     out = {"quantising": {"forward": 0, "backward": 0}, "amax_reductions": {"forward": 0, "backward": 0},
-           "fp8_transposes": 0, "reduction_fusions": 0, "hbm_bytes": 0.0, "pass_bytes": 0.0}
+           "fp8_transposes": 0, "reduction_fusions": 0, "transpose_bytes": 0.0, "hbm_bytes": 0.0, "pass_bytes": 0.0}
     for k in kernels.table(hlo):
         i = rows[(k.computation, k.name)]
         out["hbm_bytes"] += k.count * k.bytes
         if k.kind in ("gemm", "gemm_fp8", "attention"):
             continue
         out["pass_bytes"] += k.count * k.bytes
-        out["reduction_fusions"] += k.count if k.kind == "reduction" else 0
+        out["transpose_bytes"] += k.count * k.bytes if k.kind == "transpose" else 0
+        reduces = bool(i.called) and _reduces(module, i.called[0], with_max=False)
+        out["reduction_fusions"] += k.count if reduces else 0
         direction = "backward" if BACKWARD in i.rest else "forward"
         reads_fp8 = any(_fp8(module.types.get(o, "")) for o in i.operands)
         if _fp8(i.type):
@@ -59,7 +67,7 @@ def count(hlo: str) -> dict:
                 out["fp8_transposes"] += k.count
             elif not reads_fp8:
                 out["quantising"][direction] += k.count
-        if i.called and _reduces_with_max(module, i.called[0]):
+        if reduces and _reduces(module, i.called[0], with_max=True):
             out["amax_reductions"][direction] += k.count
     return out
 
@@ -67,7 +75,7 @@ def count(hlo: str) -> dict:
 def describe(c: dict) -> str:
     q, a = c["quantising"], c["amax_reductions"]
     line = (f"memory-bound passes per step: {c['reduction_fusions']} reduction fusions, {c['pass_bytes'] / 1e9:.2f} GB "
-            f"of {c['hbm_bytes'] / 1e9:.2f} GB HBM traffic")
+            f"of {c['hbm_bytes'] / 1e9:.2f} GB HBM traffic ({c['transpose_bytes'] / 1e9:.2f} GB transposing)")
     if q["forward"] + q["backward"]:
         line += (f"; fp8: {q['forward']} + {q['backward']} quantising (forward + backward), {a['forward']} + {a['backward']} "
                  f"max-reductions, {c['fp8_transposes']} transposes of fp8 data")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from lm.model.fp8 import (
     ROLES,
@@ -67,10 +68,12 @@ class Policy:
         """`einsum(spec, x, w)` on compute-dtype inputs, accumulated in float32 forward and
         backward; the result is in `out_dtype` (default: the compute dtype). At a `site`, in fp8
         when the policy says so (and no `fp8_suspended()` is in force)."""
-        x, w = self.cast(x), self.cast(w)
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
         quantize = (self.fp8 is not None and site is not None and not is_suspended()
                     and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape)))
+        if quantize:
+            w = with_layout_constraint(w, Layout(tuple(range(w.ndim))))
+        x, w = self.cast(x), self.cast(w)
         if site is None or not (quantize or self.observe):
             y = plain_matmul(spec, out_dtype, x, w)
         else:
