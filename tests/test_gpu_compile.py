@@ -539,9 +539,10 @@ def test_fp8_weights_are_transposed_as_they_are_quantised_not_copied_transposed_
     """An fp8 GEMM reads its weight with the contracted axes minor. Left to itself, XLA met that
     by giving the layer loop the float32 weight stack in that layout: a transposed float32 copy
     of every weight, each step (8 bytes a parameter moved, 4 kept: 10.5 GiB on the wide proxy,
-    which then did not fit an H100). Pinned to its stored layout (`Policy.matmul`), the weight is
-    transposed inside the kernel that quantises it: the step moves no byte through a transpose,
-    as in bf16. Negative control: without the pin the transposed copies are back."""
+    which then did not fit an H100). Pinned to its stored layout (`Policy.pin_weight_layouts`,
+    where each device holds whole weights), the weight is transposed inside the kernel that
+    quantises it: the step moves no byte through a transpose, as in bf16. Negative control:
+    without the pin the transposed copies are back."""
     fp8 = passes.count(_llama_1b_layers(2, precision__fp8="delayed"))
     assert fp8["transpose_bytes"] == 0 == passes.count(_llama_1b_layers(2))["transpose_bytes"]
     monkeypatch.setattr(precision_module, "with_layout_constraint", lambda x, layout: x)

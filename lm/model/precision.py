@@ -38,6 +38,12 @@ class Policy:
     # precision.fp8_sites=auto: (einsum, x shape, w shape) -> does fp8 pay at this site? Set by the
     # program for its GPU target (`lm.compiler.steptime.Fp8SiteChoice`); None: every site.
     fp8_choice: Callable[[str, tuple, tuple], bool] | None = None
+    # An fp8 GEMM reads its weight with the contracted axes minor; left free, XLA gives the layer
+    # loop the float32 weight stack in that layout (a transposed copy of every weight, each
+    # step). Pinned to the stored layout, each weight is transposed as it is quantised. Set by the
+    # program where each device holds whole weights: XLA then gathered split weights before
+    # quantising them (in float32, not fp8), so under fsdp / tensor / context it stays unset.
+    pin_weight_layouts: bool = False
 
     @classmethod
     def from_config(cls, precision) -> Policy:
@@ -71,7 +77,7 @@ class Policy:
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
         quantize = (self.fp8 is not None and site is not None and not is_suspended()
                     and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape)))
-        if quantize:
+        if quantize and self.pin_weight_layouts:
             w = with_layout_constraint(w, Layout(tuple(range(w.ndim))))
         x, w = self.cast(x), self.cast(w)
         if site is None or not (quantize or self.observe):

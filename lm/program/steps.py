@@ -336,6 +336,8 @@ def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), obse
         tokens = mesh.shape["data"] * mesh.shape["expert"] * mesh.shape["fsdp"] * mesh.shape["context"]
         choice = steptime.Fp8SiteChoice(target, tokens, mesh.shape["tensor"])
         spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, fp8_choice=choice))
+    if spec.policy.fp8 and all(mesh.shape[axis] == 1 for axis in ("fsdp", "tensor", "context")):
+        spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, pin_weight_layouts=True))
     if spec.model.attention == "cudnn":  # before a run directory is written, not at the first trace
         check_cudnn(mesh.devices.flat[0].platform, spec.policy.compute_dtype, spec.model.head_dim)
     return Program(spec, mesh, faults)
