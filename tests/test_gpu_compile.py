@@ -21,8 +21,8 @@ from lm.compiler import hlo, passes, targets
 from lm.data.corpus import nominal_vocab_size
 from lm.errors import UserError
 from lm.hardware import data_file
-from lm.model.attention import attention_kernel, cudnn_available
 from lm.model import precision as precision_module
+from lm.model.attention import attention_kernel, cudnn_available
 from lm.program.steps import setup
 from sharding import remat as remat_module
 from sharding.remat import BATCHED_MATMUL, MATMUL
