@@ -535,18 +535,23 @@ def test_fp8_current_scaling_reduces_each_tensor_once_and_never_transposes_fp8_d
     assert before["reduction_fusions"] > current["reduction_fusions"] and before["hbm_bytes"] > current["hbm_bytes"]
 
 
-def test_fp8_weights_are_transposed_as_they_are_quantised_not_copied_transposed_in_float32(monkeypatch):
-    """An fp8 GEMM reads its weight with the contracted axes minor. Left to itself, XLA met that
-    by giving the layer loop the float32 weight stack in that layout: a transposed float32 copy
-    of every weight, each step (8 bytes a parameter moved, 4 kept: 10.5 GiB on the wide proxy,
-    which then did not fit an H100). Pinned to its stored layout (`Policy.pin_weight_layouts`,
-    where each device holds whole weights), the weight is transposed inside the kernel that
-    quantises it: the step moves no byte through a transpose, as in bf16. Negative control:
-    without the pin the transposed copies are back."""
-    fp8 = passes.count(_llama_1b_layers(2, precision__fp8="delayed"))
-    assert fp8["transpose_bytes"] == 0 == passes.count(_llama_1b_layers(2))["transpose_bytes"]
+def test_fp8_weights_are_written_in_both_layouts_by_one_pass_not_copied_transposed_in_float32(monkeypatch):
+    """An fp8 GEMM reads its weight with the contracted axes minor, the input-gradient GEMM with
+    the free axes minor (as stored). Left to itself, XLA met the forward's need by giving the layer
+    loop the float32 weight stacks in that layout: a transposed float32 copy of every weight, each
+    step (8 bytes a parameter moved, 4 kept: 10.5 GiB on the wide proxy, which then did not fit
+    an H100). Pinned to its stored layout (`Policy.pin_weight_layouts`, where each device holds
+    whole weights), each of the 5 fp8 weights a layer is written in both layouts by one kernel
+    (remat `none`: nothing recomputed) and the step moves no byte through a transpose, as in
+    bf16. Negative control: without the pin the transposed copies are back and no kernel writes
+    both layouts."""
+    layers, weights = 2, 5
+    fp8 = passes.count(_llama_1b_layers(layers, precision__fp8="delayed", model__remat="none"))
+    assert fp8["both_layouts"] >= weights * layers and fp8["fp8_transposes"] == 0
+    assert fp8["transpose_bytes"] == 0 == passes.count(_llama_1b_layers(layers))["transpose_bytes"]
     monkeypatch.setattr(precision_module, "with_layout_constraint", lambda x, layout: x)
-    assert passes.count(_llama_1b_layers(2, precision__fp8="delayed"))["transpose_bytes"] > 0
+    unpinned = passes.count(_llama_1b_layers(layers, precision__fp8="delayed", model__remat="none"))
+    assert unpinned["transpose_bytes"] > 0 and unpinned["both_layouts"] < weights * layers
 
 
 def test_the_fp8_transpose_count_sees_a_transposed_fp8_operand():

@@ -6,6 +6,8 @@ backward by its `op_name` (JAX names the backward pass `transpose(jvp(...))`):
 
 - `quantising`: kernels that write an fp8 array from wider data (a quantising pass; one may also
   write other results), forward / backward;
+- `both_layouts`: of those, kernels writing one tensor's fp8 copy twice, transposed (the two
+  layouts an fp8 weight's forward and input-gradient GEMMs read);
 - `amax_reductions`: kernels whose computation reduces with `maximum` (an fp8 scale's amax, or
   anything else taking a maximum: the loss's logits), forward / backward;
 - `fp8_transposes`: kernels that read fp8 data and write it again (a transpose or layout copy of
@@ -20,9 +22,11 @@ backward by its `op_name` (JAX names the backward pass `transpose(jvp(...))`):
 
 from __future__ import annotations
 
+import math
 import re
 
 from lm.compiler import kernels
+from lm.compiler.hlo import buffers
 
 BACKWARD = "transpose(jvp"
 _FP8 = re.compile(r"\bf8e\w+\[")
@@ -49,7 +53,7 @@ def _reduces(module: kernels.Module, computation: str, with_max: bool, seen: fro
 def count(hlo: str) -> dict:
     module = kernels.Module(hlo)
     rows = {(c, r.name): r for c, body in module.bodies.items() for r in body}
-    out = {"quantising": {"forward": 0, "backward": 0}, "amax_reductions": {"forward": 0, "backward": 0},
+    out = {"quantising": {"forward": 0, "backward": 0}, "both_layouts": 0, "amax_reductions": {"forward": 0, "backward": 0},
            "fp8_transposes": 0, "reduction_fusions": 0, "transpose_bytes": 0.0, "hbm_bytes": 0.0, "pass_bytes": 0.0}
     for k in kernels.table(hlo):
         i = rows[(k.computation, k.name)]
@@ -62,11 +66,14 @@ def count(hlo: str) -> dict:
         out["reduction_fusions"] += k.count if reduces else 0
         direction = "backward" if BACKWARD in i.rest else "forward"
         reads_fp8 = any(_fp8(module.types.get(o, "")) for o in i.operands)
+        reads_wider = any(math.prod(d) > 1 for o in i.operands for t, d in buffers(module.types.get(o, "")) if not t.startswith("f8"))
         if _fp8(i.type):
             if reads_fp8 and k.kind in ("transpose", "copy"):
                 out["fp8_transposes"] += k.count
-            elif not reads_fp8:
+            elif reads_wider and not reads_fp8:  # (not the zero fill of a buffer)
                 out["quantising"][direction] += k.count
+                copies = [(t, math.prod(d)) for t, d in buffers(i.type) if t.startswith("f8")]
+                out["both_layouts"] += k.count if len(set(copies)) < len(copies) else 0
         if reduces and _reduces(module, i.called[0], with_max=True):
             out["amax_reductions"][direction] += k.count
     return out
@@ -77,6 +84,6 @@ def describe(c: dict) -> str:
     line = (f"memory-bound passes per step: {c['reduction_fusions']} reduction fusions, {c['pass_bytes'] / 1e9:.2f} GB "
             f"of {c['hbm_bytes'] / 1e9:.2f} GB HBM traffic ({c['transpose_bytes'] / 1e9:.2f} GB transposing)")
     if q["forward"] + q["backward"]:
-        line += (f"; fp8: {q['forward']} + {q['backward']} quantising (forward + backward), {a['forward']} + {a['backward']} "
-                 f"max-reductions, {c['fp8_transposes']} transposes of fp8 data")
+        line += (f"; fp8: {q['forward']} + {q['backward']} quantising (forward + backward; {c['both_layouts']} writing "
+                 f"both layouts), {a['forward']} + {a['backward']} max-reductions, {c['fp8_transposes']} transposes of fp8 data")
     return line
