@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.layout import Layout, with_layout_constraint
 
 from lm.model.fp8 import (
     ROLES,
@@ -27,6 +26,13 @@ from lm.model.fp8 import (
 from lm.model.matmul import F32, has_batch_dims
 from lm.model.matmul import matmul as plain_matmul
 from sharding.remat import name_matmul
+
+try:  # jax's layout API is still experimental: where it moved or changed, weights go unpinned
+    from jax.experimental.layout import Layout, with_layout_constraint
+
+    Layout(major_to_minor=(0,))
+except (ImportError, TypeError):
+    Layout = with_layout_constraint = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +83,7 @@ class Policy:
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
         quantize = (self.fp8 is not None and site is not None and not is_suspended()
                     and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape)))
-        if quantize and self.pin_weight_layouts:
+        if quantize and self.pin_weight_layouts and with_layout_constraint is not None:
             w = with_layout_constraint(w, Layout(tuple(range(w.ndim))))
         x, w = self.cast(x), self.cast(w)
         if site is None or not (quantize or self.observe):
