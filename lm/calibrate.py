@@ -6,7 +6,7 @@
     python -m lm.calibrate --step_time=benchmarks/results/h200_2026-11-27 --target=h200 [--write]
 
 `--memory` compiles the train step of small configurations under a spread of layouts and fits
-the coefficients of `lm.planner.cost`'s temporaries terms to XLA's memory analysis (non-negative least
+the coefficients of `lm.planner.memory`'s temporaries terms to XLA's memory analysis (non-negative least
 squares), per platform. The one step-time constant, the matmul efficiency (the share of the
 dense peak the model's FLOPs run at), is fitted to one published figure of the same compiler
 (`--published --fit`: MaxText's Llama-3-70B bf16 step on 128 H100s); every other row of
@@ -38,7 +38,7 @@ from lm.planner.calibration import (
     published_rows,
     table,
 )
-from lm.planner.cost import calibration
+from lm.planner.memory import calibration
 
 
 def main(argv: list[str]) -> None:

@@ -1,6 +1,6 @@
-"""The config schema: every key meshlm reads, its default, the checks run before training, and
+"""The config schema: every key meshlm reads, its default, and
 overrides (`--config.KEY=VALUE`) applied with their types checked. Recipe files are read by
-`lm.recipe`; `lm.program.spec.RunSpec` is what a config is parsed into.
+`lm.recipe`; its checks are `lm.config_checks`; `lm.program.spec.RunSpec` is what a config is parsed into.
 
 Recipe files in `configs/` start from `default_config()` and change what they need;
 `apply_overrides` validates the result and locks it, so a misspelt key (in a file or on the
@@ -10,15 +10,14 @@ command line) is an error, not a new field, and a locked config is a validated o
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import ml_collections
 from ml_collections import config_dict
 
+from lm.config_checks import validate
 from lm.errors import UserError
-from lm.model.config import config_defaults, moe_problem
-from sharding.remat import REMAT
+from lm.model.config import config_defaults
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -117,150 +116,6 @@ def default_config() -> ml_collections.ConfigDict:
         fp8_sites="auto",  # auto: on a GPU target, fp8 only at matmuls the step-time model says it speeds up | all
     )
     return c
-
-
-_CHOICES = {
-    "model.norm": ("rmsnorm", "layernorm"),
-    "model.position": ("rope", "learned"),
-    "model.mlp": ("swiglu", "gelu"),
-    "model.rope_scaling": ("none", "linear", "llama3"),
-    "model.remat": REMAT,
-    "model.attention": ("auto", "cudnn", "xla", "einsum"),
-    "train.on_nonfinite": ("skip", "stop"),
-    "optim.name": ("adamw", "muon"),
-    "pipeline.remat": REMAT,
-    "pipeline.schedule": ("gpipe", "1f1b", "1f1b_per_stage"),
-    "precision.param_dtype": ("float32", "bfloat16"),
-    "precision.compute_dtype": ("float32", "bfloat16", "float16"),
-    "precision.mu_dtype": ("float32", "bfloat16"),
-    "precision.fp8": ("off", "delayed", "current"),
-    "precision.fp8_sites": ("auto", "all"),
-}
-
-_POSITIVE = (
-    "model.num_layers", "model.embed_dim", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
-    "model.vocab_multiple", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
-    "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "train.spike_window", "train.spike_steps",
-    "train.spike_max_rollbacks", "optim.muon_ns_steps", "eval.every_steps", "eval.batch_size", "pipeline.repeats", "checkpoint.every_steps",
-    "checkpoint.keep", "data.vocab_size",
-    "precision.fp8_history", "precision.loss_scale_initial", "precision.loss_scale_growth_interval",
-    "precision.loss_scale_min", "optim.lr", "optim.eps", "model.rope_theta", "model.norm_eps",
-    "model.rope_factor", "model.rope_original_max_len",
-)
-_NOT_NEGATIVE = (
-    "optim.weight_decay", "optim.clip_norm", "optim.warmup_steps", "optim.decay_steps", "model.head_dim",
-    "model.vocab_size", "model.max_positions", "model.sliding_window", "model.num_experts", "model.expert_mlp_dim",
-    "model.shared_experts", "model.expert_capacity_factor", "model.router_aux_loss_coef", "model.router_z_loss_coef",
-    "model.expert_bias_rate",
-    "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed", "data.workers", "eval.limit",
-)
-# [low, high) intervals
-_INTERVALS = {"optim.muon_momentum": (0.0, 1.0), "optim.b1": (0.0, 1.0), "optim.b2": (0.0, 1.0), "optim.min_lr_ratio": (0.0, 1.0 + 1e-12)}
-
-
-def _numbers(c, prefix: str = ""):
-    """(dotted key, value) of every number in the config, booleans aside."""
-    for key, value in c.items():
-        if isinstance(value, ml_collections.ConfigDict):
-            yield from _numbers(value, f"{prefix}{key}.")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            yield f"{prefix}{key}", value
-
-
-def _get(c, dotted: str):
-    for part in dotted.split("."):
-        c = c[part]
-    return c
-
-
-def validate(c: ml_collections.ConfigDict) -> None:
-    """Checks that need no devices or data; raises UserError naming the key and the fix."""
-    for key, choices in _CHOICES.items():
-        if _get(c, key) not in choices:
-            raise UserError(f"--config.{key}={_get(c, key)!r} is not one of {', '.join(choices)}")
-    for key, value in _numbers(c):
-        if not math.isfinite(value):
-            raise UserError(f"--config.{key} must be a finite number, got {value}")
-    for key in _POSITIVE:
-        if _get(c, key) <= 0:
-            raise UserError(f"--config.{key} must be positive, got {_get(c, key)}")
-    for key in _NOT_NEGATIVE:
-        if _get(c, key) < 0:
-            raise UserError(f"--config.{key} must be zero or positive, got {_get(c, key)}")
-    for key, (low, high) in _INTERVALS.items():
-        if not low <= _get(c, key) < high:
-            raise UserError(f"--config.{key} must be in [{low:g}, {min(high, 1.0):g}{')' if high <= 1.0 else ']'}, got {_get(c, key)}")
-    if not c.train.spike_factor > 1.0:
-        raise UserError(f"--config.train.spike_factor must be above 1 (a multiple of the recent mean loss), got {c.train.spike_factor}")
-    m = c.model
-    if m.num_heads % m.num_kv_heads:
-        raise UserError(
-            f"model.num_heads={m.num_heads} is not a multiple of model.num_kv_heads={m.num_kv_heads}"
-        )
-    if not m.head_dim and m.embed_dim % m.num_heads:
-        raise UserError(
-            f"model.embed_dim={m.embed_dim} is not divisible by model.num_heads={m.num_heads}; "
-            "set model.head_dim explicitly"
-        )
-    if m.position == "rope" and head_dim(c) % 2:
-        raise UserError(f"RoPE needs an even head_dim, got {head_dim(c)}")
-    if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-        raise UserError(
-            f"model.rope_scaling=llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, "
-            f"got {m.rope_low_freq_factor} and {m.rope_high_freq_factor}"
-        )
-    if m.position == "learned" and m.max_positions and c.train.seq_len > m.max_positions:
-        raise UserError(
-            f"train.seq_len={c.train.seq_len} is longer than the model's {m.max_positions} learned positions "
-            "(model.max_positions); lower train.seq_len"
-        )
-    if problem := moe_problem(m, c.mesh.expert, c.mesh.stage):
-        raise UserError(problem)
-    if c.train.batch_size % c.train.grad_accum:
-        raise UserError(
-            f"train.batch_size={c.train.batch_size} is not divisible by "
-            f"train.grad_accum={c.train.grad_accum}"
-        )
-    if not 0.0 < c.data.val_fraction < 1.0:
-        raise UserError(f"data.val_fraction must be in (0, 1), got {c.data.val_fraction}")
-    _validate_precision(c)
-
-
-def _validate_precision(c: ml_collections.ConfigDict) -> None:
-    p = c.precision
-    if str(p.loss_scale) not in ("auto", "none", "dynamic"):
-        try:
-            number = float(p.loss_scale)
-        except ValueError:
-            number = 0.0
-        if not (number > 0 and math.isfinite(number)):
-            raise UserError(f"--config.precision.loss_scale={p.loss_scale!r} is not one of auto, none, dynamic or a positive number")
-    if not p.loss_scale_growth_factor > 1.0 or not 0.0 < p.loss_scale_backoff < 1.0:
-        raise UserError(
-            f"precision.loss_scale_growth_factor must be > 1 and precision.loss_scale_backoff in (0, 1), "
-            f"got {p.loss_scale_growth_factor} and {p.loss_scale_backoff}"
-        )
-    skip = str(p.fp8_skip).replace(" ", "")
-    layers = c.model.num_layers
-    for index in filter(None, skip.split(",")):
-        try:
-            ok = -layers <= int(index) < layers
-        except ValueError:
-            ok = False
-        if not ok:
-            raise UserError(
-                f"--config.precision.fp8_skip={p.fp8_skip!r}: {index!r} is not a layer index of the "
-                f"{layers} layers; give comma-separated indices, negative from the end (e.g. 0,-1)"
-            )
-    if c.data.document_masking and c.mesh.stage > 1:
-        raise UserError(
-            "data.document_masking with pipeline stages (mesh.stage > 1) is not supported yet: the pipeline "
-            "carries one set of positions for every microbatch; use mesh.stage=1"
-        )
-
-
-def head_dim(c: ml_collections.ConfigDict) -> int:
-    return c.model.head_dim or c.model.embed_dim // c.model.num_heads
 
 
 def shape_fields(c: ml_collections.ConfigDict) -> dict:

@@ -21,7 +21,7 @@ FLOORS = (
     ("lm", "lm.errors", "sharding"),
     ("lm.hardware", "lm.paths"),
     ("lm.model",),
-    ("lm.config", "lm.recipe"),
+    ("lm.config", "lm.config_checks", "lm.recipe"),
     ("lm.data",),
     ("lm.compiler",),
     ("lm.program",),

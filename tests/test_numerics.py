@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from conftest import fast_config, recipe, train_run
 
-from lm.config import UserError, validate
+from lm.config import UserError
+from lm.config_checks import validate
 from lm.model.fp8 import Fp8Recipe, MatmulSite, tensor_stats, update_fp8
 from lm.model.precision import Policy
 from lm.program.checkpoint import Checkpointer

@@ -19,7 +19,8 @@ from lm.hardware.systems import System
 from lm.planner import calibration as calibrate
 from lm.planner import search
 from lm.planner.compiled import step_report
-from lm.planner.cost import Cost, calibration
+from lm.planner.cost import Cost
+from lm.planner.memory import calibration
 from lm.planner.parallelism import Parallelism
 from lm.planner.run import run_of
 from lm.program.steps import setup

@@ -27,14 +27,11 @@ import jax
 import jax.numpy as jnp
 
 import sharding
-from lm.model.matmul import backward, summed_as, varying
+from lm.model.matmul import F32, backward, summed_as, varying
 from sharding.remat import name_matmul
 
-F32 = jnp.float32
 INPUT_AXES = ("batch", "length", "act_embed")  # the MLP's input: the sequence gathered over `tensor`
 ROUTING_AXES = ("batch", "length", None)
-
-
 
 
 @jax.custom_vjp

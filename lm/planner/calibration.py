@@ -14,7 +14,8 @@ from lm.config import apply_overrides, default_config
 from lm.hardware import data_file
 from lm.hardware.systems import System
 from lm.planner.compiled import step_report
-from lm.planner.cost import MEMORY_TERMS, Cost
+from lm.planner.cost import Cost
+from lm.planner.memory import MEMORY_TERMS
 from lm.planner.parallelism import Parallelism
 from lm.planner.run import Run, run_of
 from lm.recipe import load_file

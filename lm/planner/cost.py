@@ -1,11 +1,5 @@
-"""What one layout of a training run costs each GPU, from formulas: memory and step time.
-
-Memory per device: the state (parameters, optimizer state, fp8 state) exactly, from the sharding
-rules and the abstract state's shapes, as `lm.layout` reports it; the step's temporaries as a
-sum of modelled terms (gradients and their accumulator, the activations each remat policy keeps,
-one layer's working set, the weights' compute-dtype copies, the logits, the head's table whole
-under FSDP), each weighted by a coefficient fitted once to XLA's memory analysis of small
-compiles (`lm.calibrate --memory`). Its inputs (Parallelism, System, Run) are `lm.planner.run`.
+"""What one layout of a training run costs each GPU, from formulas: its step time, on top of its
+memory (`lm.planner.memory.Memory`, whose shares of the work it uses).
 
 Step time: FLOPs (`lm.model.flops.flops_per_token`, plus what remat recomputes) at one calibrated
 share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
@@ -20,19 +14,16 @@ pipeline and data-parallel collectives are counted as exposed.
 
 from __future__ import annotations
 
-import functools
-import json
 from functools import cached_property
 
-from lm.hardware import data_file
 from lm.hardware.systems import System
+from lm.planner.memory import Memory, pipeline_report
 from lm.planner.network import ring_seconds, send_bandwidth
 from lm.planner.parallelism import Parallelism
-from lm.planner.run import Run, StateLeaf
+from lm.planner.run import Run
 from sharding.mesh import MESH_AXES
-from sharding.schedules import PipelinePlan, balanced_slots, report
+from sharding.schedules import balanced_slots
 
-MEMORY_TERMS = ("grads", "accumulator", "saved", "layer", "weights", "logits", "head")
 # jax 0.10.2's XLA:GPU runs `ragged_dot` as one masked GEMM per group over every row (seen in the
 # deviceless H100 compile of moe_tiny: f32[8,512,192] GEMMs for 8 experts over 512 rows).
 RAGGED_DOT_IS_DENSE = True
@@ -41,155 +32,14 @@ RAGGED_DOT_IS_DENSE = True
 DROPLESS_IMBALANCE = 1.25
 
 
-@functools.cache
-def mesh_state_bytes(state: tuple[StateLeaf, ...], mesh: tuple[tuple[str, int], ...], spread: bool) -> dict:
-    """`Cost.state_bytes` of a mesh (its (axis, size) pairs), remembered: the planner costs many
-    layouts of one mesh."""
-    sizes = dict(mesh)
-    out = {"params": 0, "opt_state": 0, "other": 0, "grads": 0}
-    for leaf in state:
-        out[leaf.kind] += leaf.device_bytes(sizes, spread and leaf.kind == "opt_state")
-        if leaf.kind == "params":
-            out["grads"] += leaf.device_bytes(sizes, spread)
-    return out
-
-
-@functools.cache
-def pipeline_report(plan: PipelinePlan, layers: int) -> dict:
-    """`sharding.schedules.report` of a plan (bubble, stash depth), remembered."""
-    return report(plan, layers)
-
-
-def calibration() -> dict:
-    """The fitted constants: the matmul efficiency and each platform's memory coefficients."""
-    return json.loads(data_file("calibration.json").read_text())
-
-
-class Cost:
-    """One layout of one run on one system: memory per device (bytes) and step time (seconds).
-    `platform` picks the memory coefficients: `gpu` (flash attention) or `cpu` (einsum)."""
+class Cost(Memory):
+    """One layout of one run on one system: memory per device (bytes, `Memory`'s) and step time
+    (seconds)."""
 
     def __init__(self, run: Run, parallelism: Parallelism, system: System, platform: str = "gpu", constants: dict | None = None):
-        self.run, self.parallelism, self.system, self.platform = run, parallelism, system, platform
-        self.constants = constants or calibration()
-        m, lay = run.model, parallelism
-        self.replica_batch = run.batch // (lay.data * lay.expert * lay.fsdp)
-        self.passes = lay.microbatches if lay.stage > 1 else lay.grad_accum  # forward-backward passes per step
-        self.microbatch = self.replica_batch // self.passes
-        self.local_tokens = self.microbatch * run.seq_len // lay.context  # per pass, on each device
-        self.layers = m.num_layers // lay.stage
+        super().__init__(run, parallelism, platform, constants)
+        self.system = system
 
-    # ---- memory -------------------------------------------------------------------------------
-
-    @cached_property
-    def state_bytes(self) -> dict:
-        """Per device: the state's parameters, optimizer state and the rest (`other`), and the
-        gradients as the update takes them (`grads`: the parameters' placement, or with ZeRO-1
-        the optimizer state's)."""
-        return dict(mesh_state_bytes(self.run.state, tuple(self.parallelism.mesh.items()), self.parallelism.optimizer_over_data))
-
-    def _kept_bytes(self, sequence_parallel: bool | None = None) -> dict:
-        """Bytes per local token of what one block keeps for its backward pass, by remat policy,
-        re-derived for this block (Korthikanti et al. 2022's accounting; checked against
-        `jax.ad_checkpoint` residuals): q / k / v and attention widths are per tensor shard, the
-        residual stream per sequence-parallel shard; cuDNN attention keeps only its output and
-        softmax statistics, einsum attention (CPU) its float32 scores."""
-        m, lay, e = self.run.model, self.parallelism, self.run.compute_bytes
-        sequence_parallel = lay.sequence_parallel if sequence_parallel is None else sequence_parallel
-        t, sp, cpu = lay.tensor, lay.tensor if sequence_parallel else 1, self.platform == "cpu"
-        d, q, kv, f = m.embed_dim, m.num_heads * m.head_dim / t, m.num_kv_heads * m.head_dim / t, m.mlp_dim / t
-        hidden = 4 if cpu else e  # the MLP's up projections leave the matmul in float32 on CPU
-        up = 2 if m.mlp == "swiglu" else 1
-        residual = d * e / sp
-        projections = (q + 2 * kv) * e
-        gathered_kv = 2 * kv * (lay.context - 1) * e  # the other context shards' keys and values
-        scores = m.num_heads / t * self.run.seq_len * 4 if cpu else 0.0  # einsum attention only
-        statistics = m.num_heads / t * 4  # flash attention's float32 softmax statistics, per query
-        # The attention and MLP output projections are kept as their reduced results: split along
-        # the sequence under sequence parallelism (reduce-scattered), else whole.
-        matmul_outputs = residual + projections + 2 * d * e / sp + up * f * hidden
-        return {
-            "full": residual,
-            "qkv_proj": residual + projections,
-            "dots_no_batch": matmul_outputs,
-            # Attention's output too: einsum attention's matmuls, or flash attention's results by name.
-            "dots": matmul_outputs + q * e + (scores if cpu else statistics),
-            # Both norms' float32 input, normalised and scaled copies and their output; queries,
-            # keys, values and the attention output; the MLP's projections, activation internals
-            # and product.
-            "none": 2 * (12 + e) * d / sp + (2 * q + 2 * kv) * e + gathered_kv + (up + 3) * f * hidden + f * e + scores,
-        }
-
-    @property
-    def _recomputes_ticks(self) -> bool:
-        """Whether a pipeline recomputes each tick's forward in its backward (pipeline.remat full)."""
-        return self.parallelism.stage > 1 and self.parallelism.pipeline_remat == "full"
-
-    def memory_terms(self) -> dict:
-        """Bytes per device of each modelled term of the step's temporaries (before coefficients)."""
-        lay, kept = self.parallelism, self._kept_bytes()
-        saved = self.layers * kept[lay.remat] * self.local_tokens
-        if lay.stage > 1:
-            stash = pipeline_report(lay.plan, self.run.model.num_layers)["stash_depth"]
-            if self._recomputes_ticks:  # every stage input the schedule keeps, plus one tick's layers on recompute
-                saved += stash * kept["full"] * self.local_tokens
-            else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash),
-                # and the set a forward has just made or a backward is using, apart from the ring
-                saved *= (stash + 1) / lay.repeats
-        # The gradients as the update takes them (spread over the replicas with ZeRO-1). Several
-        # passes per step (accumulation, pipeline microbatches): a float32 accumulator too. With
-        # ZeRO-1, XLA carries the update's placement back into the accumulation loop (each pass's
-        # gradients reduce-scattered, the accumulator spread), but not into a pipeline's loop.
-        grads = self.state_bytes["grads"]
-        accumulator = grads if lay.stage == 1 else self.state_bytes["params"]
-        return {
-            "grads": grads,
-            "accumulator": accumulator if self.passes > 1 else 0.0,
-            "saved": saved,
-            # One block's intermediates, alive in its backward; the compiled working set does not
-            # shrink with sequence parallelism (measured: tensor 8 with and without it).
-            "layer": self._kept_bytes(sequence_parallel=False)["none"] * self.local_tokens,
-            "weights": self._weight_copies(),
-            "logits": self._logits_bytes(),
-            "head": self._gathered_head_bytes(),
-        }
-
-    def _gathered_head_bytes(self) -> float:
-        """Under FSDP the head is gathered whole for its matmul (its vocabulary split over `stage` x
-        `tensor`), in the parameters' dtype, and its gradient computed whole before the
-        reduce-scatter: seen in XLA's buffer assignment, a large share of small models' memory."""
-        lay, m = self.parallelism, self.run.model
-        if lay.fsdp * lay.context == 1:
-            return 0.0
-        return m.vocab_size * m.embed_dim / (lay.stage * lay.tensor) * self.run.param_bytes
-
-    def _logits_bytes(self) -> float:
-        """The float32 logits alive at once, split over `stage` x `tensor` (the vocabulary rule): a
-        microbatch's (every pipeline runs the head one microbatch at a time)."""
-        lay, vocab = self.parallelism, self.run.model.vocab_size
-        return self.local_tokens * vocab / (lay.stage * lay.tensor) * 4
-
-    def _weight_copies(self) -> float:
-        """The blocks' weights in the compute dtype (every local shard cast), plus under FSDP a
-        gathered layer in use and the next one arriving (gathered in the parameters' dtype)."""
-        lay = self.parallelism
-        layer = self.run.layer_weights(lay.tensor, lay.expert)
-        fsdp = lay.fsdp * lay.context
-        gathered = 2 * layer * self.run.param_bytes if fsdp > 1 else 0.0
-        return self.layers * layer / fsdp * self.run.compute_bytes + gathered
-
-    @cached_property
-    def memory(self) -> dict:
-        """Per-device bytes: state (exact), temporaries (modelled), and their sum."""
-        state = self.state_bytes
-        coefficients = self.constants["memory"][self.platform]
-        terms = self.memory_terms()
-        temporaries = coefficients.get("constant", 0.0) + sum(coefficients[k] * terms[k] for k in MEMORY_TERMS)
-        out = {"params": state["params"], "opt_state": state["opt_state"] + state["other"], "temporaries": int(temporaries)}
-        out["total"] = sum(out.values())
-        return out
-
-    # ---- step time ----------------------------------------------------------------------------
 
     def _ring(self, axes: tuple[str, ...], gathered_bytes: float, kind: str = "gather") -> float:
         """`lm.planner.network.ring_seconds` over this layout's mesh."""

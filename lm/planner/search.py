@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from lm.config import apply_overrides
 from lm.hardware.systems import System
 from lm.planner.compiled import step_report
-from lm.planner.cost import Cost, calibration
+from lm.planner.cost import Cost
+from lm.planner.memory import calibration
 from lm.planner.parallelism import Parallelism
 from lm.planner.run import Run
 from sharding.mesh import MESH_AXES
