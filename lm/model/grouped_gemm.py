@@ -1,0 +1,310 @@
+"""The grouped GEMM of dropless experts: rows sorted by group, row block g multiplied by w[g]; its
+input and weight gradients. `model.grouped_gemm` picks the implementation:
+
+- `xla`: `jax.lax.ragged_dot` (and `ragged_dot_general` for the weight gradient). On CPUs a
+  loop over the groups; on GPUs jax 0.10.2 / 0.11.2's XLA rewrites it to one dense GEMM over
+  every group for every row, masked (num_groups x the work).
+- `pallas`: Pallas Mosaic GPU kernels for Hopper, here: persistent over the SMs, one warpgroup
+  MMA tile per (row tile, column tile), TMA loads pipelined over the contraction. Row tiles come
+  from a tile table made once per layer from the group sizes (`Tiles`): a tile lies in one
+  group, only the tiles that hold rows run, so the work is the real rows' (plus a partial tile
+  per group boundary), however large the buffer holding them (expert parallelism receives into
+  room for every assignment of every device). The weight gradient runs per group over the
+  group's own row blocks, the rows outside it masked in the first and last block. Inputs and
+  results in the compute dtype (bf16 / f16), float32 accumulation. Off GPUs the same kernels
+  run in Pallas' GPU interpreter (slow; tests).
+- `auto`: `pallas` on GPUs where the dtype and shapes allow it (`pallas_fits`), else `xla`.
+
+Chosen over jax's own `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu` (which taught the
+structure): the former computes a tile for every row block of the buffer whether or not it holds
+rows (8x the work under 8-way expert parallelism), and the latter asks the process's first
+device for its SM count, which fails when compiling for a GPU from a CPU host. cuDNN's grouped
+GEMM (`--xla_gpu_experimental_use_ragged_dot_fusion`) still compiles to the dense rewrite on
+jax 0.10.2; Transformer Engine's needs its CUDA library loaded to compile.
+
+Shape suffixes: m rows, k contracted, n columns, g groups, t row tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import sharding
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+# Hopper's SMs (H100 SXM and H200 alike); a real device's own count where it reports one.
+HOPPER_SMS = 132
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
+STAGES = 4  # TMA loads in flight per tile
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+# The kernels' names, as they appear in a compiled program's metadata (`lm.compiler.kernels`).
+ROWS_KERNEL, WEIGHT_GRAD_KERNEL = "grouped_gemm_rows", "grouped_gemm_weight_grad"
+
+
+def pallas_fits(k: int, n: int, dtype) -> str:
+    """Why the Pallas kernels cannot take a [*, k] x [k, n] grouped GEMM ('' where they can)."""
+    if jnp.dtype(dtype) not in map(jnp.dtype, KERNEL_DTYPES):
+        return f"the kernels take bfloat16 or float16, not {jnp.dtype(dtype).name}"
+    if k % BLOCK_M or n % BLOCK_M:
+        return f"the widths {k} and {n} must be multiples of {BLOCK_M}"
+    return ""
+
+
+def resolve(implementation: str, platform: str, k: int, n: int, dtype) -> str:
+    """The implementation `implementation` means on `platform` for these widths and dtype."""
+    if implementation == "auto":
+        return "pallas" if platform == "gpu" and not pallas_fits(k, n, dtype) else "xla"
+    return implementation
+
+
+class Tiles(NamedTuple):
+    """The row tiles of rows sorted by group: per tile its group, its row block, where in the
+    block the group's rows start and how many there are; and per group its rows' start and
+    end and its first row block (for the weight gradient). Made once per layer (`tiles`), used
+    by the forward and both gradients."""
+
+    count: jax.Array  # [1] tiles that hold rows
+    group_t: jax.Array
+    block_t: jax.Array
+    offset_t: jax.Array
+    rows_t: jax.Array
+    start_g: jax.Array
+    end_g: jax.Array
+    first_block_g: jax.Array
+    blocks_g: jax.Array  # row blocks of BLOCK_K rows each group spans (the weight gradient's)
+
+
+def tiles(sizes_g: jax.Array, rows: int, block_m: int = BLOCK_M, block_k: int = BLOCK_K) -> Tiles:
+    """The tile table of `rows` rows whose first sum(sizes_g) are sorted into groups of
+    `sizes_g`: a group of r rows starting at s spans the row blocks s // block_m .. (s + r - 1)
+    // block_m; a block two groups share is a tile of each."""
+    sizes = sizes_g.astype(jnp.int32)
+    end = jnp.cumsum(sizes)
+    start = end - sizes
+    first = start // block_m
+    spans = jnp.where(sizes > 0, (end - 1) // block_m - first + 1, 0)
+    tile_end = jnp.cumsum(spans)
+    most = -(-rows // block_m) + sizes.shape[0] - 1  # every block, plus one per group boundary
+    t = jnp.arange(most, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
+    block = first[group] + t - (tile_end - spans)[group]
+    lo = jnp.maximum(start[group], block * block_m)
+    hi = jnp.minimum(end[group], (block + 1) * block_m)
+    real = t < tile_end[-1]
+    k_first = start // block_k
+    k_blocks = jnp.where(sizes > 0, -(-end // block_k) - k_first, 0)
+    return Tiles(tile_end[-1:], jnp.where(real, group, 0), jnp.where(real, block, 0), jnp.where(real, lo - block * block_m, 0),
+                 jnp.where(real, hi - lo, 0), start, end, k_first.astype(jnp.int32), k_blocks.astype(jnp.int32))
+
+
+def _sms() -> int:
+    """The SMs of the GPU the program is for (a compile-only device may not say: Hopper's)."""
+    return getattr(sharding.device(), "core_count", 0) or HOPPER_SMS
+
+
+def _interpret():
+    """Where the program is not for a GPU: Pallas' GPU interpreter's parameters (else None)."""
+    if sharding.platform() == "gpu":
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def _plgpu():
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return pl, plgpu
+
+
+def _mma(pl, plgpu, acc_ref, a_smem, b_smem, transpose_a: bool = False, transpose_b: bool = False):
+    """acc += a @ b on SMEM tiles, either given transposed (a view: the MMA reads it so).
+    Pallas' GPU interpreter (jax 0.10.2) ignores transposed views, so there the tiles are copied
+    transposed into SMEM first."""
+    if _interpret() is None:
+        view = lambda ref, t: plgpu.transpose_ref(ref, (1, 0)) if t else ref  # noqa: E731
+        plgpu.wgmma(acc_ref, view(a_smem, transpose_a), view(b_smem, transpose_b))
+        return
+    flipped = lambda ref, t: ref.shape[::-1] if t else ref.shape  # noqa: E731
+
+    def copied(a_copy, b_copy):
+        for ref, copy, t in ((a_smem, a_copy, transpose_a), (b_smem, b_copy, transpose_b)):
+            copy[...] = ref[...].T if t else ref[...]
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, a_copy, b_copy)
+
+    pl.run_scoped(copied, plgpu.SMEM(flipped(a_smem, transpose_a), a_smem.dtype), plgpu.SMEM(flipped(b_smem, transpose_b), b_smem.dtype))
+
+
+def _store_rows(pl, plgpu, o_smem, o_gmem, first_row, offset, rows, column, block_m: int, block_n: int):
+    """Rows `offset` .. `offset + rows` of the tile in SMEM to the result from row `first_row +
+    offset`. TMA copies have static shapes, so `rows` goes as its binary digits: one copy of
+    2^i rows for each bit set."""
+    at = offset
+    size = block_m
+    while size >= 1:
+        @pl.when(rows & size != 0)
+        def _(at=at, size=size):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(at, size)], o_gmem.at[pl.ds(first_row + at, size), pl.ds(column, block_n)])
+
+        at = at + (rows & size)
+        size //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool):
+    """[m, n] = each real row of lhs_mk times its group's rhs[g] ([k, n], or [n, k] given
+    `transpose_rhs`); rows past the groups are left unwritten."""
+    pl, plgpu = _plgpu()
+    m, k = lhs_mk.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bn, bk = BLOCK_M, BLOCK_N, BLOCK_K
+    grid_n = n // bn
+
+    def grouped_gemm_rows(count, group_t, block_t, offset_t, rows_t, lhs_gmem, rhs_gmem, o_gmem):
+        real = count[0]
+
+        @plgpu.nd_loop((real * grid_n,), collective_axes="sm")
+        def _tile(info):
+            t, ni = plgpu.planar_snake(info.index[0], (real, grid_n), 1, 1)
+            block, group = block_t[t], group_t[t]
+
+            def accumulate(acc_ref):
+                plgpu.emit_pipeline(
+                    lambda _, a_smem, b_smem: _mma(pl, plgpu, acc_ref, a_smem, b_smem, transpose_b=transpose_rhs),
+                    grid=(k // bk,),
+                    in_specs=[
+                        plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=1),
+                        plgpu.BlockSpec((bn, bk) if transpose_rhs else (bk, bn), (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
+                                        delay_release=1),
+                    ],
+                    max_concurrent_steps=STAGES,
+                )(lhs_gmem, rhs_gmem.at[group])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), o_gmem.dtype))
+            def _store(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                _store_rows(pl, plgpu, o_smem, o_gmem, block * bm, offset_t[t], rows_t[t], ni * bn, min(bm, m), bn)
+
+    kernel = plgpu.kernel(
+        grouped_gemm_rows, out_type=jax.ShapeDtypeStruct((m, n), lhs_mk.dtype), grid=(_sms(),), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=_interpret(),
+    )
+    return kernel(table.count, table.group_t, table.block_t, table.offset_t, table.rows_t, lhs_mk, rhs)
+
+
+def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int):
+    """[g, k, n]: per group, its rows of x_mk (transposed) times its rows of dy_mn, over the
+    group's own row blocks (the rows of its neighbours in a shared block masked to zero)."""
+    pl, plgpu = _plgpu()
+    m, k = x_mk.shape
+    n = dy_mn.shape[1]
+    bm, bn, bk = BLOCK_M, BLOCK_N, BLOCK_K  # here: bm along k (x's columns), bk along the rows
+    swizzle = plgpu.find_swizzle(bk * jnp.dtype(x_mk.dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(x_mk.dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+    grid_k, grid_n = k // bm, n // bn
+
+    def grouped_gemm_weight_grad(start_g, end_g, first_g, blocks_g, x_gmem, dy_gmem, o_gmem):
+        @plgpu.nd_loop((groups, grid_k * grid_n), collective_axes="sm")
+        def _tile(info):
+            g = info.index[0]
+            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, 1)
+            first = pl.multiple_of(first_g[g] * bk, bk)
+            # Rows first .. first + m: past the array's end for a late group, but the pipeline reads
+            # only the group's blocks.
+            rows = pl.ds(first, m)
+
+            def accumulate(acc_ref):
+                def step(index, x_smem, dy_smem):
+                    r = index[0]
+
+                    def keep(lo, hi):
+                        # x_smem is [bk rows, bm]: zero its rows outside [lo, hi) of this block.
+                        row = jax.lax.broadcasted_iota(jnp.int32, (bk, bm), 0)
+                        row = row if _interpret() else plgpu.layout_cast(row, plgpu.Layout.WGMMA)  # the interpreter has no layouts
+                        x_smem[...] = x_smem[...] * ((row >= lo) & (row < hi)).astype(x_smem.dtype)
+                        plgpu.commit_smem()
+
+                    @pl.when((r == 0) | (r == blocks_g[g] - 1))
+                    def _():
+                        base = first + r * bk
+                        keep(jnp.maximum(start_g[g] - base, 0), jnp.minimum(end_g[g] - base, bk))
+
+                    _mma(pl, plgpu, acc_ref, x_smem, dy_smem, transpose_a=True)
+
+                @pl.when(blocks_g[g] > 0)
+                def _():
+                    plgpu.emit_pipeline(
+                        step,
+                        grid=(blocks_g[g],),
+                        in_specs=[
+                            plgpu.BlockSpec((bk, bm), lambda r: (r, ki), delay_release=1, transforms=transforms),
+                            plgpu.BlockSpec((bk, bn), lambda r: (r, ni), delay_release=1, transforms=transforms),
+                        ],
+                        max_concurrent_steps=2,
+                    )(x_gmem.at[rows, :], dy_gmem.at[rows, :])
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
+
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), o_gmem.dtype, transforms=transforms))
+            def _store(o_smem):
+                o_smem[...] = acc.astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        grouped_gemm_weight_grad, out_type=jax.ShapeDtypeStruct((groups, k, n), x_mk.dtype), grid=(_sms(),), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=_interpret(),
+    )
+    return kernel(table.start_g, table.end_g, table.first_block_g, table.blocks_g, x_mk, dy_mn)
+
+
+def _real_rows(y_mn, table: Tiles):
+    """Rows past the groups as zeros (`ragged_dot`'s), where the kernels leave them unwritten."""
+    row = jnp.arange(y_mn.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(row < table.end_g[-1], y_mn, 0)
+
+
+def rows_scope(real_rows: int) -> str:
+    """The name scope the kernels run under: the rows they are expected to hold (the static
+    buffer may be larger), for the kernel model."""
+    return f"{ROWS_KERNEL}_expect_{real_rows}"
+
+
+def grouped(x_mk, w_gkn, sizes_g, table: Tiles | None = None, *, transpose_w: bool = False, implementation: str = "xla"):
+    """Row block g of x_mk (sorted by group) times w_gkn[g] ([k, n]; w_gnk transposed given
+    `transpose_w`), in x's dtype with float32 accumulation. `implementation` is resolved
+    (`resolve`)."""
+    if implementation == "pallas":
+        table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
+        return _real_rows(_rows_kernel(x_mk, w_gkn.astype(x_mk.dtype), table, transpose_w), table)
+    w = w_gkn.swapaxes(1, 2) if transpose_w else w_gkn
+    return jax.lax.ragged_dot(x_mk, w.astype(x_mk.dtype), sizes_g, preferred_element_type=jnp.float32).astype(x_mk.dtype)
+
+
+def weight_grad(x_mk, dy_mn, sizes_g, table: Tiles | None = None, *, implementation: str = "xla"):
+    """[g, k, n]: per group, x's rows transposed times dy's (float32)."""
+    if implementation == "pallas":
+        table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
+        return _weight_grad_kernel(x_mk, dy_mn.astype(x_mk.dtype), table, sizes_g.shape[0]).astype(jnp.float32)
+    rows = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return jax.lax.ragged_dot_general(x_mk, dy_mn.astype(x_mk.dtype), sizes_g, rows, preferred_element_type=jnp.float32)
+
+
+def flops(rows: int, k: int, n: int) -> float:
+    """One grouped GEMM's FLOPs: its real rows', 2 x rows x k x n."""
+    return 2.0 * rows * k * n if rows and k and n else 0.0
+
