@@ -11,6 +11,8 @@ import ml_collections
 
 from lm.errors import UserError
 from lm.model.config import moe_problem
+from lm.model.grouped_gemm import IMPLEMENTATIONS as GROUPED_GEMMS
+from lm.model.grouped_gemm import pallas_fits
 from sharding.remat import REMAT
 
 _CHOICES = {
@@ -20,6 +22,7 @@ _CHOICES = {
     "model.rope_scaling": ("none", "linear", "llama3"),
     "model.remat": REMAT,
     "model.attention": ("auto", "cudnn", "xla", "einsum"),
+    "model.grouped_gemm": GROUPED_GEMMS,
     "train.on_nonfinite": ("skip", "stop"),
     "optim.name": ("adamw", "muon"),
     "pipeline.remat": REMAT,
@@ -110,6 +113,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
         )
     if problem := moe_problem(m, c.mesh.expert, c.mesh.stage):
         raise UserError(problem)
+    width = (m.expert_mlp_dim or m.mlp_dim) // max(1, c.mesh.tensor)
+    if m.num_experts and m.grouped_gemm == "pallas" and m.expert_capacity_factor == 0 and (
+            problem := pallas_fits(m.embed_dim, width, c.precision.compute_dtype)):
+        raise UserError(f"model.grouped_gemm=pallas: {problem} (embed_dim and each device's expert width here); use model.grouped_gemm=auto")
     if c.train.batch_size % c.train.grad_accum:
         raise UserError(
             f"train.batch_size={c.train.batch_size} is not divisible by "

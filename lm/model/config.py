@@ -54,9 +54,9 @@ class ModelConfig:
     # > 0: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the selection scores,
     # moved by this much each step toward an even load (a parameter no gradient reaches).
     expert_bias_rate: float = 0.0
-    # > 0: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the selection scores,
-    # moved by this much each step toward an even load (kept in the train state).
-    expert_bias_rate: float = 0.0
+    # The dropless experts' grouped GEMM (lm.model.grouped_gemm): auto (Pallas kernels on GPUs
+    # where dtype and widths allow, else XLA's ragged_dot) | xla | pallas.
+    grouped_gemm: str = "auto"
     # How the layers run (the same maths): remat (sharding.remat.REMAT: what a layer keeps); scan_layers
     # False unrolls the layer loop (faster on CPU, slower to compile); attention auto (cudnn on
     # GPU where it applies, einsum on CPU) | cudnn | xla | einsum.

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import sharding
+from lm.model import grouped_gemm
 from lm.model.matmul import F32, backward, summed_as, varying
 from sharding.remat import name_matmul
 
@@ -34,24 +35,27 @@ INPUT_AXES = ("batch", "length", "act_embed")  # the MLP's input: the sequence g
 ROUTING_AXES = ("batch", "length", None)
 
 
-@jax.custom_vjp
-def grouped_matmul(x_md, w_edf, group_sizes_e):
-    """`ragged_dot(x, w)`: row block g of the rows sorted by group through w[g]."""
-    return jax.lax.ragged_dot(x_md, w_edf.astype(x_md.dtype), group_sizes_e, preferred_element_type=F32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def grouped_matmul(x_md, w_edf, group_sizes_e, table, implementation: str, expected_rows: int):
+    """Row block g of the rows sorted by group through w[g] (`lm.model.grouped_gemm`, by
+    `implementation`; `table`: its tile table, made once per layer, or None), under a name
+    scope giving the rows it is expected to hold (the kernel model's)."""
+    with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
+        return grouped_gemm.grouped(x_md, w_edf, group_sizes_e, table, implementation=implementation)
 
 
-def _grouped_fwd(x_md, w_edf, group_sizes_e):
-    return grouped_matmul(x_md, w_edf, group_sizes_e), (x_md, w_edf.astype(x_md.dtype), group_sizes_e)
+def _grouped_fwd(x_md, w_edf, group_sizes_e, table, implementation, expected_rows):
+    y = grouped_matmul(x_md, w_edf, group_sizes_e, table, implementation, expected_rows)
+    return y, (x_md, w_edf.astype(x_md.dtype), group_sizes_e, table)
 
 
-def _grouped_bwd(residuals, dy_mf):
-    x_md, w_edf, group_sizes_e = residuals
+def _grouped_bwd(implementation, expected_rows, residuals, dy_mf):
+    x_md, w_edf, group_sizes_e, table = residuals
     dy = dy_mf.astype(x_md.dtype)
-    dx = jax.lax.ragged_dot(dy, w_edf.swapaxes(1, 2), group_sizes_e, preferred_element_type=F32)
-    # The weight gradient contracts the rows, group by group: [e, d, f].
-    rows = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    dw = jax.lax.ragged_dot_general(x_md, dy, group_sizes_e, rows, preferred_element_type=F32)
-    return summed_as(dx.astype(x_md.dtype), x_md), summed_as(dw, w_edf), None
+    with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
+        dx = grouped_gemm.grouped(dy, w_edf, group_sizes_e, table, transpose_w=True, implementation=implementation)
+        dw = grouped_gemm.weight_grad(x_md, dy, group_sizes_e, table, implementation=implementation)  # [e, d, f]
+    return summed_as(dx.astype(x_md.dtype), x_md), summed_as(dw, w_edf), None, None
 
 
 grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
@@ -95,22 +99,28 @@ def _gathered_bwd(axes, axis, dtype, _, dw):
 gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
-def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype):
+def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype, implementation: str, expected_rows: int):
     """Rows sorted by group through the groups' SwiGLU experts (rows past the groups: zeros)."""
-    # Tagged as matmul outputs: what remat's `dots` policies keep (a custom VJP hides the dot).
-    dot = lambda a, w: name_matmul(grouped_matmul(a, w, group_sizes_e), batched=False)  # noqa: E731
+    d, f = w_in.shape[1:]
+    implementation = grouped_gemm.resolve(implementation, sharding.platform(), d, f, dtype)
+    # The tile table, once for the layer's three grouped GEMMs and their gradients.
+    table = grouped_gemm.tiles(group_sizes_e, x_md.shape[0]) if implementation == "pallas" else None
+
+    def dot(a, w):  # tagged as a matmul output: what remat's `dots` policies keep (a custom VJP hides the dot)
+        return name_matmul(grouped_matmul(a, w, group_sizes_e, table, implementation, expected_rows), batched=False)
+
     x = x_md.astype(dtype)
-    h = (jax.nn.silu(dot(x, w_gate)) * dot(x, w_in)).astype(dtype)
+    h = (jax.nn.silu(dot(x, w_gate).astype(F32)) * dot(x, w_in)).astype(dtype)
     return dot(h, w_out)
 
 
-def _grouped(x_md, group_m, w_in, w_gate, w_out, dtype):
+def _grouped(x_md, group_m, w_in, w_gate, w_out, dtype, implementation: str, expected_rows: int):
     """Each row through expert `group_m` (values >= the experts here: no expert, zeros), by one
-    grouped matmul over the rows sorted by expert."""
+    grouped matmul over the rows sorted by expert; `expected_rows` of them real on average."""
     experts = w_in.shape[0]
     order = jnp.argsort(group_m, stable=True)
     sizes = jnp.bincount(group_m, length=experts).astype(jnp.int32)  # out-of-range ids not counted
-    y_sorted = _ragged_swiglu(x_md[order], sizes, w_in, w_gate, w_out, dtype)
+    y_sorted = _ragged_swiglu(x_md[order], sizes, w_in, w_gate, w_out, dtype, implementation, expected_rows)
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
 
 
@@ -208,7 +218,7 @@ _gpu_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_experts, capacity_factor, dtype,
-                  axes: dict[str, tuple[str, ...]]):
+                  axes: dict[str, tuple[str, ...]], implementation: str = "auto"):
     """One device's part of the experts' output [b, t, d] and its dropped assignments (summed over
     the devices). `axes`: the mesh axes of 'experts', 'embed', 'mlp' and the token-splitting ones
     ('tokens'), all manual here (empty: one device)."""
@@ -236,7 +246,7 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
     else:
         flat = ids_nk.reshape(-1)
         if ways == 1:
-            y_nkd = _grouped(jnp.repeat(x_nd, k, axis=0), flat, w_in, w_gate, w_out, dtype).reshape(n, k, d)
+            y_nkd = _grouped(jnp.repeat(x_nd, k, axis=0), flat, w_in, w_gate, w_out, dtype, implementation, n * k).reshape(n, k, d)
         else:  # dropless: each device receives into room for every assignment from every device
             order = jnp.argsort(flat, stable=True)  # by destination device, then by its expert
             counts = jnp.bincount(flat[order] // here, length=ways).astype(jnp.int32)
@@ -248,7 +258,7 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
             group = axes["experts"]
             recv = ragged_exchange(x_nd[order // k], starts, counts, room, recv_counts, ways * n * k, 0, group)
             recv_group = _ragged(flat[order] % here, jnp.full((ways * n * k,), here, flat.dtype), starts, counts, room, recv_counts, group)
-            y = _grouped(recv, recv_group, w_in, w_gate, w_out, dtype)
+            y = _grouped(recv, recv_group, w_in, w_gate, w_out, dtype, implementation, n * k)  # an even share: n k rows of ways n k
             chunks = jnp.arange(ways, dtype=jnp.int32) * n * k
             back = ragged_exchange(y, chunks, recv_counts, their_starts, counts, n * k, 0, group)
             y_nkd = jnp.zeros_like(back).at[order].set(back).reshape(n, k, d)
@@ -261,14 +271,16 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
     return y_nd.reshape(b, t, d), dropped
 
 
-def apply_experts(x_btd, routing_ids, routing_weights, w_in, w_gate, w_out, *, num_experts: int, capacity_factor: float, dtype):
+def apply_experts(x_btd, routing_ids, routing_weights, w_in, w_gate, w_out, *, num_experts: int, capacity_factor: float, dtype,
+                  implementation: str = "auto"):
     """The experts' weighted outputs [b, t, d] (float32) and the dropped assignments, each device
     running its shards (`local_experts`) under the mesh in force, or everything on one device."""
     axes = {name: sharding.active_axes(name) for name in ("experts", "embed", "mlp")}
     axes["tokens"] = tuple(dict.fromkeys(sharding.active_axes("batch") + sharding.active_axes("length")))
 
     def local(*args):
-        return local_experts(*args, num_experts=num_experts, capacity_factor=capacity_factor, dtype=dtype, axes=axes)
+        return local_experts(*args, num_experts=num_experts, capacity_factor=capacity_factor, dtype=dtype, axes=axes,
+                             implementation=implementation)
 
     weight_in_axes, weight_out_axes = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
     run = sharding.per_shard(

@@ -218,7 +218,7 @@ def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int):
         @plgpu.nd_loop((groups, grid_k * grid_n), collective_axes="sm")
         def _tile(info):
             g = info.index[0]
-            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, 1)
+            ki, ni = jax.lax.div(info.index[1], grid_n), jax.lax.rem(info.index[1], grid_n)  # (planar_snake crashes XLA:CPU's folding on a 1 x 1 grid)
             first = pl.multiple_of(first_g[g] * bk, bk)
             # Rows first .. first + m: past the array's end for a late group, but the pipeline reads
             # only the group's blocks.
@@ -284,22 +284,29 @@ def rows_scope(real_rows: int) -> str:
     return f"{ROWS_KERNEL}_expect_{real_rows}"
 
 
+def _padded_rows(a):
+    """`a` with zero rows up to a multiple of BLOCK_M (a TMA tile read past the end is zeros on a
+    GPU but an error in the interpreter); usually a no-op: rows are tokens x experts per token."""
+    return jnp.pad(a, ((0, -a.shape[0] % BLOCK_M), (0, 0))) if a.shape[0] % BLOCK_M else a
+
+
 def grouped(x_mk, w_gkn, sizes_g, table: Tiles | None = None, *, transpose_w: bool = False, implementation: str = "xla"):
     """Row block g of x_mk (sorted by group) times w_gkn[g] ([k, n]; w_gnk transposed given
-    `transpose_w`), in x's dtype with float32 accumulation. `implementation` is resolved
-    (`resolve`)."""
+    `transpose_w`), accumulated in float32: float32 from `xla`, x's dtype from `pallas` (its
+    tiles are stored so). `implementation`: `xla` or `pallas` (`resolve` maps `auto`)."""
     if implementation == "pallas":
         table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
-        return _real_rows(_rows_kernel(x_mk, w_gkn.astype(x_mk.dtype), table, transpose_w), table)
+        y_mn = _rows_kernel(_padded_rows(x_mk), w_gkn.astype(x_mk.dtype), table, transpose_w)[: x_mk.shape[0]]
+        return _real_rows(y_mn, table)
     w = w_gkn.swapaxes(1, 2) if transpose_w else w_gkn
-    return jax.lax.ragged_dot(x_mk, w.astype(x_mk.dtype), sizes_g, preferred_element_type=jnp.float32).astype(x_mk.dtype)
+    return jax.lax.ragged_dot(x_mk, w.astype(x_mk.dtype), sizes_g, preferred_element_type=jnp.float32)
 
 
 def weight_grad(x_mk, dy_mn, sizes_g, table: Tiles | None = None, *, implementation: str = "xla"):
     """[g, k, n]: per group, x's rows transposed times dy's (float32)."""
     if implementation == "pallas":
         table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
-        return _weight_grad_kernel(x_mk, dy_mn.astype(x_mk.dtype), table, sizes_g.shape[0]).astype(jnp.float32)
+        return _weight_grad_kernel(_padded_rows(x_mk), _padded_rows(dy_mn.astype(x_mk.dtype)), table, sizes_g.shape[0]).astype(jnp.float32)
     rows = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     return jax.lax.ragged_dot_general(x_mk, dy_mn.astype(x_mk.dtype), sizes_g, rows, preferred_element_type=jnp.float32)
 

@@ -203,6 +203,7 @@ class MoeMlp(nnx.Module):
             x_btd, routing.ids_nk.reshape(b, t, k), routing.weights_nk.reshape(b, t, k),
             self.w_in[...], self.w_gate[...], self.w_out[...],
             num_experts=cfg.num_experts, capacity_factor=cfg.expert_capacity_factor, dtype=self.policy.compute_dtype,
+            implementation=cfg.grouped_gemm,
         )
         if self.shared is not None:
             y = y + self.shared(x_btd).astype(F32)
