@@ -7,7 +7,8 @@ body, its known trip count times; a conditional's costliest branch): a fusion, a
 come from the kernel's own operands and results, not its inner ops, except where a fusion reads
 a slice of an operand (`dynamic-slice` of a layer's weights out of the stacked ones) or updates
 one in place (`dynamic-update-slice`): there the slice's bytes count. FLOPs are counted for
-GEMMs (2 M N K from the dot's dimensions) and cuDNN attention (4 B H Sq Skv D forward, causal at
+GEMMs (2 M N K from the dot's dimensions), meshlm's grouped GEMMs (2 x the rows they are expected
+to hold x K x N: `grouped_gemm_cost`) and cuDNN attention (4 B H Sq Skv D forward, causal at
 half, backward 2.5x forward); other kernels count one FLOP per result element. The times are
 `lm.compiler.steptime`'s.
 """
@@ -28,6 +29,10 @@ NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "
 CONTROL = {"while", "conditional", "call"}
 # Workspace buffers of library calls: scratch, not data the kernel streams.
 _WORKSPACE = {"s8", "u8"}
+# meshlm's grouped-GEMM kernels (lm.model.grouped_gemm), named in a Pallas call's op_name, and the
+# rows they are expected to hold (the name scope around them).
+GROUPED_KERNELS = re.compile(r'op_name="[^"]*/(grouped_gemm_rows|grouped_gemm_weight_grad)/')
+_EXPECTED_ROWS = re.compile(r'op_name="[^"]*/expected_rows_(\d+)/')
 
 
 class Kernel(NamedTuple):
@@ -61,6 +66,8 @@ def kind(op: str, rest: str, fused_ops: set[str] = frozenset()) -> str:
     target = re.search(r'custom_call_target="([^"]+)"', rest)
     if op == "custom-call" and target:
         name = target.group(1)
+        if name.startswith("mosaic_gpu") and GROUPED_KERNELS.search(rest):
+            return "grouped_gemm"
         return "gemm" if "matmul" in name or "gemm" in name else "attention" if "fmha" in name else "custom-call"
     if op == "dot":
         return "gemm"
@@ -191,6 +198,24 @@ def attention_flops(module: Module, i: Instruction) -> float:
     return 2.5 * forward if "Backward" in i.rest else forward
 
 
+def grouped_gemm_cost(module: Module, i: Instruction) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one grouped-GEMM kernel from its expected rows r (the buffer's rows
+    where no scope says), contracted width k and columns n: 2 r k n, and r rows of its row
+    operand and of its row result plus every group's weights (the rows kernel: [m, k] rows x
+    [g, k, n] weights -> [m, n]; the weight gradient: [m, k] and [m, n] rows -> [g, k, n])."""
+    operands = [buffers(module.types.get(o, ""))[0] for o in i.operands[-2:]]
+    (dtype, lhs), (_, rhs) = operands
+    result = _dims(i.type)
+    expected = _EXPECTED_ROWS.search(i.rest)
+    rows = min(int(expected.group(1)), lhs[0]) if expected else lhs[0]
+    size = sum(buffer_bytes(f"{dtype}[1]"))
+    if GROUPED_KERNELS.search(i.rest).group(1) == "grouped_gemm_rows":
+        k, n = lhs[1], result[1]
+        return 2.0 * rows * k * n, size * (rows * k + math.prod(rhs) + rows * n)
+    k, n = lhs[1], rhs[1]
+    return 2.0 * rows * k * n, size * (rows * (k + n) + math.prod(result))
+
+
 def kernel_bytes(module: Module, i: Instruction) -> float:
     """HBM bytes read and written by one run of a kernel (see the module docstring)."""
     reads = [sum(buffer_bytes(module.types.get(o, ""))) for o in i.operands]
@@ -267,13 +292,17 @@ def table(hlo: str) -> list[Kernel]:
     for (computation, name), count in counts.items():
         i = found[(computation, name)]
         k = module.kind(i)
+        moved = None
         if k in ("gemm", "gemm_fp8"):
             flops = gemm_flops(module, i)
+        elif k == "grouped_gemm":
+            flops, moved = grouped_gemm_cost(module, i)
         elif k == "attention":
             flops = attention_flops(module, i)
         else:
             flops = float(sum(math.prod(d) for _, d in buffers(i.type)))
-        out.append(Kernel(name, k, count, flops, kernel_bytes(module, i), i.type.split("{")[0][:80], computation))
+        moved = kernel_bytes(module, i) if moved is None else moved
+        out.append(Kernel(name, k, count, flops, moved, i.type.split("{")[0][:80], computation))
     return out
 
 

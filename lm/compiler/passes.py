@@ -58,7 +58,7 @@ def count(hlo: str) -> dict:
     for k in kernels.table(hlo):
         i = rows[(k.computation, k.name)]
         out["hbm_bytes"] += k.count * k.bytes
-        if k.kind in ("gemm", "gemm_fp8", "attention"):
+        if k.kind in ("gemm", "gemm_fp8", "grouped_gemm", "attention"):
             continue
         out["pass_bytes"] += k.count * k.bytes
         out["transpose_bytes"] += k.count * k.bytes if k.kind == "transpose" else 0

@@ -6,8 +6,8 @@ Each kernel of `lm.compiler.kernels.table` takes a roofline time plus a launch o
         bytes / (HBM bandwidth x memory efficiency)) + overhead
 
 with the target's peak (`lm.hardware.peaks`) and bandwidth (its description), and one efficiency
-per kind of compute (bf16 GEMMs, fp8 GEMMs, cuDNN attention), one for memory, one overhead: five
-constants, fitted on the per-kernel times of real GPU traces (`fit`; `python -m lm.calibrate
+per kind of compute (bf16 GEMMs, fp8 GEMMs, grouped GEMMs, cuDNN attention), one for memory, one
+overhead: six constants (the grouped GEMM's the dense GEMM's until a run with one fits it), fitted on the per-kernel times of real GPU traces (`fit`; `python -m lm.calibrate
 --step_time=DIR --target=NAME --write` rewrites `lm/hardware/steptime.json` from a run stored in
 `benchmarks/results/`). Kernels run one after another on one stream (XLA's GPU steps do, as
 their traces show), so the step is their sum; collectives are timed as memory traffic here (one
@@ -31,8 +31,8 @@ from lm.hardware import data_file
 from lm.hardware.peaks import PEAK_FLOPS
 
 CONSTANTS_FILE = "steptime.json"
-COMPUTE_KINDS = ("gemm", "gemm_fp8", "attention")
-NAMES = ("gemm", "gemm_fp8", "attention", "memory", "overhead_s")
+COMPUTE_KINDS = ("gemm", "gemm_fp8", "grouped_gemm", "attention")
+NAMES = ("gemm", "gemm_fp8", "grouped_gemm", "attention", "memory", "overhead_s")
 
 
 class Device(NamedTuple):
@@ -49,8 +49,16 @@ def device(target: str) -> Device:
     return Device(PEAK_FLOPS[(family, "bfloat16")], PEAK_FLOPS[(family, "float8")], bandwidth)
 
 
+UNFITTED_GROUPED = "no stored GPU run has meshlm's grouped GEMM yet: the dense GEMM's efficiency stands in"
+
+
 def constants() -> dict[str, float]:
     return json.loads(data_file(CONSTANTS_FILE).read_text())["constants"]
+
+
+def unfitted() -> dict[str, str]:
+    """The constants no GPU run has fitted yet, and what stands in for each."""
+    return json.loads(data_file(CONSTANTS_FILE).read_text()).get("unfitted", {})
 
 
 def kernel_seconds(k: lm_kernels.Kernel, dev: Device, c: dict[str, float]) -> float:
@@ -168,12 +176,12 @@ def _predicted(s: list[Sample], dev: Device, c: dict[str, float]) -> np.ndarray:
 
 
 def fit(cases: list[list[Sample]], dev: Device, rounds: int = 4) -> dict[str, float]:
-    """The five constants that minimise the squared errors of every case's kind totals, as
+    """The six constants that minimise the squared errors of every case's kind totals, as
     fractions of its step (the per-instruction attribution of a trace is exact by kind, not
     always by instruction), by coordinate search on a grid."""
-    grids = {"gemm": np.linspace(0.3, 1.0, 71), "gemm_fp8": np.linspace(0.2, 1.0, 81), "attention": np.linspace(0.1, 1.0, 91),
-             "memory": np.linspace(0.3, 1.0, 71), "overhead_s": np.linspace(0.0, 10e-6, 51)}
-    c = {"gemm": 0.8, "gemm_fp8": 0.6, "attention": 0.5, "memory": 0.8, "overhead_s": 2e-6}
+    grids = {"gemm": np.linspace(0.3, 1.0, 71), "gemm_fp8": np.linspace(0.2, 1.0, 81), "grouped_gemm": np.linspace(0.1, 1.0, 91),
+             "attention": np.linspace(0.1, 1.0, 91), "memory": np.linspace(0.3, 1.0, 71), "overhead_s": np.linspace(0.0, 10e-6, 51)}
+    c = {"gemm": 0.8, "gemm_fp8": 0.6, "grouped_gemm": 0.8, "attention": 0.5, "memory": 0.8, "overhead_s": 2e-6}
     # Per case, once: each kind's kernels (a mask), their measured total, and the step.
     totals = []
     for case in cases:
@@ -187,12 +195,15 @@ def fit(cases: list[list[Sample]], dev: Device, rounds: int = 4) -> dict[str, fl
             total += sum(((predicted[mask].sum() - measured) / step) ** 2 for mask, measured in by_kind)  # each step weighs alike
         return total
 
+    seen = {x.kind for case in cases for x in case}
     for _ in range(rounds):
         for name in NAMES:
-            if name == "gemm_fp8" and not any(x.kind == "gemm_fp8" for case in cases for x in case):
+            if name in ("gemm_fp8", "grouped_gemm") and name not in seen:
                 continue
             best = min(grids[name], key=lambda v: loss({**c, name: float(v)}))
             c[name] = round(float(best), 6)
+    if "grouped_gemm" not in seen:  # no grouped GEMM measured: the dense GEMM's (`unfitted`)
+        c["grouped_gemm"] = c["gemm"]
     return c
 
 
@@ -220,7 +231,8 @@ def refit(results_dir: Path, target: str) -> dict:
         rows.append({"case": d.name, "measured_s": measured, "kernels_s": kernels_s, "measured_by_kind_ms": by_kind, "in_sample_s": in_sample,
                      "left_out_s": out_of_sample, "in_sample_error": in_sample / measured - 1,
                      "left_out_error": out_of_sample / measured - 1})
-    return {"constants": c, "fitted_on": f"{results_dir.name} (target {target})", "cases": rows,
+    unfitted = {} if any(x.kind == "grouped_gemm" for case in cases for x in case) else {"grouped_gemm": UNFITTED_GROUPED}
+    return {"constants": c, "unfitted": unfitted, "fitted_on": f"{results_dir.name} (target {target})", "cases": rows,
             "refit": f"python -m lm.calibrate --step_time={results_dir} --target={target} --write"}
 
 

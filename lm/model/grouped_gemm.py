@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import sharding
+from lm.model.matmul import varying
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 # Hopper's SMs (H100 SXM and H200 alike); a real device's own count where it reports one.
@@ -281,7 +282,16 @@ def _real_rows(y_mn, table: Tiles):
 def rows_scope(real_rows: int) -> str:
     """The name scope the kernels run under: the rows they are expected to hold (the static
     buffer may be larger), for the kernel model."""
-    return f"{ROWS_KERNEL}_expect_{real_rows}"
+    return f"expected_rows_{real_rows}"
+
+
+def _varying_like(y, *inputs):
+    """A Pallas call's result marked as varying over the manual mesh axes its inputs vary over
+    (inside `shard_map`): the kernel call itself drops that type, which the expert-parallel
+    backward's sums over devices (`summed_as`) read."""
+    if axes := tuple(sorted(set().union(*map(varying, inputs)) - varying(y))):
+        return jax.lax.pcast(y, axes, to="varying")
+    return y
 
 
 def _padded_rows(a):
@@ -297,7 +307,7 @@ def grouped(x_mk, w_gkn, sizes_g, table: Tiles | None = None, *, transpose_w: bo
     if implementation == "pallas":
         table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
         y_mn = _rows_kernel(_padded_rows(x_mk), w_gkn.astype(x_mk.dtype), table, transpose_w)[: x_mk.shape[0]]
-        return _real_rows(y_mn, table)
+        return _real_rows(_varying_like(y_mn, x_mk, w_gkn, sizes_g), table)
     w = w_gkn.swapaxes(1, 2) if transpose_w else w_gkn
     return jax.lax.ragged_dot(x_mk, w.astype(x_mk.dtype), sizes_g, preferred_element_type=jnp.float32)
 
@@ -306,7 +316,8 @@ def weight_grad(x_mk, dy_mn, sizes_g, table: Tiles | None = None, *, implementat
     """[g, k, n]: per group, x's rows transposed times dy's (float32)."""
     if implementation == "pallas":
         table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
-        return _weight_grad_kernel(_padded_rows(x_mk), _padded_rows(dy_mn.astype(x_mk.dtype)), table, sizes_g.shape[0]).astype(jnp.float32)
+        dw_gkn = _weight_grad_kernel(_padded_rows(x_mk), _padded_rows(dy_mn.astype(x_mk.dtype)), table, sizes_g.shape[0])
+        return _varying_like(dw_gkn, x_mk, dy_mn, sizes_g).astype(jnp.float32)
     rows = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     return jax.lax.ragged_dot_general(x_mk, dy_mn.astype(x_mk.dtype), sizes_g, rows, preferred_element_type=jnp.float32)
 

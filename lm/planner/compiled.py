@@ -62,6 +62,8 @@ def step_report(config, devices=None, compile_step: bool = True, save_hlo: str |
             summary["fits"] = compiled.get("peak_estimate_bytes", 0) <= GPU_MEMORY_FRACTION * summary["device_memory_bytes"]
             summary["step_time"] = predicted_step(config, program, text, target, executable)
             summary["passes"] = passes.count(text)
+            if grouped := summary["step_time"].pop("grouped_gemm", None):
+                summary["grouped_gemm"] = grouped
             if choice := program.spec.policy.fp8_choice:  # precision.fp8_sites=auto: what each site chose
                 summary["fp8_sites"] = choice.decisions
     return report.rows(state.params, program.abstract_model.logical_axes), summary
@@ -75,7 +77,9 @@ def predicted_step(config, program, text: str, target: str, executable, top: int
     tokens = config.train.batch_size * config.train.seq_len
     peak = steptime.device(target).bf16_flops * program.mesh.size
     fpt = flops_per_token(program.model_cfg, config.train.seq_len)
-    return {
+    m = program.model_cfg
+    grouped = {"grouped_gemm": grouped_gemm_report(m.grouped_gemm, prediction.rows)} if m.moe and m.expert_capacity_factor == 0 else {}
+    return grouped | {
         "step_s": prediction.step_s,
         "tokens_per_sec": tokens / prediction.step_s,
         "mfu": tokens * fpt / prediction.step_s / peak,
@@ -86,6 +90,20 @@ def predicted_step(config, program, text: str, target: str, executable, top: int
         "kernel_flops": sum(r["count"] * r["flops_per_run"] for r in prediction.rows),
         "kernel_bytes": sum(r["count"] * r["bytes_per_run"] for r in prediction.rows),
     }
+
+
+def grouped_gemm_report(setting: str, kernel_rows: list[dict]) -> dict:
+    """Which grouped GEMM a dropless mixture of experts compiled to (meshlm's Pallas kernels, seen
+    in the kernel table, or XLA's `ragged_dot`), its kernels' share of the step, and the
+    efficiency it is priced at (with why, where no GPU run has fitted it)."""
+    rows = [r for r in kernel_rows if r["kind"] == "grouped_gemm"]
+    used = "pallas" if rows else "xla"
+    report = {"setting": setting, "implementation": used, "kernels": sum(r["count"] for r in rows),
+              "seconds_per_step": sum(r["seconds_per_step"] for r in rows), "tflop_per_step": sum(r["count"] * r["flops_per_run"] for r in rows) / 1e12,
+              "efficiency": steptime.constants()["grouped_gemm"], "unfitted": steptime.unfitted().get("grouped_gemm", "")}
+    if used == "xla":
+        report["note"] = "XLA's ragged_dot: on GPUs one dense GEMM over every expert for every row, masked"
+    return report
 
 
 def describe(param_rows: list[report.Row], summary: dict) -> str:
@@ -121,6 +139,11 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
         lines.append(f"  {'ms/step':>8} {'share':>6} {'runs':>5} {'kind':10} {'GFLOP/run':>10} {'MB/run':>9}  kernel, result")
         lines += [f"  {1e3 * r['seconds_per_step']:8.2f} {100 * r['share']:5.1f}% {r['count']:5d} {r['kind']:10} "
                   f"{r['flops_per_run'] / 1e9:10.2f} {r['bytes_per_run'] / 1e6:9.1f}  {r['name']}, {r['shape']}" for r in timed["top"]]
+    if grouped := summary.get("grouped_gemm"):
+        line = (f"grouped GEMM (model.grouped_gemm={grouped['setting']}): {grouped['implementation']}, {grouped['kernels']} kernels a step, "
+                f"{grouped['tflop_per_step']:.2f} TFLOP (the real rows'), {1e3 * grouped['seconds_per_step']:.1f} ms at efficiency {grouped['efficiency']:.2f}")
+        line += f" ({grouped['unfitted']})" if grouped["unfitted"] and grouped["implementation"] == "pallas" else ""
+        lines.append(line + (f"; {grouped['note']}" if "note" in grouped else ""))
     if counted := summary.get("passes"):
         lines.append(passes.describe(counted))
     if sites := summary.get("fp8_sites"):
