@@ -8,7 +8,7 @@ come from the kernel's own operands and results, not its inner ops, except where
 a slice of an operand (`dynamic-slice` of a layer's weights out of the stacked ones) or updates
 one in place (`dynamic-update-slice`): there the slice's bytes count. FLOPs are counted for
 GEMMs (2 M N K from the dot's dimensions), meshlm's grouped GEMMs (2 x the rows they are expected
-to hold x K x N: `grouped_gemm_cost`) and cuDNN attention (4 B H Sq Skv D forward, causal at
+to hold x K x N: `row_kernel_cost`) and cuDNN attention (4 B H Sq Skv D forward, causal at
 half, backward 2.5x forward); other kernels count one FLOP per result element. The times are
 `lm.compiler.steptime`'s.
 """
@@ -29,9 +29,9 @@ NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "
 CONTROL = {"while", "conditional", "call"}
 # Workspace buffers of library calls: scratch, not data the kernel streams.
 _WORKSPACE = {"s8", "u8"}
-# meshlm's grouped-GEMM kernels (lm.model.grouped_gemm), named in a Pallas call's op_name, and the
-# rows they are expected to hold (the name scope around them).
-GROUPED_KERNELS = re.compile(r'op_name="[^"]*/(grouped_gemm_rows|grouped_gemm_weight_grad)/')
+# meshlm's kernels over an expert buffer's rows (lm.model.grouped_gemm, lm.model.swiglu_rows),
+# named in a Pallas call's op_name, and the rows they are expected to hold (the scope around them).
+ROW_KERNELS = re.compile(r'op_name="[^"]*/(grouped_gemm_rows|grouped_gemm_weight_grad|swiglu_rows)/')
 _EXPECTED_ROWS = re.compile(r'op_name="[^"]*/expected_rows_(\d+)/')
 
 
@@ -66,8 +66,8 @@ def kind(op: str, rest: str, fused_ops: set[str] = frozenset()) -> str:
     target = re.search(r'custom_call_target="([^"]+)"', rest)
     if op == "custom-call" and target:
         name = target.group(1)
-        if name.startswith("mosaic_gpu") and GROUPED_KERNELS.search(rest):
-            return "grouped_gemm"
+        if name.startswith("mosaic_gpu") and (row_kernel := ROW_KERNELS.search(rest)):
+            return "elementwise" if row_kernel.group(1) == "swiglu_rows" else "grouped_gemm"
         return "gemm" if "matmul" in name or "gemm" in name else "attention" if "fmha" in name else "custom-call"
     if op == "dot":
         return "gemm"
@@ -198,18 +198,25 @@ def attention_flops(module: Module, i: Instruction) -> float:
     return 2.5 * forward if "Backward" in i.rest else forward
 
 
-def grouped_gemm_cost(module: Module, i: Instruction) -> tuple[float, float]:
-    """(FLOPs, HBM bytes) of one grouped-GEMM kernel from its expected rows r (the buffer's rows
-    where no scope says), contracted width k and columns n: 2 r k n, and r rows of its row
-    operand and of its row result plus every group's weights (the rows kernel: [m, k] rows x
-    [g, k, n] weights -> [m, n]; the weight gradient: [m, k] and [m, n] rows -> [g, k, n])."""
+def row_kernel_cost(module: Module, i: Instruction) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one of meshlm's kernels over an expert buffer, from the rows r it is
+    expected to hold (the buffer's where no scope says). A grouped GEMM with contracted width k
+    and columns n: 2 r k n, and r rows of its row operand and row result plus every group's
+    weights (the rows kernel: [m, k] rows x [g, k, n] weights -> [m, n]; the weight gradient:
+    [m, k] and [m, n] rows -> [g, k, n]). SwiGLU's: r rows of each [m, f] operand and result."""
+    kernel = ROW_KERNELS.search(i.rest).group(1)
+    expected = _EXPECTED_ROWS.search(i.rest)
+    if kernel == "swiglu_rows":
+        arrays = [buffers(module.types.get(o, ""))[0] for o in i.operands[1:]] + buffers(i.type)
+        rows = min(int(expected.group(1)), arrays[0][1][0]) if expected else arrays[0][1][0]
+        elements = sum(rows * math.prod(dims[1:]) for _, dims in arrays)
+        return float(elements), elements * sum(buffer_bytes(f"{arrays[0][0]}[1]"))
     operands = [buffers(module.types.get(o, ""))[0] for o in i.operands[-2:]]
     (dtype, lhs), (_, rhs) = operands
     result = _dims(i.type)
-    expected = _EXPECTED_ROWS.search(i.rest)
     rows = min(int(expected.group(1)), lhs[0]) if expected else lhs[0]
     size = sum(buffer_bytes(f"{dtype}[1]"))
-    if GROUPED_KERNELS.search(i.rest).group(1) == "grouped_gemm_rows":
+    if kernel == "grouped_gemm_rows":
         k, n = lhs[1], result[1]
         return 2.0 * rows * k * n, size * (rows * k + math.prod(rhs) + rows * n)
     k, n = lhs[1], rhs[1]
@@ -295,8 +302,8 @@ def table(hlo: str) -> list[Kernel]:
         moved = None
         if k in ("gemm", "gemm_fp8"):
             flops = gemm_flops(module, i)
-        elif k == "grouped_gemm":
-            flops, moved = grouped_gemm_cost(module, i)
+        elif ROW_KERNELS.search(i.rest) and i.op == "custom-call":
+            flops, moved = row_kernel_cost(module, i)
         elif k == "attention":
             flops = attention_flops(module, i)
         else:

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import sharding
-from lm.model import grouped_gemm
+from lm.model import grouped_gemm, swiglu_rows
 from lm.model.matmul import F32, backward, summed_as, varying
 from sharding.remat import name_matmul
 
@@ -41,7 +41,7 @@ def grouped_matmul(x_md, w_edf, group_sizes_e, table, implementation: str, expec
     `implementation`; `table`: its tile table, made once per layer, or None), under a name
     scope giving the rows it is expected to hold (the kernel model's)."""
     with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
-        return grouped_gemm.grouped(x_md, w_edf, group_sizes_e, table, implementation=implementation)
+        return grouped_gemm.grouped(x_md, w_edf, group_sizes_e, table, implementation=implementation, zero_rest=False)
 
 
 def _grouped_fwd(x_md, w_edf, group_sizes_e, table, implementation, expected_rows):
@@ -53,7 +53,7 @@ def _grouped_bwd(implementation, expected_rows, residuals, dy_mf):
     x_md, w_edf, group_sizes_e, table = residuals
     dy = dy_mf.astype(x_md.dtype)
     with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
-        dx = grouped_gemm.grouped(dy, w_edf, group_sizes_e, table, transpose_w=True, implementation=implementation)
+        dx = grouped_gemm.grouped(dy, w_edf, group_sizes_e, table, transpose_w=True, implementation=implementation, zero_rest=False)
         dw = grouped_gemm.weight_grad(x_md, dy, group_sizes_e, table, implementation=implementation)  # [e, d, f]
     return summed_as(dx.astype(x_md.dtype), x_md), summed_as(dw, w_edf), None, None
 
@@ -110,7 +110,11 @@ def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype, implementati
         return name_matmul(grouped_matmul(a, w, group_sizes_e, table, implementation, expected_rows), batched=False)
 
     x = x_md.astype(dtype)
-    h = (jax.nn.silu(dot(x, w_gate).astype(F32)) * dot(x, w_in)).astype(dtype)
+    if implementation == "pallas" and swiglu_rows.fits(*x_md.shape[:1], f):  # over the rows holding tokens only
+        with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
+            h = swiglu_rows.swiglu(dot(x, w_gate), dot(x, w_in), table.end_g[-1:])
+    else:
+        h = (jax.nn.silu(dot(x, w_gate).astype(F32)) * dot(x, w_in)).astype(dtype)
     return dot(h, w_out)
 
 

@@ -102,12 +102,12 @@ def tiles(sizes_g: jax.Array, rows: int, block_m: int = BLOCK_M, block_k: int = 
                  jnp.where(real, hi - lo, 0), start, end, k_first.astype(jnp.int32), k_blocks.astype(jnp.int32))
 
 
-def _sms() -> int:
+def sms() -> int:
     """The SMs of the GPU the program is for (a compile-only device may not say: Hopper's)."""
     return getattr(sharding.device(), "core_count", 0) or HOPPER_SMS
 
 
-def _interpret():
+def interpret_params():
     """Where the program is not for a GPU: Pallas' GPU interpreter's parameters (else None)."""
     if sharding.platform() == "gpu":
         return None
@@ -116,7 +116,7 @@ def _interpret():
     return InterpretGPUParams()
 
 
-def _plgpu():
+def plgpu_modules():
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -127,7 +127,7 @@ def _mma(pl, plgpu, acc_ref, a_smem, b_smem, transpose_a: bool = False, transpos
     """acc += a @ b on SMEM tiles, either given transposed (a view: the MMA reads it so).
     Pallas' GPU interpreter (jax 0.10.2) ignores transposed views, so there the tiles are copied
     transposed into SMEM first."""
-    if _interpret() is None:
+    if interpret_params() is None:
         view = lambda ref, t: plgpu.transpose_ref(ref, (1, 0)) if t else ref  # noqa: E731
         plgpu.wgmma(acc_ref, view(a_smem, transpose_a), view(b_smem, transpose_b))
         return
@@ -161,7 +161,7 @@ def _store_rows(pl, plgpu, o_smem, o_gmem, first_row, offset, rows, column, bloc
 def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool):
     """[m, n] = each real row of lhs_mk times its group's rhs[g] ([k, n], or [n, k] given
     `transpose_rhs`); rows past the groups are left unwritten."""
-    pl, plgpu = _plgpu()
+    pl, plgpu = plgpu_modules()
     m, k = lhs_mk.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk = BLOCK_M, BLOCK_N, BLOCK_K
@@ -197,8 +197,8 @@ def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool):
                 _store_rows(pl, plgpu, o_smem, o_gmem, block * bm, offset_t[t], rows_t[t], ni * bn, min(bm, m), bn)
 
     kernel = plgpu.kernel(
-        grouped_gemm_rows, out_type=jax.ShapeDtypeStruct((m, n), lhs_mk.dtype), grid=(_sms(),), grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=_interpret(),
+        grouped_gemm_rows, out_type=jax.ShapeDtypeStruct((m, n), lhs_mk.dtype), grid=(sms(),), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=interpret_params(),
     )
     return kernel(table.count, table.group_t, table.block_t, table.offset_t, table.rows_t, lhs_mk, rhs)
 
@@ -206,7 +206,7 @@ def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool):
 def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int):
     """[g, k, n]: per group, its rows of x_mk (transposed) times its rows of dy_mn, over the
     group's own row blocks (the rows of its neighbours in a shared block masked to zero)."""
-    pl, plgpu = _plgpu()
+    pl, plgpu = plgpu_modules()
     m, k = x_mk.shape
     n = dy_mn.shape[1]
     bm, bn, bk = BLOCK_M, BLOCK_N, BLOCK_K  # here: bm along k (x's columns), bk along the rows
@@ -232,7 +232,7 @@ def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int):
                     def keep(lo, hi):
                         # x_smem is [bk rows, bm]: zero its rows outside [lo, hi) of this block.
                         row = jax.lax.broadcasted_iota(jnp.int32, (bk, bm), 0)
-                        row = row if _interpret() else plgpu.layout_cast(row, plgpu.Layout.WGMMA)  # the interpreter has no layouts
+                        row = row if interpret_params() else plgpu.layout_cast(row, plgpu.Layout.WGMMA)  # the interpreter has no layouts
                         x_smem[...] = x_smem[...] * ((row >= lo) & (row < hi)).astype(x_smem.dtype)
                         plgpu.commit_smem()
 
@@ -267,8 +267,8 @@ def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
-        grouped_gemm_weight_grad, out_type=jax.ShapeDtypeStruct((groups, k, n), x_mk.dtype), grid=(_sms(),), grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=_interpret(),
+        grouped_gemm_weight_grad, out_type=jax.ShapeDtypeStruct((groups, k, n), x_mk.dtype), grid=(sms(),), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=interpret_params(),
     )
     return kernel(table.start_g, table.end_g, table.first_block_g, table.blocks_g, x_mk, dy_mn)
 
@@ -285,7 +285,7 @@ def rows_scope(real_rows: int) -> str:
     return f"expected_rows_{real_rows}"
 
 
-def _varying_like(y, *inputs):
+def varying_like(y, *inputs):
     """A Pallas call's result marked as varying over the manual mesh axes its inputs vary over
     (inside `shard_map`): the kernel call itself drops that type, which the expert-parallel
     backward's sums over devices (`summed_as`) read."""
@@ -300,14 +300,18 @@ def _padded_rows(a):
     return jnp.pad(a, ((0, -a.shape[0] % BLOCK_M), (0, 0))) if a.shape[0] % BLOCK_M else a
 
 
-def grouped(x_mk, w_gkn, sizes_g, table: Tiles | None = None, *, transpose_w: bool = False, implementation: str = "xla"):
+def grouped(x_mk, w_gkn, sizes_g, table: Tiles | None = None, *, transpose_w: bool = False, implementation: str = "xla",
+            zero_rest: bool = True):
     """Row block g of x_mk (sorted by group) times w_gkn[g] ([k, n]; w_gnk transposed given
     `transpose_w`), accumulated in float32: float32 from `xla`, x's dtype from `pallas` (its
-    tiles are stored so). `implementation`: `xla` or `pallas` (`resolve` maps `auto`)."""
+    tiles are stored so). `implementation`: `xla` or `pallas` (`resolve` maps `auto`). The kernels
+    leave rows past the groups unwritten: `zero_rest` zeroes them (`ragged_dot`'s), a pass over
+    the whole buffer that a caller reading only the real rows skips."""
     if implementation == "pallas":
         table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
         y_mn = _rows_kernel(_padded_rows(x_mk), w_gkn.astype(x_mk.dtype), table, transpose_w)[: x_mk.shape[0]]
-        return _real_rows(_varying_like(y_mn, x_mk, w_gkn, sizes_g), table)
+        y_mn = varying_like(y_mn, x_mk, w_gkn, sizes_g)
+        return _real_rows(y_mn, table) if zero_rest else y_mn
     w = w_gkn.swapaxes(1, 2) if transpose_w else w_gkn
     return jax.lax.ragged_dot(x_mk, w.astype(x_mk.dtype), sizes_g, preferred_element_type=jnp.float32)
 
@@ -317,7 +321,7 @@ def weight_grad(x_mk, dy_mn, sizes_g, table: Tiles | None = None, *, implementat
     if implementation == "pallas":
         table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
         dw_gkn = _weight_grad_kernel(_padded_rows(x_mk), _padded_rows(dy_mn.astype(x_mk.dtype)), table, sizes_g.shape[0])
-        return _varying_like(dw_gkn, x_mk, dy_mn, sizes_g).astype(jnp.float32)
+        return varying_like(dw_gkn, x_mk, dy_mn, sizes_g).astype(jnp.float32)
     rows = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     return jax.lax.ragged_dot_general(x_mk, dy_mn.astype(x_mk.dtype), sizes_g, rows, preferred_element_type=jnp.float32)
 
