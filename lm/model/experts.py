@@ -174,15 +174,15 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     """`jax.lax.ragged_all_to_all`'s exchange by a fixed-size `all_to_all` (XLA:CPU has no
     ragged one)."""
     axis = axis_name
-    ways, rows = input_offsets.shape[0], operand.shape[0]
+    slices, rows = input_offsets.shape[0], operand.shape[0]  # slices: a multiple of the devices, in device order
     span = jnp.arange(rows)
     padded = jnp.concatenate([operand, jnp.zeros_like(operand)])
-    chunks = jnp.stack([jax.lax.dynamic_slice_in_dim(padded, input_offsets[p], rows) for p in range(ways)])
-    chunks = jnp.where((span[None] < send_sizes[:, None]).reshape(ways, rows, *(1,) * (operand.ndim - 1)), chunks, 0)
-    arrived = _exchange(chunks.reshape(ways * rows, *operand.shape[1:]), axis).reshape(chunks.shape)
-    at = _exchange(output_offsets, axis)  # where each source's rows go here
+    chunks = jnp.stack([jax.lax.dynamic_slice_in_dim(padded, input_offsets[i], rows) for i in range(slices)])
+    chunks = jnp.where((span[None] < send_sizes[:, None]).reshape(slices, rows, *(1,) * (operand.ndim - 1)), chunks, 0)
+    arrived = _exchange(chunks.reshape(slices * rows, *operand.shape[1:]), axis).reshape(chunks.shape)
+    at = _exchange(output_offsets, axis)  # where each source's slices go here
     where = jnp.where(span[None] < recv_sizes[:, None], at[:, None] + span[None], output.shape[0])  # past the end: dropped
-    return output.at[where.reshape(-1)].set(arrived.reshape(ways * rows, *operand.shape[1:]), mode="drop")
+    return output.at[where.reshape(-1)].set(arrived.reshape(slices * rows, *operand.shape[1:]), mode="drop")
 
 
 def ragged_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows: int, fill, axis: tuple[str, ...]):
@@ -221,6 +221,33 @@ def _exchange_bwd(rows, fill, axis, residuals, d_out):
 _gpu_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
+def _dropless_exchanged(x_nd, flat_m, weights, dtype, implementation: str, group: tuple[str, ...], ways: int):
+    """Dropless expert parallelism: each assignment's row [n k, d] through its expert on the
+    device holding it, and back. Every device learns every device's rows per expert (an
+    all-gather of [experts] counts), so the exchange writes each received row straight to its
+    place in the receiver's buffer sorted by its local expert, then by source: the grouped GEMMs
+    run on the buffer as it arrives, with no sort of it and no pass over its unused room (the
+    buffer holds every assignment of every device: dropless whatever the routing). One slice
+    per (device, expert) each way."""
+    here = weights[0].shape[0]  # experts on each device
+    experts, rows, k = ways * here, flat_m.shape[0], flat_m.shape[0] // x_nd.shape[0]
+    order = jnp.argsort(flat_m, stable=True)  # by expert: destination device, then its expert
+    counts_g = jnp.bincount(flat_m, length=experts).astype(jnp.int32)  # rows this device sends each expert
+    starts_g = jnp.cumsum(counts_g) - counts_g
+    counts_pg = jax.lax.all_gather(counts_g, group)  # [source device, expert]
+    me = jax.lax.axis_index(group)
+    totals_qe = counts_pg.sum(0).reshape(ways, here)  # rows each expert receives, by its device
+    region_g = (jnp.cumsum(totals_qe, axis=1) - totals_qe).reshape(-1)  # where its rows start there
+    landing_pg = region_g[None] + jnp.cumsum(counts_pg, axis=0) - counts_pg  # source p's rows for g, at g's device
+    mine = me * here + jnp.arange(here)  # this device's experts
+    recv_sizes = counts_pg[:, mine].reshape(-1)  # slice (source p, local expert e)
+    recv = ragged_exchange(x_nd[order // k], starts_g, counts_g, landing_pg[me], recv_sizes, ways * rows, 0, group)
+    y = _ragged_swiglu(recv, totals_qe[me], *weights, dtype, implementation, rows)  # an even share: n k of ways n k rows
+    their_starts_pg = jnp.cumsum(counts_pg, axis=1) - counts_pg  # where source p took its rows for each expert from
+    back = ragged_exchange(y, landing_pg[:, mine].reshape(-1), recv_sizes, their_starts_pg[:, mine].reshape(-1), counts_g, rows, 0, group)
+    return jnp.zeros_like(back).at[order].set(back)
+
+
 def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_experts, capacity_factor, dtype,
                   axes: dict[str, tuple[str, ...]], implementation: str = "auto"):
     """One device's part of the experts' output [b, t, d] and its dropped assignments (summed over
@@ -251,21 +278,8 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
         flat = ids_nk.reshape(-1)
         if ways == 1:
             y_nkd = _grouped(jnp.repeat(x_nd, k, axis=0), flat, w_in, w_gate, w_out, dtype, implementation, n * k).reshape(n, k, d)
-        else:  # dropless: each device receives into room for every assignment from every device
-            order = jnp.argsort(flat, stable=True)  # by destination device, then by its expert
-            counts = jnp.bincount(flat[order] // here, length=ways).astype(jnp.int32)
-            starts = jnp.cumsum(counts) - counts  # each destination's rows in the sorted order
-            # Per source device: how many rows it sends here, and where its rows for here start.
-            recv_counts, their_starts = _exchange(counts, axes["experts"]), _exchange(starts, axes["experts"])
-            me = jax.lax.axis_index(axes["experts"])
-            room = jnp.full((ways,), me * n * k, jnp.int32)  # here's rows land at chunk `me` of each receiver
-            group = axes["experts"]
-            recv = ragged_exchange(x_nd[order // k], starts, counts, room, recv_counts, ways * n * k, 0, group)
-            recv_group = _ragged(flat[order] % here, jnp.full((ways * n * k,), here, flat.dtype), starts, counts, room, recv_counts, group)
-            y = _grouped(recv, recv_group, w_in, w_gate, w_out, dtype, implementation, n * k)  # an even share: n k rows of ways n k
-            chunks = jnp.arange(ways, dtype=jnp.int32) * n * k
-            back = ragged_exchange(y, chunks, recv_counts, their_starts, counts, n * k, 0, group)
-            y_nkd = jnp.zeros_like(back).at[order].set(back).reshape(n, k, d)
+        else:
+            y_nkd = _dropless_exchanged(x_nd, flat, (w_in, w_gate, w_out), dtype, implementation, axes["experts"], ways).reshape(n, k, d)
         dropped = jnp.zeros((), F32)
     y_nd = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(F32))
     if axes["mlp"]:  # the hidden width split over tensor: partial sums
