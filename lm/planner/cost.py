@@ -5,7 +5,7 @@ Step time: FLOPs (`lm.model.flops.flops_per_token`, plus what remat recomputes) 
 share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
 pipeline bubble (a per-stage 1F1B slot lasts its longest piece of work: the wait counted with it) and its
 stash's memory traffic, a mixture of experts' GEMMs as the grouped matmul or capacity buffers run
-them (`_expert_work`) and its all-to-alls over `expert`, and the exposed time of each collective from ring formulas over the link its
+them (`_expert_work`), its dropless receive buffers' passes and its all-to-alls over `expert`, and the exposed time of each collective from ring formulas over the link its
 group spans (NVLink inside a host, the network across hosts: one NIC per GPU, as many at once as
 the group has GPUs on a host). FSDP's gathers and
 reduce-scatters overlap the layer they feed (XLA's latency-hiding scheduler); tensor, context,
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from functools import cached_property
 
+from lm.compiler import steptime
 from lm.hardware.systems import System
+from lm.model import grouped_gemm
 from lm.planner.memory import Memory, pipeline_report
 from lm.planner.network import ring_seconds, send_bandwidth
 from lm.planner.parallelism import Parallelism
@@ -24,12 +26,14 @@ from lm.planner.run import Run
 from sharding.mesh import MESH_AXES
 from sharding.schedules import balanced_slots
 
-# jax 0.10.2's XLA:GPU runs `ragged_dot` as one masked GEMM per group over every row (seen in the
-# deviceless H100 compile of moe_tiny: f32[8,512,192] GEMMs for 8 experts over 512 rows).
-RAGGED_DOT_IS_DENSE = True
-# A dropless layer's busiest device over the mean, with a grouped GEMM: moe_tiny with the
+# A dropless layer's busiest device over the mean under expert parallelism: moe_tiny with the
 # balancing loss at 0.05 measured 1.2-1.3 max / mean load (PERFORMANCE.md).
 DROPLESS_IMBALANCE = 1.25
+# Passes over a dropless exchange's receive buffer (room for every assignment of every expert
+# device) per MoE layer: its fill forward; the cotangent buffer's fill and the sum of the two
+# input gradients backward (read twice, written once); the fill again where the layer is
+# recomputed (the deviceless Mixtral compile's kernel table).
+BUFFER_PASSES, RECOMPUTED_BUFFER_PASSES = 5, 1
 
 
 class Cost(Memory):
@@ -78,19 +82,39 @@ class Cost(Memory):
             "attention": tokens * (3 * attention + recompute_attention),
         }
 
+    def grouped_gemm(self) -> str:
+        """The grouped GEMM a dropless layer of this layout runs on a GPU (`lm.model.grouped_gemm`:
+        meshlm's Pallas kernels where dtype and widths allow, else XLA's dense rewrite)."""
+        m = self.run.model
+        return grouped_gemm.resolve(m.grouped_gemm, "gpu", m.embed_dim, m.expert_width // self.parallelism.tensor, self.run.compute_dtype)
+
     def _expert_work(self) -> float:
-        """The experts' GEMM work over their active FLOPs. Capacity mode: the fixed buffers, the
-        capacity factor. Dropless: jax 0.10.2's XLA:GPU lowers `ragged_dot` to one masked GEMM
-        per expert over every row (deviceless H100 compile; `RAGGED_DOT_IS_DENSE`), and the rows
-        are the exchange's receive buffer (room for every assignment of every expert device):
-        every expert's work on every assignment, num_experts x; with a grouped GEMM it
-        would be the busiest device's load, `DROPLESS_IMBALANCE` x the mean."""
+        """The experts' GEMM time over their active FLOPs' at the dense GEMM's efficiency.
+        Capacity mode: the fixed buffers, the capacity factor. Dropless with the Pallas grouped
+        GEMM: the real rows, on the busiest device under expert parallelism (`DROPLESS_IMBALANCE`
+        x the mean), at the grouped GEMM's efficiency (`lm.compiler.steptime`'s, the dense GEMM's
+        until a GPU run fits it). With XLA's `ragged_dot`: one masked GEMM per expert over every
+        row of the receive buffer, num_experts x."""
         m = self.run.model
         if not m.moe:
             return 1.0
         if m.expert_capacity_factor > 0:
             return m.expert_capacity_factor
-        return float(m.num_experts) if RAGGED_DOT_IS_DENSE else DROPLESS_IMBALANCE
+        if self.grouped_gemm() == "xla":
+            return float(m.num_experts)
+        c = steptime.constants()
+        return (DROPLESS_IMBALANCE if self.parallelism.expert > 1 else 1.0) * c["gemm"] / c["grouped_gemm"]
+
+    def _dispatch_traffic(self) -> float:
+        """HBM bytes a step's dropless exchanges move through their receive buffers on each device
+        (`BUFFER_PASSES`): none without expert parallelism or with a capacity factor."""
+        m, lay = self.run.model, self.parallelism
+        if not m.moe or m.expert_capacity_factor > 0 or lay.expert == 1:
+            return 0.0
+        recomputed = lay.remat in ("full", "qkv_proj") or self._recomputes_ticks
+        passes = BUFFER_PASSES + (RECOMPUTED_BUFFER_PASSES if recomputed else 0)
+        buffer = lay.expert * self.local_tokens * m.experts_per_token * m.embed_dim * self.run.compute_bytes
+        return self.passes * self.layers * m.sparse_layers / m.num_layers * passes * buffer
 
     def expert_exchange_bytes(self) -> float:
         """Bytes one exchange sends from each device per pass and MoE layer (0 without expert
@@ -164,6 +188,7 @@ class Cost(Memory):
             "bubble": bubble,
             "stash": self._stash_traffic() / s.hbm_bytes_per_s,
             "update": self._update_traffic() / s.hbm_bytes_per_s,
+            "dispatch": self._dispatch_traffic() / s.hbm_bytes_per_s,
             "fsdp": fsdp,
             "tensor": self.passes * self.layers * tp_per_layer,
             "context": self.passes * self.layers * cp_per_layer,
