@@ -95,3 +95,24 @@ def test_auto_picks_the_kernels_on_gpus_where_dtype_and_widths_allow():
     assert grouped_gemm.resolve("auto", "gpu", 128, 192, BF16) == "xla"  # moe_tiny's width
     assert grouped_gemm.resolve("auto", "gpu", 4096, 14336, jnp.float32) == "xla"
     assert grouped_gemm.resolve("xla", "gpu", 4096, 14336, BF16) == "xla"
+
+
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["kn", "nk"])
+def test_weights_with_the_group_axis_second_equal_the_group_first_layout(transpose_w):
+    """An FSDP-gathered weight arrives [k, g, n] (gathered along its first axis): the kernels read
+    each group's matrix from it, and write the weight gradient in it, as from [g, k, n]."""
+    m, k, n = 256, 128, 256
+    keys = jax.random.split(jax.random.key(3), 3)
+    x, dy = jax.random.normal(keys[0], (m, n if transpose_w else k)).astype(BF16), jax.random.normal(keys[1], (m, k if transpose_w else n)).astype(BF16)
+    w_gab = jax.random.normal(keys[2], (4, k, n)).astype(BF16)
+    sizes = jnp.asarray([64, 100, 0, 60], jnp.int32)
+    for implementation in ("pallas", "xla"):
+        first = grouped_gemm.grouped(x, w_gab, sizes, transpose_w=transpose_w, implementation=implementation)
+        second = grouped_gemm.grouped(x, w_gab.swapaxes(0, 1), sizes, transpose_w=transpose_w, group_axis=1, implementation=implementation)
+        np.testing.assert_array_equal(np.asarray(first, np.float32), np.asarray(second, np.float32))
+        _close(second, grouped_gemm.grouped(x, w_gab, sizes, transpose_w=transpose_w, implementation="xla"))
+    dw_first = grouped_gemm.weight_grad(x, dy, sizes, implementation="pallas")
+    dw_second = grouped_gemm.weight_grad(x, dy, sizes, group_axis=1, implementation="pallas")
+    assert dw_second.dtype == jnp.float32 and dw_second.shape == (x.shape[1], 4, dy.shape[1])
+    np.testing.assert_array_equal(np.asarray(dw_first), np.asarray(dw_second.swapaxes(0, 1)))
+    _close(dw_second, grouped_gemm.weight_grad(x, dy, sizes, group_axis=1, implementation="xla"))

@@ -35,27 +35,31 @@ INPUT_AXES = ("batch", "length", "act_embed")  # the MLP's input: the sequence g
 ROUTING_AXES = ("batch", "length", None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def grouped_matmul(x_md, w_edf, group_sizes_e, table, implementation: str, expected_rows: int):
-    """Row block g of the rows sorted by group through w[g] (`lm.model.grouped_gemm`, by
-    `implementation`; `table`: its tile table, made once per layer, or None), under a name
-    scope giving the rows it is expected to hold (the kernel model's)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def grouped_matmul(x_md, w, group_sizes_e, table, implementation: str, expected_rows: int, group_axis: int, transposed: bool):
+    """Row block g of the rows sorted by group times group g's matrix of `w` ([g, k, n], or with
+    `group_axis` 1 [k, g, n]; [n, k] matrices given `transposed`), by `lm.model.grouped_gemm`'s
+    `implementation`; `table`: its tile table, made once per layer, or None. Under a name scope
+    giving the rows it is expected to hold (the kernel model's)."""
     with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
-        return grouped_gemm.grouped(x_md, w_edf, group_sizes_e, table, implementation=implementation, zero_rest=False)
+        return grouped_gemm.grouped(x_md, w, group_sizes_e, table, transpose_w=transposed, group_axis=group_axis,
+                                    implementation=implementation, zero_rest=False)
 
 
-def _grouped_fwd(x_md, w_edf, group_sizes_e, table, implementation, expected_rows):
-    y = grouped_matmul(x_md, w_edf, group_sizes_e, table, implementation, expected_rows)
-    return y, (x_md, w_edf.astype(x_md.dtype), group_sizes_e, table)
+def _grouped_fwd(x_md, w, group_sizes_e, table, implementation, expected_rows, group_axis, transposed):
+    y = grouped_matmul(x_md, w, group_sizes_e, table, implementation, expected_rows, group_axis, transposed)
+    return y, (x_md, w.astype(x_md.dtype), group_sizes_e, table)
 
 
-def _grouped_bwd(implementation, expected_rows, residuals, dy_mf):
-    x_md, w_edf, group_sizes_e, table = residuals
+def _grouped_bwd(implementation, expected_rows, group_axis, transposed, residuals, dy_mf):
+    x_md, w, group_sizes_e, table = residuals
     dy = dy_mf.astype(x_md.dtype)
+    options = dict(group_axis=group_axis, implementation=implementation)
     with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
-        dx = grouped_gemm.grouped(dy, w_edf, group_sizes_e, table, transpose_w=True, implementation=implementation, zero_rest=False)
-        dw = grouped_gemm.weight_grad(x_md, dy, group_sizes_e, table, implementation=implementation)  # [e, d, f]
-    return summed_as(dx.astype(x_md.dtype), x_md), summed_as(dw, w_edf), None, None
+        dx = grouped_gemm.grouped(dy, w, group_sizes_e, table, transpose_w=not transposed, zero_rest=False, **options)
+        # The weight gradient in w's layout: x^T dy per group, or (dy^T x) for [n, k] matrices.
+        dw = grouped_gemm.weight_grad(*((dy, x_md) if transposed else (x_md, dy)), group_sizes_e, table, **options)
+    return summed_as(dx.astype(x_md.dtype), x_md), summed_as(dw, w), None, None
 
 
 grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
@@ -99,32 +103,35 @@ def _gathered_bwd(axes, axis, dtype, _, dw):
 gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
-def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype, implementation: str, expected_rows: int):
-    """Rows sorted by group through the groups' SwiGLU experts (rows past the groups: zeros)."""
-    d, f = w_in.shape[1:]
-    implementation = grouped_gemm.resolve(implementation, sharding.platform(), d, f, dtype)
+def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype, implementation: str, expected_rows: int, gathered_layout: bool = False):
+    """Rows sorted by group through the groups' SwiGLU experts (rows past the groups: zeros, or
+    with the Pallas kernels unwritten). The weights as stored ([e, d, f], [e, d, f], [e, f, d])
+    or, `gathered_layout`, all [d, e, f] (FSDP gathers along embed, their first axis)."""
+    f = w_in.shape[2]
     # The tile table, once for the layer's three grouped GEMMs and their gradients.
     table = grouped_gemm.tiles(group_sizes_e, x_md.shape[0]) if implementation == "pallas" else None
+    group_axis = 1 if gathered_layout else 0
 
-    def dot(a, w):  # tagged as a matmul output: what remat's `dots` policies keep (a custom VJP hides the dot)
-        return name_matmul(grouped_matmul(a, w, group_sizes_e, table, implementation, expected_rows), batched=False)
+    def dot(a, w, transposed=False):  # tagged as a matmul output: what remat's `dots` policies keep (a custom VJP hides the dot)
+        y = grouped_matmul(a, w, group_sizes_e, table, implementation, expected_rows, group_axis, transposed)
+        return name_matmul(y, batched=False)
 
     x = x_md.astype(dtype)
-    if implementation == "pallas" and swiglu_rows.fits(*x_md.shape[:1], f):  # over the rows holding tokens only
+    if implementation == "pallas" and swiglu_rows.fits(x_md.shape[0], f):  # over the rows holding tokens only
         with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
             h = swiglu_rows.swiglu(dot(x, w_gate), dot(x, w_in), table.end_g[-1:])
     else:
         h = (jax.nn.silu(dot(x, w_gate).astype(F32)) * dot(x, w_in)).astype(dtype)
-    return dot(h, w_out)
+    return dot(h, w_out, transposed=gathered_layout)
 
 
-def _grouped(x_md, group_m, w_in, w_gate, w_out, dtype, implementation: str, expected_rows: int):
+def _grouped(x_md, group_m, weights, dtype, implementation: str, expected_rows: int, gathered_layout: bool):
     """Each row through expert `group_m` (values >= the experts here: no expert, zeros), by one
     grouped matmul over the rows sorted by expert; `expected_rows` of them real on average."""
-    experts = w_in.shape[0]
+    experts = weights[0].shape[1 if gathered_layout else 0]
     order = jnp.argsort(group_m, stable=True)
     sizes = jnp.bincount(group_m, length=experts).astype(jnp.int32)  # out-of-range ids not counted
-    y_sorted = _ragged_swiglu(x_md[order], sizes, w_in, w_gate, w_out, dtype, implementation, expected_rows)
+    y_sorted = _ragged_swiglu(x_md[order], sizes, *weights, dtype, implementation, expected_rows, gathered_layout)
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
 
 
@@ -221,7 +228,7 @@ def _exchange_bwd(rows, fill, axis, residuals, d_out):
 _gpu_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
-def _dropless_exchanged(x_nd, flat_m, weights, dtype, implementation: str, group: tuple[str, ...], ways: int):
+def _dropless_exchanged(x_nd, flat_m, weights, dtype, implementation: str, group: tuple[str, ...], ways: int, gathered_layout: bool):
     """Dropless expert parallelism: each assignment's row [n k, d] through its expert on the
     device holding it, and back. Every device learns every device's rows per expert (an
     all-gather of [experts] counts), so the exchange writes each received row straight to its
@@ -229,7 +236,7 @@ def _dropless_exchanged(x_nd, flat_m, weights, dtype, implementation: str, group
     run on the buffer as it arrives, with no sort of it and no pass over its unused room (the
     buffer holds every assignment of every device: dropless whatever the routing). One slice
     per (device, expert) each way."""
-    here = weights[0].shape[0]  # experts on each device
+    here = weights[0].shape[1 if gathered_layout else 0]  # experts on each device
     experts, rows, k = ways * here, flat_m.shape[0], flat_m.shape[0] // x_nd.shape[0]
     order = jnp.argsort(flat_m, stable=True)  # by expert: destination device, then its expert
     counts_g = jnp.bincount(flat_m, length=experts).astype(jnp.int32)  # rows this device sends each expert
@@ -242,10 +249,16 @@ def _dropless_exchanged(x_nd, flat_m, weights, dtype, implementation: str, group
     mine = me * here + jnp.arange(here)  # this device's experts
     recv_sizes = counts_pg[:, mine].reshape(-1)  # slice (source p, local expert e)
     recv = ragged_exchange(x_nd[order // k], starts_g, counts_g, landing_pg[me], recv_sizes, ways * rows, 0, group)
-    y = _ragged_swiglu(recv, totals_qe[me], *weights, dtype, implementation, rows)  # an even share: n k of ways n k rows
+    y = _ragged_swiglu(recv, totals_qe[me], *weights, dtype, implementation, rows, gathered_layout)  # an even share: n k of ways n k rows
     their_starts_pg = jnp.cumsum(counts_pg, axis=1) - counts_pg  # where source p took its rows for each expert from
     back = ragged_exchange(y, landing_pg[:, mine].reshape(-1), recv_sizes, their_starts_pg[:, mine].reshape(-1), counts_g, rows, 0, group)
     return jnp.zeros_like(back).at[order].set(back)
+
+
+def gathers_along_first_axis(implementation: str) -> bool:
+    """Whether FSDP gathers the dropless experts' weights as [d, e, f] (the Pallas kernels read
+    them so; XLA's `ragged_dot` takes them as stored)."""
+    return implementation == "pallas"
 
 
 def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_experts, capacity_factor, dtype,
@@ -255,10 +268,21 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
     ('tokens'), all manual here (empty: one device)."""
     b, t, d = x_btd.shape
     k = ids_btk.shape[-1]
-    if axes["embed"]:  # FSDP: this device's experts whole along embed (reduce-scattered in the backward pass)
+    here = w_in.shape[0]  # experts on this device
+    dropless = capacity_factor == 0
+    if dropless:
+        implementation = grouped_gemm.resolve(implementation, sharding.platform(), d, w_in.shape[2], dtype)
+    # FSDP: this device's experts whole along embed (reduce-scattered in the backward pass). For the
+    # Pallas kernels all three [d, e, f], gathered along their first axis: gathering (and scattering
+    # the gradients) along a later one makes XLA transpose every gathered weight and gradient.
+    gathered_layout = bool(axes["embed"]) and dropless and gathers_along_first_axis(implementation)
+    if gathered_layout:
+        w_in, w_gate = (gathered(jnp.transpose(w, (1, 0, 2)), axes["embed"], 0, dtype) for w in (w_in, w_gate))
+        w_out = gathered(jnp.transpose(w_out, (2, 0, 1)), axes["embed"], 0, dtype)
+    elif axes["embed"]:
         w_in, w_gate = (gathered(w, axes["embed"], 1, dtype) for w in (w_in, w_gate))
         w_out = gathered(w_out, axes["embed"], 2, dtype)
-    here = w_in.shape[0]  # experts on this device
+    weights = (w_in, w_gate, w_out)
     ways = num_experts // here
     x_nd, ids_nk, weights_nk = x_btd.reshape(b * t, d), ids_btk.reshape(b * t, k), weights_btk.reshape(b * t, k)
     n = b * t
@@ -277,9 +301,9 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
     else:
         flat = ids_nk.reshape(-1)
         if ways == 1:
-            y_nkd = _grouped(jnp.repeat(x_nd, k, axis=0), flat, w_in, w_gate, w_out, dtype, implementation, n * k).reshape(n, k, d)
+            y_nkd = _grouped(jnp.repeat(x_nd, k, axis=0), flat, weights, dtype, implementation, n * k, gathered_layout).reshape(n, k, d)
         else:
-            y_nkd = _dropless_exchanged(x_nd, flat, (w_in, w_gate, w_out), dtype, implementation, axes["experts"], ways).reshape(n, k, d)
+            y_nkd = _dropless_exchanged(x_nd, flat, weights, dtype, implementation, axes["experts"], ways, gathered_layout).reshape(n, k, d)
         dropped = jnp.zeros((), F32)
     y_nd = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(F32))
     if axes["mlp"]:  # the hidden width split over tensor: partial sums

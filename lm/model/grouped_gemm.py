@@ -158,12 +158,21 @@ def _store_rows(pl, plgpu, o_smem, o_gmem, first_row, offset, rows, column, bloc
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool):
-    """[m, n] = each real row of lhs_mk times its group's rhs[g] ([k, n], or [n, k] given
-    `transpose_rhs`); rows past the groups are left unwritten."""
+def _group(ref, group, group_axis: int):
+    """The [a, b] matrix of group `group` in a [g, a, b] (group_axis 0) or [a, g, b] (1) array."""
+    return ref.at[group] if group_axis == 0 else ref.at[:, group]
+
+
+def _matrix_shape(w, group_axis: int) -> tuple[int, int]:
+    return tuple(d for i, d in enumerate(w.shape) if i != group_axis)
+
+
+def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool, group_axis: int):
+    """[m, n] = each real row of lhs_mk times its group's matrix of rhs ([k, n], or [n, k] given
+    `transpose_rhs`; the group axis first or second); rows past the groups are left unwritten."""
     pl, plgpu = plgpu_modules()
     m, k = lhs_mk.shape
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    n = _matrix_shape(rhs, group_axis)[0 if transpose_rhs else 1]
     bm, bn, bk = BLOCK_M, BLOCK_N, BLOCK_K
     grid_n = n // bn
 
@@ -185,7 +194,7 @@ def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool):
                                         delay_release=1),
                     ],
                     max_concurrent_steps=STAGES,
-                )(lhs_gmem, rhs_gmem.at[group])
+                )(lhs_gmem, _group(rhs_gmem, group, group_axis))
                 return acc_ref[...]
 
             acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
@@ -203,9 +212,10 @@ def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool):
     return kernel(table.count, table.group_t, table.block_t, table.offset_t, table.rows_t, lhs_mk, rhs)
 
 
-def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int):
-    """[g, k, n]: per group, its rows of x_mk (transposed) times its rows of dy_mn, over the
-    group's own row blocks (the rows of its neighbours in a shared block masked to zero)."""
+def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int, group_axis: int):
+    """[g, k, n] (or [k, g, n], group_axis 1), float32: per group, its rows of x_mk (transposed)
+    times its rows of dy_mn, over the group's own row blocks (the rows of its neighbours in a
+    shared block masked to zero)."""
     pl, plgpu = plgpu_modules()
     m, k = x_mk.shape
     n = dy_mn.shape[1]
@@ -213,6 +223,8 @@ def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int):
     swizzle = plgpu.find_swizzle(bk * jnp.dtype(x_mk.dtype).itemsize * 8)
     elems = swizzle // jnp.dtype(x_mk.dtype).itemsize
     transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+    out_swizzle = plgpu.find_swizzle(bn * 4 * 8)  # the float32 result tile
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // 4)), plgpu.SwizzleTransform(out_swizzle))
     grid_k, grid_n = k // bm, n // bn
 
     def grouped_gemm_weight_grad(start_g, end_g, first_g, blocks_g, x_gmem, dy_gmem, o_gmem):
@@ -259,15 +271,16 @@ def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int):
 
             acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
 
-            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), o_gmem.dtype, transforms=transforms))
+            @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bm, bn), o_gmem.dtype, transforms=out_transforms))
             def _store(o_smem):
                 o_smem[...] = acc.astype(o_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
+                plgpu.copy_smem_to_gmem(o_smem, _group(o_gmem, g, group_axis).at[pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
-        grouped_gemm_weight_grad, out_type=jax.ShapeDtypeStruct((groups, k, n), x_mk.dtype), grid=(sms(),), grid_names=("sm",),
+        grouped_gemm_weight_grad, out_type=jax.ShapeDtypeStruct((groups, k, n) if group_axis == 0 else (k, groups, n), jnp.float32),
+        grid=(sms(),), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=interpret_params(),
     )
     return kernel(table.start_g, table.end_g, table.first_block_g, table.blocks_g, x_mk, dy_mn)
@@ -300,30 +313,34 @@ def _padded_rows(a):
     return jnp.pad(a, ((0, -a.shape[0] % BLOCK_M), (0, 0))) if a.shape[0] % BLOCK_M else a
 
 
-def grouped(x_mk, w_gkn, sizes_g, table: Tiles | None = None, *, transpose_w: bool = False, implementation: str = "xla",
-            zero_rest: bool = True):
-    """Row block g of x_mk (sorted by group) times w_gkn[g] ([k, n]; w_gnk transposed given
-    `transpose_w`), accumulated in float32: float32 from `xla`, x's dtype from `pallas` (its
-    tiles are stored so). `implementation`: `xla` or `pallas` (`resolve` maps `auto`). The kernels
-    leave rows past the groups unwritten: `zero_rest` zeroes them (`ragged_dot`'s), a pass over
-    the whole buffer that a caller reading only the real rows skips."""
+def grouped(x_mk, w, sizes_g, table: Tiles | None = None, *, transpose_w: bool = False, group_axis: int = 0,
+            implementation: str = "xla", zero_rest: bool = True):
+    """Row block g of x_mk (sorted by group) times group g's matrix of `w` ([k, n], or [n, k]
+    given `transpose_w`; `w` is [g, ., .], or [., g, .] given `group_axis` 1: an FSDP-gathered
+    weight, whose gather along its first axis needs no transpose), accumulated in float32:
+    float32 from `xla`, x's dtype from `pallas` (its tiles are stored so). `implementation`:
+    `xla` or `pallas` (`resolve` maps `auto`). The kernels leave rows past the groups
+    unwritten: `zero_rest` zeroes them (`ragged_dot`'s), a pass over the whole buffer that a
+    caller reading only the real rows skips."""
     if implementation == "pallas":
         table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
-        y_mn = _rows_kernel(_padded_rows(x_mk), w_gkn.astype(x_mk.dtype), table, transpose_w)[: x_mk.shape[0]]
-        y_mn = varying_like(y_mn, x_mk, w_gkn, sizes_g)
+        y_mn = _rows_kernel(_padded_rows(x_mk), w.astype(x_mk.dtype), table, transpose_w, group_axis)[: x_mk.shape[0]]
+        y_mn = varying_like(y_mn, x_mk, w, sizes_g)
         return _real_rows(y_mn, table) if zero_rest else y_mn
-    w = w_gkn.swapaxes(1, 2) if transpose_w else w_gkn
-    return jax.lax.ragged_dot(x_mk, w.astype(x_mk.dtype), sizes_g, preferred_element_type=jnp.float32)
+    w_gkn = jnp.moveaxis(w, group_axis, 0)
+    w_gkn = w_gkn.swapaxes(1, 2) if transpose_w else w_gkn
+    return jax.lax.ragged_dot(x_mk, w_gkn.astype(x_mk.dtype), sizes_g, preferred_element_type=jnp.float32)
 
 
-def weight_grad(x_mk, dy_mn, sizes_g, table: Tiles | None = None, *, implementation: str = "xla"):
-    """[g, k, n]: per group, x's rows transposed times dy's (float32)."""
+def weight_grad(x_mk, dy_mn, sizes_g, table: Tiles | None = None, *, group_axis: int = 0, implementation: str = "xla"):
+    """Per group, x's rows transposed times dy's, float32: [g, k, n] (group_axis 0) or [k, g, n]."""
     if implementation == "pallas":
         table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
-        dw_gkn = _weight_grad_kernel(_padded_rows(x_mk), _padded_rows(dy_mn.astype(x_mk.dtype)), table, sizes_g.shape[0])
-        return varying_like(dw_gkn, x_mk, dy_mn, sizes_g).astype(jnp.float32)
+        dw = _weight_grad_kernel(_padded_rows(x_mk), _padded_rows(dy_mn.astype(x_mk.dtype)), table, sizes_g.shape[0], group_axis)
+        return varying_like(dw, x_mk, dy_mn, sizes_g)
     rows = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    return jax.lax.ragged_dot_general(x_mk, dy_mn.astype(x_mk.dtype), sizes_g, rows, preferred_element_type=jnp.float32)
+    dw_gkn = jax.lax.ragged_dot_general(x_mk, dy_mn.astype(x_mk.dtype), sizes_g, rows, preferred_element_type=jnp.float32)
+    return jnp.moveaxis(dw_gkn, 0, group_axis)
 
 
 def flops(rows: int, k: int, n: int) -> float:

@@ -80,6 +80,11 @@ class Memory:
         sequence_parallel = lay.sequence_parallel if sequence_parallel is None else sequence_parallel
         t, sp, cpu = lay.tensor, lay.tensor if sequence_parallel else 1, self.platform == "cpu"
         d, q, kv, f = m.embed_dim, m.num_heads * m.head_dim / t, m.num_kv_heads * m.head_dim / t, m.mlp_dim / t
+        routed = 0.0  # a mixture of experts: each token's rows for its experts, copied as the grouped GEMMs take them
+        if m.moe:  # the MLP a token goes through: its experts' widths (and the shared ones'), averaged over the layers
+            sparse = m.sparse_layers / m.num_layers
+            f = ((1 - sparse) * m.mlp_dim + sparse * (m.experts_per_token + m.shared_experts) * m.expert_width) / t
+            routed = sparse * m.experts_per_token * d * e
         hidden = 4 if cpu else e  # the MLP's up projections leave the matmul in float32 on CPU
         up = 2 if m.mlp == "swiglu" else 1
         residual = d * e / sp
@@ -89,7 +94,7 @@ class Memory:
         statistics = m.num_heads / t * 4  # flash attention's float32 softmax statistics, per query
         # The attention and MLP output projections are kept as their reduced results: split along
         # the sequence under sequence parallelism (reduce-scattered), else whole.
-        matmul_outputs = residual + projections + 2 * d * e / sp + up * f * hidden
+        matmul_outputs = residual + projections + 2 * d * e / sp + up * f * hidden + routed
         return {
             "full": residual,
             "qkv_proj": residual + projections,
