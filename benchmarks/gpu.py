@@ -57,6 +57,10 @@ CUBLAS_ONLY = "--xla_gpu_enable_triton_gemm=false"
 
 # Four layers of Llama-3-70B: its GEMM shapes on one GPU, where fp8 should win (fp8 issue).
 WIDE = "configs/llama_70b_layers.py"
+# Two layers of Mixtral-8x7B: dropless (the grouped GEMM), capacity 1.25, and a dense model of the
+# same active width (2 experts' worth of SwiGLU), each with its kernel profile.
+MOE = "configs/mixtral_layers.py"
+MOE_DENSE = ["--config.model.num_experts=0", "--config.model.mlp_dim=28672"]
 
 
 class Case(NamedTuple):
@@ -69,12 +73,16 @@ class Case(NamedTuple):
 
 def cases(main: str) -> list[Case]:
     """In priority order, with `main` attention (cudnn on a GPU); XLA's attention once beside it
-    for comparison. The first four are the step-time model's kernel profiles (remat `dots` and
-    `full` at batch 8, fp8, the recipe's batch 64), then the wide proxy in bf16 and fp8."""
+    for comparison. First the MoE proxy (dropless, capacity, dense of the same active width), then
+    the step-time model's kernel profiles (remat `dots` and `full` at batch 8, fp8, the recipe's
+    batch 64), then the wide proxy in bf16 and fp8."""
     b8 = ["--config.train.batch_size=8"]
     dots = "--config.model.remat=dots"
     compare = [] if main == "xla" else [Case("bf16_xla_b8", [*BF16, *attention("xla"), *b8, FULL], True)]
     return [
+        Case(f"moe_dropless_{main}", [*BF16, *attention(main)], True, config=MOE),
+        Case(f"moe_capacity_{main}", [*BF16, *attention(main), "--config.model.expert_capacity_factor=1.25"], True, config=MOE),
+        Case(f"moe_dense_{main}", [*BF16, *attention(main), *MOE_DENSE], True, config=MOE),
         Case(f"bf16_{main}_b8_remat_dots", [*BF16, *attention(main), *b8, dots], True),
         Case(f"bf16_{main}_b8", [*BF16, *attention(main), *b8, FULL], True),
         Case(f"fp8_{main}_b8", [*FP8, *attention(main), *b8, FULL], True),
@@ -202,6 +210,33 @@ def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo
     return {"ok": False, "wall_s": wall, "out_of_memory": out_of_memory, "error": (errors or done.stderr.splitlines() or ["?"])[-1][-600:]}
 
 
+def grouped_gemm_results(shape: str, timeout: float) -> dict:
+    """benchmarks/grouped_gemm.py at `shape` (a name or rows,experts,d,f) in its own process (the
+    GPU left to it), and on GPUs once more with cuDNN's grouped GEMM behind `ragged_dot`."""
+    named = ["--shape=" + shape] if "," not in shape else [f"--{k}={v}" for k, v in zip(("rows", "experts", "d", "f"), shape.split(","))]
+    results = {}
+    variants = {"": []} | ({"cudnn_fusion": ["--implementations=xla", "--xla_ragged_dot_fusion"]} if _on_gpu() else {})
+    for variant, extra in variants.items():
+        command = [sys.executable, str(ROOT / "benchmarks" / "grouped_gemm.py"), *named, *extra]
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=CHILD_ENV)
+            lines = done.stdout.strip().splitlines()
+            result = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": (done.stderr.splitlines() or ["?"])[-1][-600:]}
+        except subprocess.TimeoutExpired:
+            result = {"error": f"timed out after {timeout:.0f} s"}
+        if variant:
+            results[variant] = result.get("xla", result)
+        else:
+            results = result | results
+    return results
+
+
+def _on_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
 def summary(report: dict) -> str:
     """The report as Markdown, for PERFORMANCE.md: one row per benchmark, then where each profiled
     case's step time went (milliseconds per step by kind of work)."""
@@ -217,6 +252,13 @@ def summary(report: dict) -> str:
                          f"{gib(r.get('peak_memory_bytes'))} | {r['compile_time_s']:.1f} |")
         else:
             lines.append(f"| {name} | {'out of memory' if r.get('out_of_memory') else 'failed: ' + r['error'][:80]} | | | | |")
+    for name, r in report.items():
+        if name.startswith("grouped_gemm_") and "dense_tflops" in r:
+            lines += [f"\n{name} (TFLOP/s forward / with gradients; dense GEMM {r['dense_tflops']:.0f} / {r['dense_fwd_bwd_tflops']:.0f}):"]
+            for impl, e in r.items():
+                if isinstance(e, dict) and ("even_tflops" in e or "error" in e):
+                    lines.append(f"- {impl}: " + (e.get("error", "")[:80] or f"even {e['even_tflops']:.0f} / {e['even_fwd_bwd_tflops']:.0f}, "
+                                                  f"skewed {e['skewed_tflops']:.0f} / {e['skewed_fwd_bwd_tflops']:.0f}"))
     for name, r in runs.items():
         if r.get("profile"):
             kinds = ", ".join(f"{kind} {ms:.1f}" for kind, ms in r["profile"]["by_kind_ms_per_step"].items())
@@ -234,8 +276,9 @@ def main() -> None:
     parser.add_argument("--max_batch", type=int, default=128)
     parser.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"), help="the main cases' attention")
     parser.add_argument("--matmul_size", type=int, default=8192, help="n of the n x n x n peak matmuls")
-    parser.add_argument("--grouped_gemm", default="16384,8,4096,14336",
-                        help="rows,experts,d,f of the ragged_dot benchmark (benchmarks/grouped_gemm.py); empty: skip it")
+    parser.add_argument("--grouped_gemm", default="mixtral;qwen3_30b_a3b",
+                        help="';'-separated shapes of the grouped GEMM benchmark (benchmarks/grouped_gemm.py): names or "
+                             "rows,experts,d,f; empty: skip it")
     parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all), e.g. for a rehearsal")
     args = parser.parse_args()
     chosen = cases(args.attention)
@@ -259,13 +302,8 @@ def main() -> None:
 
     save("device", device_info(out))
     save("matmul_peak_flops", matmul_peaks(args.matmul_size))
-    if args.grouped_gemm:  # MoE's grouped matmul against a dense GEMM of the same work
-        from benchmarks import grouped_gemm
-
-        try:
-            save("grouped_gemm", grouped_gemm.measure(*map(int, args.grouped_gemm.split(","))))
-        except Exception as e:  # noqa: BLE001 - a result, not a reason to lose the rest
-            save("grouped_gemm", {"error": f"{type(e).__name__}: {e}"})
+    for shape in filter(None, args.grouped_gemm.split(";")):  # MoE's grouped GEMMs against a dense GEMM of the same work
+        save(f"grouped_gemm_{shape.replace(',', 'x')}", grouped_gemm_results(shape, args.case_timeout_s))
     hlo_root = out / "hlo"  # each case's optimised train step, beside gpu.json
     for case in chosen:
         if time.perf_counter() - began > args.budget_s:

@@ -1,8 +1,9 @@
 """A Qwen3-30B-A3B-shaped model: 48 layers, width 2048, 32 query heads / 4 KV heads of dimension
 128 with q / k RMSNorm, 128 SwiGLU experts of width 768, 8 per token (renormalised), vocabulary
-151936, untied embeddings. 30.5B parameters, 3.3B active per token. Trained as `mixtral_8x7b.py`.
+151936, untied embeddings. 30.5B parameters, 3.3B active per token. Trained as `mixtral_8x7b.py`:
+256 sequences of 4096 a step (1M tokens, for 64 GPUs).
 
-For planning and compiling: `python -m lm.plan --config=configs/qwen3_30b_a3b.py --gpus=8`,
+For planning and compiling: `python -m lm.plan --config=configs/qwen3_30b_a3b.py --gpus=64 --verify`,
 `python -m lm.layout --config=configs/qwen3_30b_a3b.py --target=h100 --config.mesh.expert=8`.
 """
 

@@ -36,7 +36,7 @@ _CHOICES = {
 
 _POSITIVE = (
     "model.num_layers", "model.embed_dim", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
-    "model.vocab_multiple", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
+    "model.vocab_multiple", "model.expert_dispatch_chunks", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
     "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "train.spike_window", "train.spike_steps",
     "train.spike_max_rollbacks", "optim.muon_ns_steps", "eval.every_steps", "eval.batch_size", "pipeline.repeats", "checkpoint.every_steps",
     "checkpoint.keep", "data.vocab_size",

@@ -93,9 +93,9 @@ def main(argv: list[str]) -> None:
                   + ", ".join(f"{op} {v['collectives_overlapped'].get(op, 0)} of {n}" for op, n in v["collectives"].items()))
             if "step_time_s" in v:
                 t = v["tokens_per_s_per_gpu"]
-                print(f"  tokens/s per GPU: {t['kernels']:,.0f} by the compiled program's kernels (lm.compiler.steptime; of its "
-                      f"{v['step_time_s']['kernels']:.3f} s step {v['step_time_s']['of_which_network']:.3f} s network), "
-                      f"{t['cost_model']:,.0f} by the cost model")
+                print(f"  tokens/s per GPU: {t['kernels']:,.0f} by the compiled program's kernels (MFU {100 * v['mfu']['kernels']:.1f}%; "
+                      f"lm.compiler.steptime; of its {v['step_time_s']['kernels']:.3f} s step {v['step_time_s']['of_which_network']:.3f} s "
+                      f"network), {t['cost_model']:,.0f} by the cost model (MFU {100 * v['mfu']['cost_model']:.1f}%)")
             if v["collective_bytes"]:
                 print("  collective GB per step and GPU, model / XLA: "
                       + ", ".join(f"{kind.replace('_', ' ')} {a / 1e9:.1f} / {b / 1e9:.1f}" for kind, (a, b) in v["collective_bytes"].items()))
@@ -105,6 +105,8 @@ def main(argv: list[str]) -> None:
             raise UserError(f"none of the {len(checked)} fastest layouts that the memory model fits in {memory / 2**30:.1f} GiB compiles "
                             f"within JAX's {pool / 2**30:.2f} GiB pool: lower --memory_fraction (now {args.memory_fraction}) or add GPUs")
     print(describe(result, shown))
+    if pricing := shown[0].grouped_gemm_pricing():
+        print(pricing)
     command = train_command(args.config_file, args.config_overrides, args.config, shown[0].parallelism)
     print(f"to train with the first: {command}")
     summary = {

@@ -575,21 +575,54 @@ def _ragged_gemm_shapes(text: str) -> list[tuple[int, ...]]:
     return out
 
 
-def test_an_expert_parallel_mixture_of_experts_compiles_with_ragged_all_to_alls_and_the_dense_ragged_dot(h100s):
+def test_an_expert_parallel_mixture_of_experts_compiles_with_ragged_all_to_alls_and_grouped_gemms(h100s):
     """16 experts on {expert: 8}: 2 per GPU, each GPU's 256 tokens x 2 choices sent by
-    `ragged_all_to_all` (only the real rows; received into room for 8 x 512) and brought back the
-    same way, per MoE layer and direction (the counts and offsets by small all-to-alls). jax
-    0.10.2's XLA:GPU has no grouped GEMM for `ragged_dot`: every received row goes through both
-    local experts (their weights concatenated: 256 = 2 x 128 columns) and each row's own is
-    selected, the fallback `lm.planner.cost` prices (RAGGED_DOT_IS_DENSE). Negative control:
-    capacity mode runs batched GEMMs, no ragged_dot, and fixed all-to-alls."""
+    `ragged_all_to_all` (only the real rows, one slice per device and expert; received into room
+    for 8 x 512) and brought back the same way, per MoE layer and direction (the per-expert counts
+    all-gathered). `grouped_gemm=auto` in bf16 runs meshlm's Pallas grouped GEMMs: no dense GEMM
+    over every received row, and the kernel table counts each grouped GEMM's FLOPs as its expected
+    rows' (the even share, 512 of the 4096: 2 x 512 x 128 x 128 per kernel, 9 kernels per layer
+    and step). Negative controls: `grouped_gemm=xla` runs every received row through both local
+    experts (their weights concatenated: 256 = 2 x 128 columns, jax <= 0.11's XLA:GPU); capacity
+    mode runs batched GEMMs, no ragged_dot, and fixed all-to-alls."""
+    from lm.compiler import kernels
+
     text = compiled(h100s, {"expert": 8}, **MOE)
     ops = hlo.collectives(text)
     assert ops["ragged-all-to-all"] >= 2 * 2 * 2, ops  # 2 layers x (dispatch, combine) x (forward, backward) at least
     exchanged = {n: b for (op, n), b in hlo.collective_traffic(text).items() if op == "all-to-all"}
-    assert list(exchanged) == [8] and exchanged[8] < 2**16, exchanged  # counts and offsets only
-    shapes = _ragged_gemm_shapes(text)
+    assert not exchanged or (list(exchanged) == [8] and exchanged[8] < 2**16), exchanged  # counts and offsets only
+    assert not _ragged_gemm_shapes(text)
+    grouped = [k for k in kernels.table(text) if k.kind == "grouped_gemm"]
+    assert sum(k.count for k in grouped) == 2 * 9, grouped  # 2 layers x 3 matmuls x (forward, input and weight gradients)
+    assert {k.flops for k in grouped} == {2.0 * 512 * 128 * 128}
+    dense = compiled(h100s, {"expert": 8}, model__grouped_gemm="xla", **MOE)
+    shapes = _ragged_gemm_shapes(dense)
     assert (256, 4096) in shapes or (4096, 256) in shapes, shapes  # all 4096 rows x both local experts
+    assert not [k for k in kernels.table(dense) if k.kind == "grouped_gemm"]
+    # Dispatched in 2 chunks, XLA's schedule runs one chunk's exchanges beside the other's grouped
+    # GEMMs (Pallas kernels between a ragged all-to-all's start and done): more of them hidden.
+    overlapped = hlo.overlapped_collectives(text)["ragged-all-to-all"]
+    chunked = compiled(h100s, {"expert": 8}, model__expert_dispatch_chunks=2, **MOE)
+    assert hlo.collectives(chunked)["ragged-all-to-all"] == 2 * ops["ragged-all-to-all"]
+    assert hlo.overlapped_collectives(chunked)["ragged-all-to-all"] > max(overlapped, ops["ragged-all-to-all"] // 2), (overlapped, hlo.overlapped_collectives(chunked))
     capacity = compiled(h100s, {"expert": 8}, model__expert_capacity_factor=1.25, **MOE)
     assert not _ragged_gemm_shapes(capacity) and not hlo.collectives(capacity)["ragged-all-to-all"]
     assert sum(b for (op, _), b in hlo.collective_traffic(capacity).items() if op == "all-to-all") > 2**20
+
+
+def test_fsdp_gathers_the_experts_for_the_grouped_gemm_without_transposing_them(h100s):
+    """{fsdp: 8}, dropless, bf16: each expert weight gathered along its first axis as [d, e, f]
+    and its float32 gradient reduce-scattered so, each GPU's 256 tokens x 2 rows through the
+    grouped GEMMs (FLOPs of its 512 rows), no kernel transposing a whole expert weight stack.
+    Negative control: `grouped_gemm=xla` gathers along embed, the second axis, and XLA transposes."""
+    from lm.compiler import kernels
+
+    def transposed_stacks(text):
+        return [k for k in kernels.table(text) if k.kind in ("transpose", "copy") and "16,128,128" in k.shape.replace("128,16,128", "16,128,128")]
+
+    text = compiled(h100s, {"fsdp": 8}, **MOE)
+    grouped = [k for k in kernels.table(text) if k.kind == "grouped_gemm"]
+    assert sum(k.count for k in grouped) == 2 * 9 and {k.flops for k in grouped} == {2.0 * 512 * 128 * 128}
+    assert not transposed_stacks(text), transposed_stacks(text)
+    assert transposed_stacks(compiled(h100s, {"fsdp": 8}, model__grouped_gemm="xla", **MOE))

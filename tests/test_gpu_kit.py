@@ -14,7 +14,7 @@ from lm.planner import search as plan
 
 def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
     result = run_module("benchmarks.gpu", "--config=configs/tiny.py", f"--out={tmp_path}", "--steps=2", "--matmul_size=128",
-                        "--cases=bf16_cudnn_b8,bf16_xla_b8", "--max_batch=16", "--grouped_gemm=256,4,64,128", timeout=900,
+                        "--cases=bf16_cudnn_b8,bf16_xla_b8", "--max_batch=16", "--grouped_gemm=256,4,128,128", timeout=900,
                         env_extra={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache")})  # not the kit's /tmp default
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -24,6 +24,10 @@ def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
     assert check["target"] == "h100" and check["core_count"] == {"stored": 132, "device": None}
     assert check["cudnn"]["stored"] == "9.8.0" and "nvidia_smi" in report["device"]
     assert all(flops > 0 for flops in report["matmul_peak_flops"].values())
+    # The grouped GEMMs (Pallas' in its GPU interpreter here) timed and checked against ragged_dot.
+    grouped = report["grouped_gemm_256x4x128x128"]
+    assert grouped["xla"]["even_tflops"] > 0 and grouped["pallas"]["skewed_fwd_bwd_tflops"] > 0
+    assert max(grouped["pallas"]["skewed_max_relative_error"]) < 2e-2, grouped["pallas"]
     # cuDNN cannot run on a CPU: the case says why, in one line, and the kit goes on.
     failed = report["bf16_cudnn_b8"]
     assert not failed["ok"] and not failed["out_of_memory"] and "model.attention=cudnn needs a GPU target" in failed["error"]
@@ -48,7 +52,7 @@ def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
 
 def test_the_gpu_kit_names_its_cases_when_asked_for_an_unknown_one(tmp_path):
     result = run_module("benchmarks.gpu", f"--out={tmp_path}", "--cases=bf16_cudnn_b8,bf16_fast")
-    assert result.returncode == 2 and "unknown case(s) bf16_fast; the cases are bf16_cudnn_b8_remat_dots, bf16_cudnn_b8, fp8_cudnn_b8" in result.stderr
+    assert result.returncode == 2 and "unknown case(s) bf16_fast; the cases are moe_dropless_cudnn, moe_capacity_cudnn, moe_dense_cudnn, bf16_cudnn_b8_remat_dots" in result.stderr
     assert not (tmp_path / "gpu.json").exists()
 
 

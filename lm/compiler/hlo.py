@@ -110,9 +110,10 @@ def collectives(hlo: str) -> Counter:
 
 _ASYNC_START = re.compile(r"%([\w.\-]+)\s*=.*?\s(" + "|".join(COLLECTIVES) + r")-start\(")
 _ASYNC_DONE = re.compile(r"\s(?:" + "|".join(COLLECTIVES) + r")-done\(%([\w.\-]+)")
-# The long kernels a collective can hide behind: GEMMs (cuBLAS, cuBLASLt, GEMM fusions) and cuDNN
-# calls (attention), not the short elementwise fusions around them.
-_HEAVY_KERNEL = re.compile(r'custom_call_target="__(?:cublas|cudnn)|kind=kCustom.*(?:gemm|triton)|\s(?:dot|convolution)\(')
+# The long kernels a collective can hide behind: GEMMs (cuBLAS, cuBLASLt, GEMM fusions, Pallas
+# Mosaic GPU kernels: meshlm's grouped GEMMs) and cuDNN calls (attention), not the short
+# elementwise fusions around them.
+_HEAVY_KERNEL = re.compile(r'custom_call_target="(?:__cublas|__cudnn|mosaic_gpu)|kind=kCustom.*(?:gemm|triton)|\s(?:dot|convolution)\(')
 
 
 def overlapped_collectives(hlo: str) -> Counter:

@@ -17,7 +17,10 @@ backward by its `op_name` (JAX names the backward pass `transpose(jvp(...))`):
 - `transpose_bytes`: bytes moved by kernels that only transpose (any type: a transposed copy of
   the float32 weights for an fp8 GEMM's layout is one);
 - `hbm_bytes`: bytes read and written by all kernels, and `pass_bytes`: by those other than GEMMs
-  and attention (the memory-bound work).
+  and attention (the memory-bound work);
+- `moe_dispatch` / `moe_combine`: kernels (runs per step) and bytes of a mixture of experts'
+  routing data movement: sorting, permuting and exchanging rows; bringing them back and their
+  weighted sum (`lm.model.experts`' name scopes, forward and backward).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from lm.compiler.hlo import buffers
 BACKWARD = "transpose(jvp"
 _FP8 = re.compile(r"\bf8e\w+\[")
 _TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
+MOE_SCOPES = ("moe_dispatch", "moe_combine")  # lm.model.experts' (not imported: the compiler package reads programs)
 
 
 def _fp8(types: str) -> bool:
@@ -54,13 +58,17 @@ def count(hlo: str) -> dict:
     module = kernels.Module(hlo)
     rows = {(c, r.name): r for c, body in module.bodies.items() for r in body}
     out = {"quantising": {"forward": 0, "backward": 0}, "both_layouts": 0, "amax_reductions": {"forward": 0, "backward": 0},
-           "fp8_transposes": 0, "reduction_fusions": 0, "transpose_bytes": 0.0, "hbm_bytes": 0.0, "pass_bytes": 0.0}
+           "fp8_transposes": 0, "reduction_fusions": 0, "transpose_bytes": 0.0, "hbm_bytes": 0.0, "pass_bytes": 0.0,
+           **{scope: {"kernels": 0, "bytes": 0.0} for scope in MOE_SCOPES}}
     for k in kernels.table(hlo):
         i = rows[(k.computation, k.name)]
         out["hbm_bytes"] += k.count * k.bytes
         if k.kind in ("gemm", "gemm_fp8", "grouped_gemm", "attention"):
             continue
         out["pass_bytes"] += k.count * k.bytes
+        for scope in (s for s in MOE_SCOPES if f"/{s}/" in i.rest):
+            out[scope]["kernels"] += k.count
+            out[scope]["bytes"] += k.count * k.bytes
         out["transpose_bytes"] += k.count * k.bytes if k.kind == "transpose" else 0
         reduces = bool(i.called) and _reduces(module, i.called[0], with_max=False)
         out["reduction_fusions"] += k.count if reduces else 0
@@ -83,6 +91,8 @@ def describe(c: dict) -> str:
     q, a = c["quantising"], c["amax_reductions"]
     line = (f"memory-bound passes per step: {c['reduction_fusions']} reduction fusions, {c['pass_bytes'] / 1e9:.2f} GB "
             f"of {c['hbm_bytes'] / 1e9:.2f} GB HBM traffic ({c['transpose_bytes'] / 1e9:.2f} GB transposing)")
+    if moved := [f"{c[s]['kernels']} {s.removeprefix('moe_')} kernels {c[s]['bytes'] / 1e9:.2f} GB" for s in MOE_SCOPES if c[s]["kernels"]]:
+        line += "; experts' routing: " + ", ".join(moved)
     if q["forward"] + q["backward"]:
         line += (f"; fp8: {q['forward']} + {q['backward']} quantising (forward + backward; {c['both_layouts']} writing "
                  f"both layouts), {a['forward']} + {a['backward']} max-reductions, {c['fp8_transposes']} transposes of fp8 data")

@@ -57,6 +57,9 @@ class ModelConfig:
     # The dropless experts' grouped GEMM (lm.model.grouped_gemm): auto (Pallas kernels on GPUs
     # where dtype and widths allow, else XLA's ragged_dot) | xla | pallas.
     grouped_gemm: str = "auto"
+    # Under expert parallelism, dropless: each device's tokens dispatched in this many chunks, one
+    # chunk's exchange free to overlap another's expert GEMMs (Megatron's and DeepSeek's way).
+    expert_dispatch_chunks: int = 1
     # How the layers run (the same maths): remat (sharding.remat.REMAT: what a layer keeps); scan_layers
     # False unrolls the layer loop (faster on CPU, slower to compile); attention auto (cudnn on
     # GPU where it applies, einsum on CPU) | cudnn | xla | einsum.

@@ -31,6 +31,9 @@ from lm.model import grouped_gemm, swiglu_rows
 from lm.model.matmul import F32, backward, summed_as, varying
 from sharding.remat import name_matmul
 
+# Name scopes of the dropless routing's data movement (sort, permutation, exchange; the way
+# back and the weighted sum), which `lm.compiler.passes` counts in a compiled step.
+DISPATCH_SCOPE, COMBINE_SCOPE = "moe_dispatch", "moe_combine"
 INPUT_AXES = ("batch", "length", "act_embed")  # the MLP's input: the sequence gathered over `tensor`
 ROUTING_AXES = ("batch", "length", None)
 
@@ -125,14 +128,51 @@ def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype, implementati
     return dot(h, w_out, transposed=gathered_layout)
 
 
+@jax.custom_vjp
+def permuted(x_md, to_m, from_m):
+    """x's rows in the order `to_m` (x[to_m]), `from_m` its inverse permutation. The backward is
+    a gather by `from_m` (autodiff's would be a scatter-add: XLA cannot know `to_m` permutes),
+    which fuses with what reads it, as the forward's gather does."""
+    return _rows(x_md, to_m)
+
+
+def _rows(x_md, index_m):
+    # Indices in range by construction: no wrapping of negative ones (a comparison with a
+    # constant, which under the pipeline's scan lacks the indices' varying mesh axes).
+    return x_md.at[index_m].get(mode="promise_in_bounds", wrap_negative_indices=False)
+
+
+def _permuted_fwd(x_md, to_m, from_m):
+    return _rows(x_md, to_m), (to_m, from_m)
+
+
+def _permuted_bwd(residuals, dy_md):
+    to_m, from_m = residuals
+    return _rows(dy_md, from_m), None, None
+
+
+permuted.defvjp(_permuted_fwd, _permuted_bwd)
+
+
+def sorting(group_m):
+    """The stable order sorting rows by group and its inverse: the layer's routing metadata,
+    made once and used by the forward and backward passes."""
+    order_m = jnp.argsort(group_m, stable=True)
+    positions_m = grouped_gemm.varying_like(jnp.arange(order_m.shape[0], dtype=order_m.dtype), order_m)
+    return order_m, jnp.zeros_like(order_m).at[order_m].set(positions_m)
+
+
 def _grouped(x_md, group_m, weights, dtype, implementation: str, expected_rows: int, gathered_layout: bool):
     """Each row through expert `group_m` (values >= the experts here: no expert, zeros), by one
     grouped matmul over the rows sorted by expert; `expected_rows` of them real on average."""
     experts = weights[0].shape[1 if gathered_layout else 0]
-    order = jnp.argsort(group_m, stable=True)
-    sizes = jnp.bincount(group_m, length=experts).astype(jnp.int32)  # out-of-range ids not counted
-    y_sorted = _ragged_swiglu(x_md[order], sizes, *weights, dtype, implementation, expected_rows, gathered_layout)
-    return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    with jax.named_scope(DISPATCH_SCOPE):
+        order, inverse = sorting(group_m)
+        sizes = jnp.bincount(group_m, length=experts).astype(jnp.int32)  # out-of-range ids not counted
+        x_sorted = permuted(x_md, order, inverse)
+    y_sorted = _ragged_swiglu(x_sorted, sizes, *weights, dtype, implementation, expected_rows, gathered_layout)
+    with jax.named_scope(COMBINE_SCOPE):
+        return permuted(y_sorted, inverse, order)
 
 
 def _batched(x_ecd, w_in, w_gate, w_out, dtype):
@@ -238,21 +278,25 @@ def _dropless_exchanged(x_nd, flat_m, weights, dtype, implementation: str, group
     per (device, expert) each way."""
     here = weights[0].shape[1 if gathered_layout else 0]  # experts on each device
     experts, rows, k = ways * here, flat_m.shape[0], flat_m.shape[0] // x_nd.shape[0]
-    order = jnp.argsort(flat_m, stable=True)  # by expert: destination device, then its expert
-    counts_g = jnp.bincount(flat_m, length=experts).astype(jnp.int32)  # rows this device sends each expert
-    starts_g = jnp.cumsum(counts_g) - counts_g
-    counts_pg = jax.lax.all_gather(counts_g, group)  # [source device, expert]
-    me = jax.lax.axis_index(group)
-    totals_qe = counts_pg.sum(0).reshape(ways, here)  # rows each expert receives, by its device
-    region_g = (jnp.cumsum(totals_qe, axis=1) - totals_qe).reshape(-1)  # where its rows start there
-    landing_pg = region_g[None] + jnp.cumsum(counts_pg, axis=0) - counts_pg  # source p's rows for g, at g's device
-    mine = me * here + jnp.arange(here)  # this device's experts
-    recv_sizes = counts_pg[:, mine].reshape(-1)  # slice (source p, local expert e)
-    recv = ragged_exchange(x_nd[order // k], starts_g, counts_g, landing_pg[me], recv_sizes, ways * rows, 0, group)
+    with jax.named_scope(DISPATCH_SCOPE):
+        order, inverse = sorting(flat_m)  # by expert: destination device, then its expert
+        counts_g = jnp.bincount(flat_m, length=experts).astype(jnp.int32)  # rows this device sends each expert
+        starts_g = jnp.cumsum(counts_g) - counts_g
+        counts_pg = jax.lax.all_gather(counts_g, group)  # [source device, expert]
+        me = jax.lax.axis_index(group)
+        totals_qe = counts_pg.sum(0).reshape(ways, here)  # rows each expert receives, by its device
+        region_g = (jnp.cumsum(totals_qe, axis=1) - totals_qe).reshape(-1)  # where its rows start there
+        landing_pg = region_g[None] + jnp.cumsum(counts_pg, axis=0) - counts_pg  # source p's rows for g, at g's device
+        mine = me * here + jnp.arange(here)  # this device's experts
+        recv_sizes = counts_pg[:, mine].reshape(-1)  # slice (source p, local expert e)
+        # Each token's row once per choice, sorted (the repeat's backward sums the k choices).
+        sent = permuted(jnp.repeat(x_nd, k, axis=0), order, inverse)
+        recv = ragged_exchange(sent, starts_g, counts_g, landing_pg[me], recv_sizes, ways * rows, 0, group)
     y = _ragged_swiglu(recv, totals_qe[me], *weights, dtype, implementation, rows, gathered_layout)  # an even share: n k of ways n k rows
-    their_starts_pg = jnp.cumsum(counts_pg, axis=1) - counts_pg  # where source p took its rows for each expert from
-    back = ragged_exchange(y, landing_pg[:, mine].reshape(-1), recv_sizes, their_starts_pg[:, mine].reshape(-1), counts_g, rows, 0, group)
-    return jnp.zeros_like(back).at[order].set(back)
+    with jax.named_scope(COMBINE_SCOPE):
+        their_starts_pg = jnp.cumsum(counts_pg, axis=1) - counts_pg  # where source p took its rows for each expert from
+        back = ragged_exchange(y, landing_pg[:, mine].reshape(-1), recv_sizes, their_starts_pg[:, mine].reshape(-1), counts_g, rows, 0, group)
+        return permuted(back, inverse, order)
 
 
 def gathers_along_first_axis(implementation: str) -> bool:
@@ -262,10 +306,12 @@ def gathers_along_first_axis(implementation: str) -> bool:
 
 
 def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_experts, capacity_factor, dtype,
-                  axes: dict[str, tuple[str, ...]], implementation: str = "auto"):
+                  axes: dict[str, tuple[str, ...]], implementation: str = "auto", dispatch_chunks: int = 1):
     """One device's part of the experts' output [b, t, d] and its dropped assignments (summed over
     the devices). `axes`: the mesh axes of 'experts', 'embed', 'mlp' and the token-splitting ones
-    ('tokens'), all manual here (empty: one device)."""
+    ('tokens'), all manual here (empty: one device). Dropless under expert parallelism, the tokens
+    go in `dispatch_chunks` independent exchanges (the greatest divisor of the device's tokens
+    at most that), which XLA's scheduler may overlap with each other's expert GEMMs."""
     b, t, d = x_btd.shape
     k = ids_btk.shape[-1]
     here = w_in.shape[0]  # experts on this device
@@ -303,9 +349,14 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
         if ways == 1:
             y_nkd = _grouped(jnp.repeat(x_nd, k, axis=0), flat, weights, dtype, implementation, n * k, gathered_layout).reshape(n, k, d)
         else:
-            y_nkd = _dropless_exchanged(x_nd, flat, weights, dtype, implementation, axes["experts"], ways, gathered_layout).reshape(n, k, d)
+            chunks = math.gcd(n, dispatch_chunks)
+            y_nkd = jnp.concatenate([
+                _dropless_exchanged(x_cd, flat_c, weights, dtype, implementation, axes["experts"], ways, gathered_layout)
+                for x_cd, flat_c in zip(jnp.split(x_nd, chunks), jnp.split(flat, chunks))
+            ]).reshape(n, k, d)
         dropped = jnp.zeros((), F32)
-    y_nd = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(F32))
+    with jax.named_scope(COMBINE_SCOPE):
+        y_nd = jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(F32))
     if axes["mlp"]:  # the hidden width split over tensor: partial sums
         y_nd = jax.lax.psum(y_nd, axes["mlp"])
     if axes["tokens"]:
@@ -314,7 +365,7 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
 
 
 def apply_experts(x_btd, routing_ids, routing_weights, w_in, w_gate, w_out, *, num_experts: int, capacity_factor: float, dtype,
-                  implementation: str = "auto"):
+                  implementation: str = "auto", dispatch_chunks: int = 1):
     """The experts' weighted outputs [b, t, d] (float32) and the dropped assignments, each device
     running its shards (`local_experts`) under the mesh in force, or everything on one device."""
     axes = {name: sharding.active_axes(name) for name in ("experts", "embed", "mlp")}
@@ -322,7 +373,7 @@ def apply_experts(x_btd, routing_ids, routing_weights, w_in, w_gate, w_out, *, n
 
     def local(*args):
         return local_experts(*args, num_experts=num_experts, capacity_factor=capacity_factor, dtype=dtype, axes=axes,
-                             implementation=implementation)
+                             implementation=implementation, dispatch_chunks=dispatch_chunks)
 
     weight_in_axes, weight_out_axes = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
     run = sharding.per_shard(

@@ -153,17 +153,17 @@ def transformers_aux_loss(stats_lf, k: int) -> float:
     return float(experts * np.sum(tokens_e * prob_e))
 
 
-def metric_rows(stats_lf, first_layer: int = 0) -> dict[str, float]:
+def metric_rows(stats_lf, first_layer: int = 0) -> dict[str, float | list[float]]:
     """Metrics rows of the routing statistics [layers, 2 x experts + STAT_FIELDS] of the model's
-    layers `first_layer` ..: per layer each expert's load, max / mean load and STAT_FIELDS; and
-    the layers' mean balancing losses."""
+    layers `first_layer` ..: per layer its experts' loads as one list (Qwen3-30B-A3B would log
+    48 x 128 scalars otherwise), max / mean load and STAT_FIELDS as scalars; and the layers' means."""
     stats_lf = np.asarray(stats_lf, np.float64)
     experts = (stats_lf.shape[1] - len(STAT_FIELDS)) // 2
     stats_lf = np.concatenate([stats_lf[:, :experts], stats_lf[:, 2 * experts :]], axis=1)
     row = {}
     for layer, stats in enumerate(stats_lf, start=first_layer):
         load = stats[:experts]
-        row |= {f"moe/layer{layer}/load/expert{e}": float(v) for e, v in enumerate(load)}
+        row[f"moe/layer{layer}/load"] = [round(float(v), 6) for v in load]
         row[f"moe/layer{layer}/max_over_mean_load"] = float(load.max() * experts)
         row |= {f"moe/layer{layer}/{name}": float(v) for name, v in zip(STAT_FIELDS, stats[experts:])}
     for i, name in enumerate(STAT_FIELDS):
@@ -203,7 +203,7 @@ class MoeMlp(nnx.Module):
             x_btd, routing.ids_nk.reshape(b, t, k), routing.weights_nk.reshape(b, t, k),
             self.w_in[...], self.w_gate[...], self.w_out[...],
             num_experts=cfg.num_experts, capacity_factor=cfg.expert_capacity_factor, dtype=self.policy.compute_dtype,
-            implementation=cfg.grouped_gemm,
+            implementation=cfg.grouped_gemm, dispatch_chunks=cfg.expert_dispatch_chunks,
         )
         if self.shared is not None:
             y = y + self.shared(x_btd).astype(F32)

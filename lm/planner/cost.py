@@ -88,6 +88,18 @@ class Cost(Memory):
         m = self.run.model
         return grouped_gemm.resolve(m.grouped_gemm, "gpu", m.embed_dim, m.expert_width // self.parallelism.tensor, self.run.compute_dtype)
 
+    def grouped_gemm_pricing(self) -> str:
+        """How this layout's dropless experts are priced, in a sentence ('' for other models)."""
+        m = self.run.model
+        if not m.moe or m.expert_capacity_factor > 0:
+            return ""
+        if self.grouped_gemm() == "xla":
+            return f"grouped GEMM (model.grouped_gemm={m.grouped_gemm}): XLA's ragged_dot, priced as its dense rewrite ({m.num_experts} x the work)"
+        c = steptime.constants()
+        why = steptime.unfitted().get("grouped_gemm", "fitted to a GPU run's profile")
+        return (f"grouped GEMM (model.grouped_gemm={m.grouped_gemm}): meshlm's Pallas kernels over the real rows at "
+                f"{c['grouped_gemm']:.2f} of peak ({why})")
+
     def _expert_work(self) -> float:
         """The experts' GEMM time over their active FLOPs' at the dense GEMM's efficiency.
         Capacity mode: the fixed buffers, the capacity factor. Dropless with the Pallas grouped
@@ -176,7 +188,10 @@ class Cost(Memory):
         expert = 0.0
         if lay.expert > 1:
             exchange = self.expert_exchange_bytes() * (lay.expert - 1) / lay.expert
-            per_exchange = exchange / send_bandwidth(s, self._mesh_sizes, ("expert",)) + s.nvlink_latency_s
+            # Dispatched in chunks (dropless), one chunk's exchange runs beside another's expert
+            # GEMMs (XLA's schedule, seen in the H100 compile): one chunk's is left exposed.
+            chunks = m.expert_dispatch_chunks if m.expert_capacity_factor == 0 else 1
+            per_exchange = exchange / chunks / send_bandwidth(s, self._mesh_sizes, ("expert",)) + s.nvlink_latency_s
             expert = self.passes * self.layers * self._exchanges_per_layer() * per_exchange
         pipeline = 0.0
         if lay.stage > 1:

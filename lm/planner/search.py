@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from lm.config import apply_overrides
 from lm.hardware.systems import System
+from lm.model.flops import flops_per_token
 from lm.planner.compiled import step_report
 from lm.planner.cost import Cost
 from lm.planner.memory import calibration
@@ -207,6 +208,9 @@ def verify(config, costs: list[Cost], devices: list, platform: str, target: str 
             out[-1]["step_time_s"] = {"kernels": step, "of_which_network": network, "cost_model": c.step_time["total"]}
             out[-1]["tokens_per_s_per_gpu"] = {"kernels": c.run.batch * c.run.seq_len / step / c.parallelism.gpus,
                                                "cost_model": c.tokens_per_s_per_gpu()}
+            # Model FLOPs (active parameters, no recompute) over the compute dtype's dense peak.
+            per_token = flops_per_token(c.run.model, c.run.seq_len) / c.system.peak(c.run.compute_dtype)
+            out[-1]["mfu"] = {k: t * per_token for k, t in out[-1]["tokens_per_s_per_gpu"].items()}
     return out
 
 

@@ -167,6 +167,8 @@ class MetricsWriter:
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)):
                 self._tb.add_scalar(key, value, row["step"])
+            elif isinstance(value, list):  # per-expert loads: one histogram, not a scalar per expert
+                self._tb.add_histogram(key, np.asarray(value, np.float64), row["step"])
         if self.tracker:
             self.tracker.log(row)
 

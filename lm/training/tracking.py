@@ -42,9 +42,12 @@ class WandbRun:
     def log(self, row: dict) -> None:
         if self.run is None:
             return
-        scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
         try:
-            self.run.log(scalars, step=int(row["step"]))
+            import wandb
+
+            values = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+            values |= {k: wandb.Histogram(v) for k, v in row.items() if isinstance(v, list)}  # per-expert loads
+            self.run.log(values, step=int(row["step"]))
         except Exception as e:  # noqa: BLE001
             _warn("stopped logging", e)
             self.run = None
