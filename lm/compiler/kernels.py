@@ -32,6 +32,7 @@ _WORKSPACE = {"s8", "u8"}
 # meshlm's kernels over an expert buffer's rows (lm.model.grouped_gemm, lm.model.swiglu_rows),
 # named in a Pallas call's op_name, and the rows they are expected to hold (the scope around them).
 ROW_KERNELS = re.compile(r'op_name="[^"]*/(grouped_gemm_rows|grouped_gemm_weight_grad|swiglu_rows)/')
+TILE_TABLE_ARRAYS = 5  # the rows kernel's first operands: lm.model.grouped_gemm.Tiles' per-tile arrays and count
 _EXPECTED_ROWS = re.compile(r'op_name="[^"]*/expected_rows_(\d+)/')
 
 
@@ -211,14 +212,17 @@ def row_kernel_cost(module: Module, i: Instruction) -> tuple[float, float]:
         rows = min(int(expected.group(1)), arrays[0][1][0]) if expected else arrays[0][1][0]
         elements = sum(rows * math.prod(dims[1:]) for _, dims in arrays)
         return float(elements), elements * sum(buffer_bytes(f"{arrays[0][0]}[1]"))
-    operands = [buffers(module.types.get(o, ""))[0] for o in i.operands[-2:]]
-    (dtype, lhs), (_, rhs) = operands
     result = _dims(i.type)
+    if kernel == "grouped_gemm_rows":  # after the tile table's 5 arrays, (rows, weights) pairs summed
+        pairs = [buffers(module.types.get(o, ""))[0] for o in i.operands[TILE_TABLE_ARRAYS:]]
+        (dtype, lhs), n = pairs[0], result[1]
+        rows = min(int(expected.group(1)), lhs[0]) if expected else lhs[0]
+        size = sum(buffer_bytes(f"{dtype}[1]"))
+        k = sum(dims[1] for _, dims in pairs[::2])
+        return 2.0 * rows * k * n, size * (rows * k + sum(math.prod(dims) for _, dims in pairs[1::2]) + rows * n)
+    (dtype, lhs), (_, rhs) = [buffers(module.types.get(o, ""))[0] for o in i.operands[-2:]]
     rows = min(int(expected.group(1)), lhs[0]) if expected else lhs[0]
     size = sum(buffer_bytes(f"{dtype}[1]"))
-    if kernel == "grouped_gemm_rows":
-        k, n = lhs[1], result[1]
-        return 2.0 * rows * k * n, size * (rows * k + math.prod(rhs) + rows * n)
     k, n = lhs[1], rhs[1]
     return 2.0 * rows * k * n, size * (rows * (k + n) + math.prod(result))
 

@@ -68,6 +68,32 @@ def _grouped_bwd(implementation, expected_rows, group_axis, transposed, residual
 grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def grouped_matmul_pair(x_md, w_a, w_b, group_sizes_e, table, implementation: str, expected_rows: int, group_axis: int):
+    """(`grouped_matmul` of x by w_a, by w_b): SwiGLU's gate and up projections of the same rows.
+    Their backward takes x's gradient from one grouped GEMM summing both products (the Pallas
+    kernel accumulates them in each tile), not two GEMMs and a pass adding them over the buffer."""
+    return tuple(grouped_matmul(x_md, w, group_sizes_e, table, implementation, expected_rows, group_axis, False) for w in (w_a, w_b))
+
+
+def _pair_fwd(x_md, w_a, w_b, group_sizes_e, table, implementation, expected_rows, group_axis):
+    ys = grouped_matmul_pair(x_md, w_a, w_b, group_sizes_e, table, implementation, expected_rows, group_axis)
+    return ys, (x_md, w_a.astype(x_md.dtype), w_b.astype(x_md.dtype), group_sizes_e, table)
+
+
+def _pair_bwd(implementation, expected_rows, group_axis, residuals, dys):
+    x_md, w_a, w_b, group_sizes_e, table = residuals
+    da, db = (dy.astype(x_md.dtype) for dy in dys)
+    options = dict(group_axis=group_axis, implementation=implementation)
+    with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
+        dx = grouped_gemm.grouped_sum([(da, w_a), (db, w_b)], group_sizes_e, table, transpose_w=True, zero_rest=False, **options)
+        dw_a, dw_b = (grouped_gemm.weight_grad(x_md, dy, group_sizes_e, table, **options) for dy in (da, db))
+    return summed_as(dx.astype(x_md.dtype), x_md), summed_as(dw_a, w_a), summed_as(dw_b, w_b), None, None
+
+
+grouped_matmul_pair.defvjp(_pair_fwd, _pair_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def batched_matmul(spec: str, x, w):
     """`einsum(spec, x, w)` over the experts' fixed-size buffers."""
@@ -114,18 +140,16 @@ def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype, implementati
     # The tile table, once for the layer's three grouped GEMMs and their gradients.
     table = grouped_gemm.tiles(group_sizes_e, x_md.shape[0]) if implementation == "pallas" else None
     group_axis = 1 if gathered_layout else 0
-
-    def dot(a, w, transposed=False):  # tagged as a matmul output: what remat's `dots` policies keep (a custom VJP hides the dot)
-        y = grouped_matmul(a, w, group_sizes_e, table, implementation, expected_rows, group_axis, transposed)
-        return name_matmul(y, batched=False)
-
-    x = x_md.astype(dtype)
+    # Each product tagged as a matmul output: what remat's `dots` policies keep (a custom VJP hides the dot).
+    projected = grouped_matmul_pair(x_md.astype(dtype), w_gate, w_in, group_sizes_e, table, implementation, expected_rows, group_axis)
+    gate, up = (name_matmul(y, batched=False) for y in projected)
     if implementation == "pallas" and swiglu_rows.fits(x_md.shape[0], f):  # over the rows holding tokens only
         with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
-            h = swiglu_rows.swiglu(dot(x, w_gate), dot(x, w_in), table.end_g[-1:])
+            h = swiglu_rows.swiglu(gate, up, table.end_g[-1:])
     else:
-        h = (jax.nn.silu(dot(x, w_gate).astype(F32)) * dot(x, w_in)).astype(dtype)
-    return dot(h, w_out, transposed=gathered_layout)
+        h = (jax.nn.silu(gate.astype(F32)) * up).astype(dtype)
+    y = grouped_matmul(h, w_out, group_sizes_e, table, implementation, expected_rows, group_axis, gathered_layout)
+    return name_matmul(y, batched=False)
 
 
 @jax.custom_vjp

@@ -167,16 +167,19 @@ def _matrix_shape(w, group_axis: int) -> tuple[int, int]:
     return tuple(d for i, d in enumerate(w.shape) if i != group_axis)
 
 
-def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool, group_axis: int):
-    """[m, n] = each real row of lhs_mk times its group's matrix of rhs ([k, n], or [n, k] given
-    `transpose_rhs`; the group axis first or second); rows past the groups are left unwritten."""
+def _rows_kernel(pairs, table: Tiles, transpose_rhs: bool, group_axis: int):
+    """[m, n] = the sum over `pairs` of (lhs_mk, rhs) of each real row of lhs_mk times its group's
+    matrix of rhs ([k, n], or [n, k] given `transpose_rhs`; the group axis first or second),
+    accumulated in one tile (two pairs: SwiGLU's input gradient through gate and up, with no pass
+    adding two results); rows past the groups are left unwritten."""
     pl, plgpu = plgpu_modules()
-    m, k = lhs_mk.shape
-    n = _matrix_shape(rhs, group_axis)[0 if transpose_rhs else 1]
+    m, k = pairs[0][0].shape
+    n = _matrix_shape(pairs[0][1], group_axis)[0 if transpose_rhs else 1]
     bm, bn, bk = BLOCK_M, BLOCK_N, BLOCK_K
     grid_n = n // bn
 
-    def grouped_gemm_rows(count, group_t, block_t, offset_t, rows_t, lhs_gmem, rhs_gmem, o_gmem):
+    def grouped_gemm_rows(count, group_t, block_t, offset_t, rows_t, *refs):
+        operands, o_gmem = refs[:-1], refs[-1]
         real = count[0]
 
         @plgpu.nd_loop((real * grid_n,), collective_axes="sm")
@@ -185,16 +188,17 @@ def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool, group_axis: int
             block, group = block_t[t], group_t[t]
 
             def accumulate(acc_ref):
-                plgpu.emit_pipeline(
-                    lambda _, a_smem, b_smem: _mma(pl, plgpu, acc_ref, a_smem, b_smem, transpose_b=transpose_rhs),
-                    grid=(k // bk,),
-                    in_specs=[
-                        plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=1),
-                        plgpu.BlockSpec((bn, bk) if transpose_rhs else (bk, bn), (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
-                                        delay_release=1),
-                    ],
-                    max_concurrent_steps=STAGES,
-                )(lhs_gmem, _group(rhs_gmem, group, group_axis))
+                for lhs_gmem, rhs_gmem in zip(operands[::2], operands[1::2]):
+                    plgpu.emit_pipeline(
+                        lambda _, a_smem, b_smem: _mma(pl, plgpu, acc_ref, a_smem, b_smem, transpose_b=transpose_rhs),
+                        grid=(k // bk,),
+                        in_specs=[
+                            plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=1),
+                            plgpu.BlockSpec((bn, bk) if transpose_rhs else (bk, bn), (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
+                                            delay_release=1),
+                        ],
+                        max_concurrent_steps=STAGES,
+                    )(lhs_gmem, _group(rhs_gmem, group, group_axis))
                 return acc_ref[...]
 
             acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
@@ -206,10 +210,10 @@ def _rows_kernel(lhs_mk, rhs, table: Tiles, transpose_rhs: bool, group_axis: int
                 _store_rows(pl, plgpu, o_smem, o_gmem, block * bm, offset_t[t], rows_t[t], ni * bn, min(bm, m), bn)
 
     kernel = plgpu.kernel(
-        grouped_gemm_rows, out_type=jax.ShapeDtypeStruct((m, n), lhs_mk.dtype), grid=(sms(),), grid_names=("sm",),
+        grouped_gemm_rows, out_type=jax.ShapeDtypeStruct((m, n), pairs[0][0].dtype), grid=(sms(),), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=interpret_params(),
     )
-    return kernel(table.count, table.group_t, table.block_t, table.offset_t, table.rows_t, lhs_mk, rhs)
+    return kernel(table.count, table.group_t, table.block_t, table.offset_t, table.rows_t, *(a for pair in pairs for a in pair))
 
 
 def _weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int, group_axis: int):
@@ -322,14 +326,28 @@ def grouped(x_mk, w, sizes_g, table: Tiles | None = None, *, transpose_w: bool =
     `xla` or `pallas` (`resolve` maps `auto`). The kernels leave rows past the groups
     unwritten: `zero_rest` zeroes them (`ragged_dot`'s), a pass over the whole buffer that a
     caller reading only the real rows skips."""
+    return grouped_sum([(x_mk, w)], sizes_g, table, transpose_w=transpose_w, group_axis=group_axis, implementation=implementation,
+                       zero_rest=zero_rest)
+
+
+def grouped_sum(pairs, sizes_g, table: Tiles | None = None, *, transpose_w: bool = False, group_axis: int = 0,
+                implementation: str = "xla", zero_rest: bool = True):
+    """`grouped` of each (x_mk, w) of `pairs` (same shapes), summed: with `pallas` in one kernel
+    accumulating them all in each tile."""
+    x_mk = pairs[0][0]
     if implementation == "pallas":
         table = table if table is not None else tiles(sizes_g, x_mk.shape[0])
-        y_mn = _rows_kernel(_padded_rows(x_mk), w.astype(x_mk.dtype), table, transpose_w, group_axis)[: x_mk.shape[0]]
-        y_mn = varying_like(y_mn, x_mk, w, sizes_g)
+        operands = [(_padded_rows(x.astype(x_mk.dtype)), w.astype(x_mk.dtype)) for x, w in pairs]
+        y_mn = _rows_kernel(operands, table, transpose_w, group_axis)[: x_mk.shape[0]]
+        y_mn = varying_like(y_mn, *(a for pair in pairs for a in pair), sizes_g)
         return _real_rows(y_mn, table) if zero_rest else y_mn
-    w_gkn = jnp.moveaxis(w, group_axis, 0)
-    w_gkn = w_gkn.swapaxes(1, 2) if transpose_w else w_gkn
-    return jax.lax.ragged_dot(x_mk, w_gkn.astype(x_mk.dtype), sizes_g, preferred_element_type=jnp.float32)
+
+    def one(x, w):
+        w_gkn = jnp.moveaxis(w, group_axis, 0)
+        w_gkn = w_gkn.swapaxes(1, 2) if transpose_w else w_gkn
+        return jax.lax.ragged_dot(x, w_gkn.astype(x_mk.dtype), sizes_g, preferred_element_type=jnp.float32)
+
+    return functools.reduce(jnp.add, (one(x, w) for x, w in pairs))
 
 
 def weight_grad(x_mk, dy_mn, sizes_g, table: Tiles | None = None, *, group_axis: int = 0, implementation: str = "xla"):
