@@ -96,8 +96,10 @@ grouped_matmul_pair.defvjp(_pair_fwd, _pair_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def batched_matmul(spec: str, x, w):
-    """`einsum(spec, x, w)` over the experts' fixed-size buffers."""
-    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=F32)
+    """`einsum(spec, x, w)` over the experts' fixed-size buffers, accumulated in float32 and
+    returned in x's dtype (as the grouped GEMMs: what remat's `dots` keeps of it is then half
+    the bytes; float32 results put Mixtral's capacity mode 47% over the planner's memory)."""
+    return jnp.einsum(spec, x, w.astype(x.dtype), preferred_element_type=F32).astype(x.dtype)
 
 
 def _batched_fwd(spec, x, w):

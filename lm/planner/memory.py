@@ -83,8 +83,9 @@ class Memory:
         routed = 0.0  # a mixture of experts: each token's rows for its experts, copied as the grouped GEMMs take them
         if m.moe:  # the MLP a token goes through: its experts' widths (and the shared ones'), averaged over the layers
             sparse = m.sparse_layers / m.num_layers
-            f = ((1 - sparse) * m.mlp_dim + sparse * (m.experts_per_token + m.shared_experts) * m.expert_width) / t
-            routed = sparse * m.experts_per_token * d * e
+            slots = m.expert_capacity_factor or 1.0  # capacity mode: every slot of the fixed buffers, used or not
+            f = ((1 - sparse) * m.mlp_dim + sparse * (slots * m.experts_per_token + m.shared_experts) * m.expert_width) / t
+            routed = sparse * slots * m.experts_per_token * d * e
         hidden = 4 if cpu else e  # the MLP's up projections leave the matmul in float32 on CPU
         up = 2 if m.mlp == "swiglu" else 1
         residual = d * e / sp
