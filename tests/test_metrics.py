@@ -149,3 +149,30 @@ def test_wandb_offline_writes_its_run_under_the_workdir(tmp_path):
     run_id = (workdir / RUN_ID_FILE).read_text().strip()
     offline = sorted(p.name for p in (workdir / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(name.endswith(run_id) for name in offline)  # one W&B run, resumed
+
+
+def test_a_list_in_a_metrics_row_is_one_histogram_in_tensorboard(tmp_path):
+    """Per-expert loads come as one list per layer: metrics.jsonl keeps the list, TensorBoard gets
+    one histogram of it (its count and sum), not a scalar per expert."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    from lm.training.metrics import MetricsWriter
+
+    loads = [0.5, 0.25, 0.125, 0.125]
+    writer = MetricsWriter(tmp_path)
+    writer.write({"step": 3, "moe/layer0/load": loads, "moe/max_over_mean_load": 2.0})
+    writer.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["moe/layer0/load"] == loads
+    data = next((tmp_path / "tb").iterdir()).read_bytes()
+    values = []
+    while data:  # TFRecord: length, its CRC, the event, its CRC
+        (length,) = struct.unpack("<Q", data[:8])
+        event = event_pb2.Event.FromString(data[12 : 12 + length])
+        values += [(v.tag, v) for v in event.summary.value]
+        data = data[16 + length :]
+    tags = {tag: v for tag, v in values}
+    assert set(tags) == {"moe/layer0/load", "moe/max_over_mean_load"}
+    assert tags["moe/layer0/load"].histo.num == 4 and tags["moe/layer0/load"].histo.sum == 1.0
+    assert tags["moe/max_over_mean_load"].simple_value == 2.0

@@ -135,3 +135,21 @@ def test_the_model_reproduces_the_stored_gpu_runs_it_reports():
         assert predicted == pytest.approx(row["in_sample_s"], rel=1e-6)  # the stored report is today's model
         bound = 0.20 if row["case"] == "bf16_xla_b8" else 0.10
         assert abs(predicted / measured - 1) < bound, (row["case"], predicted, measured)
+
+
+def test_the_refit_finds_the_grouped_gemm_its_own_efficiency_and_leaves_it_the_dense_one_unmeasured():
+    """Synthetic profiles made by the model at known constants (dense GEMMs at 0.75, grouped GEMMs
+    at 0.40): the fit recovers the grouped GEMM's from its kernels, and with none in the runs
+    the dense GEMM's stands in for it (what steptime.json's 'unfitted' says)."""
+    dev = steptime.device("h100")
+    truth = {"gemm": 0.75, "gemm_fp8": 0.6, "grouped_gemm": 0.40, "attention": 0.5, "memory": 0.8, "overhead_s": 2e-6}
+    kernels_of = [("gemm", 2e12, 3e8, 10), ("grouped_gemm", 1e12, 4e8, 12), ("attention", 5e11, 2e8, 4), ("elementwise", 1e6, 5e8, 30)]
+
+    def case(kinds):
+        made = [steptime.Sample(kind, f, b, runs, 0.0) for kind, f, b, runs in kernels_of if kind in kinds]
+        return [s._replace(seconds_per_step=t) for s, t in zip(made, steptime._predicted(made, dev, truth))]
+
+    with_grouped = steptime.fit([case({"gemm", "grouped_gemm", "attention", "elementwise"})], dev)
+    assert with_grouped["grouped_gemm"] == pytest.approx(0.40, abs=0.02) and with_grouped["gemm"] == pytest.approx(0.75, abs=0.02)
+    without = steptime.fit([case({"gemm", "attention", "elementwise"})], dev)
+    assert without["grouped_gemm"] == without["gemm"] == pytest.approx(0.75, abs=0.02)
