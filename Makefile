@@ -1,6 +1,7 @@
 # `make train` and `make test` set everything up on first use (a .venv beside this file).
 PYTHON ?= python3
-VENV := .venv
+# A second environment beside the first, e.g. `make test PYTHON=python3.12 VENV=.venv312` (.ci/run).
+VENV ?= .venv
 PY := $(VENV)/bin/python
 
 .PHONY: train test bench gpu-bench gpu-compiler gpu-wheels clean-venv

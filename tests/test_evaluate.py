@@ -13,7 +13,7 @@ from conftest import assert_one_line_error, fast_config, run_cli
 from lm.program.restore import load
 from lm.training.loop import train
 
-pytest.importorskip("lm_eval")
+pytest.importorskip("lm_eval", reason="lm-eval (the test extra; on Python 3.11 only: it needs torch) is not installed")
 
 DOCS = [
     {"question": "def ", "choices": ["main():", "zzzz%%%"], "label": 0, "text": "import json\nimport logging\n"},

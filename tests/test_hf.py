@@ -13,7 +13,7 @@ from conftest import assert_one_line_error, fast_config, run_cli, run_module
 from hf_models import VOCAB, hf_logits, imported, make_hf_model, meshlm_logits
 
 pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
-torch = pytest.importorskip("torch", reason="torch (the test extra) is not installed")
+torch = pytest.importorskip("torch", reason="torch (the test extra; on Python 3.11 only: 3.12 has only CUDA builds) is not installed")
 
 from safetensors.numpy import load_file  # noqa: E402
 

@@ -177,13 +177,22 @@ def load_tasks(tasks: list[str], include_path: str | None = None):
     loaded = {}
     for task in tasks:  # each task's data loaded on its own: a failure names its task
         try:
-            loaded.update(get_task_dict([task], manager))
+            loaded.update(_load(manager, task, get_task_dict))
         except Exception as e:  # datasets / fsspec raise many kinds when the data is not here
             if not _missing_data(e):
                 raise
             raise UserError(f"task {task}: its dataset could not be loaded ({_first_line(e)}); on a machine without "
                             "a network only local tasks run (a YAML with dataset_path: json and local data_files)") from None
     return manager, loaded
+
+
+def _load(manager, task: str, get_task_dict) -> dict:
+    """{name: task or group} of one task name: `TaskManager.load` (lm-eval >= 0.4.10; the older
+    `get_task_dict` is deprecated there), a group kept whole so that lm-eval aggregates it."""
+    if not hasattr(manager, "load"):
+        return get_task_dict([task], manager)
+    got = manager.load([task])
+    return {task: got["groups"][task]} if task in got["groups"] else got["tasks"]
 
 
 class DuringTraining:
