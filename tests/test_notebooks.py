@@ -11,6 +11,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch, tmp_path):
+    if "import transformers" in path.read_text() or "import torch" in path.read_text():
+        pytest.importorskip("torch", reason=f"{path.name} builds its checkpoint with transformers and torch (the test extra; on Python 3.11 only)")
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' temporary run directories, pruned by pytest
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the inline backend: figures become outputs
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, as a user's laptop
