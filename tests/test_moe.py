@@ -19,7 +19,7 @@ from conftest import (
 
 from lm import train as lm_train
 from lm.compiler.hlo import collective_traffic
-from lm.model import experts, moe
+from lm.model import expert_exchange, experts, moe
 from lm.program.steps import setup
 from sharding import report
 
@@ -106,7 +106,7 @@ def test_the_gpu_exchange_and_its_hand_written_backward_train_as_one_device(one_
     import sharding
 
     monkeypatch.setattr(sharding, "platform", lambda: "gpu")
-    monkeypatch.setattr(jax.lax, "ragged_all_to_all", experts.emulated_ragged_all_to_all)
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", expert_exchange.emulated_ragged_all_to_all)
     losses, params = run_steps(small_config({"expert": 4, "data": 2}, **MOE))
     ref_losses, ref_params = one_device
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

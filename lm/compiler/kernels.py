@@ -32,7 +32,7 @@ _WORKSPACE = {"s8", "u8"}
 # meshlm's kernels over an expert buffer's rows (lm.model.grouped_gemm, lm.model.swiglu_rows),
 # named in a Pallas call's op_name, and the rows they are expected to hold (the scope around them).
 ROW_KERNELS = re.compile(r'op_name="[^"]*/(grouped_gemm_rows|grouped_gemm_weight_grad|swiglu_rows)/')
-TILE_TABLE_ARRAYS = 5  # the rows kernel's first operands: lm.model.grouped_gemm.Tiles' per-tile arrays and count
+TILE_TABLE_ARRAYS = 5  # the rows kernel's first operands: lm.model.grouped_gemm_kernels.Tiles' per-tile arrays and count
 _EXPECTED_ROWS = re.compile(r'op_name="[^"]*/expected_rows_(\d+)/')
 
 

@@ -1,15 +1,16 @@
 """A mixture of experts' experts run on each device's shards (`apply_experts`): dropless, the
-assignments sorted by expert through one grouped matmul (`jax.lax.ragged_dot`); with a capacity
+assignments sorted by expert through grouped GEMMs (`lm.model.grouped_gemm`); with a capacity
 factor, fixed-size per-expert buffers through dense batched matmuls. Under expert parallelism
 (`sharding.per_shard`, every mesh axis manual; the collectives' axes from `sharding.active_axes`)
 each device's expert weights are gathered along `embed` (FSDP, in the compute dtype; gradients
 reduce-scattered in float32), its assignments sent to the devices holding their experts and the
-results brought back (dropless: `ragged_exchange`, only the real rows where XLA has
+results brought back (`lm.model.expert_exchange`; dropless, only the real rows where XLA has
 `ragged_all_to_all`, received into room for every assignment of every device; capacity mode:
 fixed-size `all_to_all`s of every expert's slots), the expert hidden width split over `tensor`
 (partial outputs summed there). The routing is `lm.model.moe`'s.
 
-The matmuls take compute-dtype activations and float32 weights (cast inside) and return float32;
+The matmuls take compute-dtype activations and float32 weights (cast inside), accumulate in
+float32 and return float32 (`ragged_dot`) or the compute dtype (the Pallas kernels, the batched ones);
 their backward GEMMs take compute-dtype operands too (autodiff would feed them the float32
 cotangent, and XLA runs float32 x bf16 GEMMs in float32), the weight gradient left in float32 for
 its reduction over the devices (as `lm.model.matmul`).
@@ -27,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 import sharding
-from lm.model import grouped_gemm, swiglu_rows
-from lm.model.matmul import F32, backward, summed_as, varying
+from lm.model import expert_exchange, grouped_gemm, swiglu_rows
+from lm.model.matmul import F32, backward, summed_as
 from sharding.remat import name_matmul
 
 # Name scopes of the dropless routing's data movement (sort, permutation, exchange; the way
@@ -154,51 +155,17 @@ def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype, implementati
     return name_matmul(y, batched=False)
 
 
-@jax.custom_vjp
-def permuted(x_md, to_m, from_m):
-    """x's rows in the order `to_m` (x[to_m]), `from_m` its inverse permutation. The backward is
-    a gather by `from_m` (autodiff's would be a scatter-add: XLA cannot know `to_m` permutes),
-    which fuses with what reads it, as the forward's gather does."""
-    return _rows(x_md, to_m)
-
-
-def _rows(x_md, index_m):
-    # Indices in range by construction: no wrapping of negative ones (a comparison with a
-    # constant, which under the pipeline's scan lacks the indices' varying mesh axes).
-    return x_md.at[index_m].get(mode="promise_in_bounds", wrap_negative_indices=False)
-
-
-def _permuted_fwd(x_md, to_m, from_m):
-    return _rows(x_md, to_m), (to_m, from_m)
-
-
-def _permuted_bwd(residuals, dy_md):
-    to_m, from_m = residuals
-    return _rows(dy_md, from_m), None, None
-
-
-permuted.defvjp(_permuted_fwd, _permuted_bwd)
-
-
-def sorting(group_m):
-    """The stable order sorting rows by group and its inverse: the layer's routing metadata,
-    made once and used by the forward and backward passes."""
-    order_m = jnp.argsort(group_m, stable=True)
-    positions_m = grouped_gemm.varying_like(jnp.arange(order_m.shape[0], dtype=order_m.dtype), order_m)
-    return order_m, jnp.zeros_like(order_m).at[order_m].set(positions_m)
-
-
 def _grouped(x_md, group_m, weights, dtype, implementation: str, expected_rows: int, gathered_layout: bool):
     """Each row through expert `group_m` (values >= the experts here: no expert, zeros), by one
     grouped matmul over the rows sorted by expert; `expected_rows` of them real on average."""
     experts = weights[0].shape[1 if gathered_layout else 0]
     with jax.named_scope(DISPATCH_SCOPE):
-        order, inverse = sorting(group_m)
+        order, inverse = expert_exchange.sorting(group_m)
         sizes = jnp.bincount(group_m, length=experts).astype(jnp.int32)  # out-of-range ids not counted
-        x_sorted = permuted(x_md, order, inverse)
+        x_sorted = expert_exchange.permuted(x_md, order, inverse)
     y_sorted = _ragged_swiglu(x_sorted, sizes, *weights, dtype, implementation, expected_rows, gathered_layout)
     with jax.named_scope(COMBINE_SCOPE):
-        return permuted(y_sorted, inverse, order)
+        return expert_exchange.permuted(y_sorted, inverse, order)
 
 
 def _batched(x_ecd, w_in, w_gate, w_out, dtype):
@@ -225,75 +192,6 @@ def slot_ranks(ids_nk: jax.Array, experts: int) -> jax.Array:
     return ranks.reshape(ids_nk.shape[::-1]).T
 
 
-def _exchange(x, expert_axes):
-    """An all-to-all over the expert devices: chunk p of the leading axis goes to device p."""
-    return jax.lax.all_to_all(x, expert_axes, 0, 0, tiled=True) if expert_axes else x
-
-
-def _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis):
-    """`jax.lax.ragged_all_to_all` over `axis`: rows `input_offsets[p]` .. `+ send_sizes[p]` of
-    `operand` written into device p's `output` from its row `output_offsets[p]`; `recv_sizes[p]`
-    rows arrive from p. Only the real rows move where XLA has the collective (GPUs); XLA:CPU has
-    not, so there the same exchange runs as a fixed-size `all_to_all` (each device's chunk for
-    each peer padded to the operand's length) and each received chunk is placed at its offset."""
-    if sharding.platform() == "gpu":
-        if devices := tuple(sorted(varying(operand) - varying(output))):  # the result varies as the rows sent do
-            output = jax.lax.pcast(output, devices, to="varying")
-        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis)
-    return emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis)
-
-
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
-    """`jax.lax.ragged_all_to_all`'s exchange by a fixed-size `all_to_all` (XLA:CPU has no
-    ragged one)."""
-    axis = axis_name
-    slices, rows = input_offsets.shape[0], operand.shape[0]  # slices: a multiple of the devices, in device order
-    span = jnp.arange(rows)
-    padded = jnp.concatenate([operand, jnp.zeros_like(operand)])
-    chunks = jnp.stack([jax.lax.dynamic_slice_in_dim(padded, input_offsets[i], rows) for i in range(slices)])
-    chunks = jnp.where((span[None] < send_sizes[:, None]).reshape(slices, rows, *(1,) * (operand.ndim - 1)), chunks, 0)
-    arrived = _exchange(chunks.reshape(slices * rows, *operand.shape[1:]), axis).reshape(chunks.shape)
-    at = _exchange(output_offsets, axis)  # where each source's slices go here
-    where = jnp.where(span[None] < recv_sizes[:, None], at[:, None] + span[None], output.shape[0])  # past the end: dropped
-    return output.at[where.reshape(-1)].set(arrived.reshape(slices * rows, *operand.shape[1:]), mode="drop")
-
-
-def ragged_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows: int, fill, axis: tuple[str, ...]):
-    """`_ragged` into a new buffer of `rows` rows filled with `fill`. On GPUs its backward sends
-    the cotangent's rows back the way they came (`_gpu_exchange`); the CPU's emulation is
-    differentiated as it is."""
-    if sharding.platform() == "gpu":
-        return _gpu_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, fill, axis)
-    output = jnp.full((rows, *operand.shape[1:]), fill, operand.dtype)
-    return _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _gpu_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows: int, fill, axis: tuple[str, ...]):
-    """`ragged_all_to_all` into a new buffer, with a hand-written backward: autodiff would also
-    all-reduce the cotangent of the buffer (an invariant zero made varying) over every device,
-    2 GiB a step in Mixtral's 64-GPU program."""
-    output = jnp.full((rows, *operand.shape[1:]), fill, operand.dtype)
-    return _ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis)
-
-
-def _exchange_fwd(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, fill, axis):
-    shape = operand[:, :0]  # the operand's rows (and the devices it varies over), for the backward
-    out = _gpu_exchange(operand, input_offsets, send_sizes, output_offsets, recv_sizes, rows, fill, axis)
-    return out, (input_offsets, send_sizes, output_offsets, recv_sizes, shape)
-
-
-def _exchange_bwd(rows, fill, axis, residuals, d_out):
-    input_offsets, send_sizes, output_offsets, recv_sizes, shape = residuals
-    # Back to each source p: the rows it put here (from here's row `at[p]`), into its operand's rows.
-    at, their_offsets = _exchange(output_offsets, axis), _exchange(input_offsets, axis)
-    back = _ragged(d_out, jnp.zeros((shape.shape[0], *d_out.shape[1:]), d_out.dtype), at, recv_sizes, their_offsets, send_sizes, axis)
-    return summed_as(back, shape), None, None, None, None
-
-
-_gpu_exchange.defvjp(_exchange_fwd, _exchange_bwd)
-
-
 def _dropless_exchanged(x_nd, flat_m, weights, dtype, implementation: str, group: tuple[str, ...], ways: int, gathered_layout: bool):
     """Dropless expert parallelism: each assignment's row [n k, d] through its expert on the
     device holding it, and back. Every device learns every device's rows per expert (an
@@ -305,7 +203,7 @@ def _dropless_exchanged(x_nd, flat_m, weights, dtype, implementation: str, group
     here = weights[0].shape[1 if gathered_layout else 0]  # experts on each device
     experts, rows, k = ways * here, flat_m.shape[0], flat_m.shape[0] // x_nd.shape[0]
     with jax.named_scope(DISPATCH_SCOPE):
-        order, inverse = sorting(flat_m)  # by expert: destination device, then its expert
+        order, inverse = expert_exchange.sorting(flat_m)  # by expert: destination device, then its expert
         counts_g = jnp.bincount(flat_m, length=experts).astype(jnp.int32)  # rows this device sends each expert
         starts_g = jnp.cumsum(counts_g) - counts_g
         counts_pg = jax.lax.all_gather(counts_g, group)  # [source device, expert]
@@ -316,13 +214,13 @@ def _dropless_exchanged(x_nd, flat_m, weights, dtype, implementation: str, group
         mine = me * here + jnp.arange(here)  # this device's experts
         recv_sizes = counts_pg[:, mine].reshape(-1)  # slice (source p, local expert e)
         # Each token's row once per choice, sorted (the repeat's backward sums the k choices).
-        sent = permuted(jnp.repeat(x_nd, k, axis=0), order, inverse)
-        recv = ragged_exchange(sent, starts_g, counts_g, landing_pg[me], recv_sizes, ways * rows, 0, group)
+        sent = expert_exchange.permuted(jnp.repeat(x_nd, k, axis=0), order, inverse)
+        recv = expert_exchange.ragged_exchange(sent, starts_g, counts_g, landing_pg[me], recv_sizes, ways * rows, 0, group)
     y = _ragged_swiglu(recv, totals_qe[me], *weights, dtype, implementation, rows, gathered_layout)  # an even share: n k of ways n k rows
     with jax.named_scope(COMBINE_SCOPE):
         their_starts_pg = jnp.cumsum(counts_pg, axis=1) - counts_pg  # where source p took its rows for each expert from
-        back = ragged_exchange(y, landing_pg[:, mine].reshape(-1), recv_sizes, their_starts_pg[:, mine].reshape(-1), counts_g, rows, 0, group)
-        return permuted(back, inverse, order)
+        back = expert_exchange.ragged_exchange(y, landing_pg[:, mine].reshape(-1), recv_sizes, their_starts_pg[:, mine].reshape(-1), counts_g, rows, 0, group)
+        return expert_exchange.permuted(back, inverse, order)
 
 
 def gathers_along_first_axis(implementation: str) -> bool:
@@ -365,9 +263,9 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
         # Buffers [e * c, d] expert-major: device p's chunk holds its experts' slots.
         where = jnp.where(kept_nk, ids_nk * slots + ranks_nk, num_experts * slots).reshape(-1)
         buf = jnp.zeros((num_experts * slots + 1, d), x_nd.dtype).at[where].set(jnp.repeat(x_nd, k, axis=0))[:-1]
-        recv = _exchange(buf, axes["experts"]).reshape(ways, here, slots, d).transpose(1, 0, 2, 3)
+        recv = expert_exchange.exchange(buf, axes["experts"]).reshape(ways, here, slots, d).transpose(1, 0, 2, 3)
         y = _batched(recv.reshape(here, ways * slots, d), w_in, w_gate, w_out, dtype)
-        y = _exchange(y.reshape(here, ways, slots, d).transpose(1, 0, 2, 3).reshape(-1, d), axes["experts"])
+        y = expert_exchange.exchange(y.reshape(here, ways, slots, d).transpose(1, 0, 2, 3).reshape(-1, d), axes["experts"])
         y_nkd = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[where].reshape(n, k, d)
         dropped = jnp.sum(~kept_nk).astype(F32)
     else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lm.model import grouped_gemm
+from lm.model import grouped_gemm_kernels as mosaic
 
 BLOCK_ROWS, BLOCK_COLUMNS = 64, 128
 
@@ -40,7 +40,7 @@ def _backward(dh, g, u):
 def _map_rows(fn, inputs, outputs: int, real_rows):
     """`fn` over [BLOCK_ROWS, BLOCK_COLUMNS] tiles of the `inputs` ([m, f] each), in the row
     blocks below `real_rows[0]`: `outputs` arrays [m, f] in the inputs' dtype."""
-    pl, plgpu = grouped_gemm.plgpu_modules()
+    pl, plgpu = mosaic.plgpu_modules()
     m, f = inputs[0].shape
     bm, bf = BLOCK_ROWS, BLOCK_COLUMNS
     n_in = len(inputs)
@@ -71,8 +71,8 @@ def _map_rows(fn, inputs, outputs: int, real_rows):
             plgpu.emit_pipeline(step, grid=(f // bf,), in_specs=[spec] * n_in, max_concurrent_steps=2)(*refs[:n_in])
 
     kernel = plgpu.kernel(
-        swiglu_rows, out_type=[jax.ShapeDtypeStruct((m, f), inputs[0].dtype)] * outputs, grid=(grouped_gemm.sms(),), grid_names=("sm",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=grouped_gemm.interpret_params(),
+        swiglu_rows, out_type=[jax.ShapeDtypeStruct((m, f), inputs[0].dtype)] * outputs, grid=(mosaic.sms(),), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=mosaic.interpret_params(),
     )
     return kernel(real_rows, *inputs)
 
@@ -85,7 +85,7 @@ def fits(rows: int, f: int) -> bool:
 def swiglu(g_mf, u_mf, real_rows):
     """silu(g) x u in g's dtype over the rows below `real_rows[0]` ([1] int32)."""
     (h,) = _map_rows(_forward, (g_mf, u_mf), 1, real_rows)
-    return grouped_gemm.varying_like(h, g_mf, u_mf)
+    return mosaic.varying_like(h, g_mf, u_mf)
 
 
 def _swiglu_fwd(g_mf, u_mf, real_rows):
@@ -95,7 +95,7 @@ def _swiglu_fwd(g_mf, u_mf, real_rows):
 def _swiglu_bwd(residuals, dh_mf):
     g_mf, u_mf, real_rows = residuals
     dg, du = _map_rows(_backward, (dh_mf.astype(g_mf.dtype), g_mf, u_mf), 2, real_rows)
-    return grouped_gemm.varying_like(dg, dh_mf, g_mf), grouped_gemm.varying_like(du, dh_mf, u_mf), None
+    return mosaic.varying_like(dg, dh_mf, g_mf), mosaic.varying_like(du, dh_mf, u_mf), None
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
