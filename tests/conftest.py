@@ -193,8 +193,9 @@ def step_and_gradients(program):
     return sharding.jit(step, program.mesh, program.rules)
 
 
-def run_steps(c, devices=None, steps: int = 5):
-    """Losses of `steps` train steps on fixed random tokens, and the final parameters on the host."""
+def run_steps(c, devices=None, steps: int = 5, params_after: int | None = None):
+    """Losses of `steps` train steps on fixed random tokens, and the final parameters (or those
+    after step `params_after`) on the host."""
     import jax
     import numpy as np
 
@@ -202,9 +203,11 @@ def run_steps(c, devices=None, steps: int = 5):
 
     program = setup(c, VOCAB, devices)
     rng = np.random.default_rng(0)
-    state, out = program.init_state(0), []
-    for _ in range(steps):
+    state, out, params = program.init_state(0), [], None
+    for step in range(1, steps + 1):
         tokens = rng.integers(0, VOCAB, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
         state, metrics = program.train_step(state, program.global_batch(tokens))
         out.append(metrics["loss"])
-    return np.asarray(jax.device_get(out)), jax.device_get(state.params)
+        if step == params_after:
+            params = jax.device_get(state.params)
+    return np.asarray(jax.device_get(out)), params if params_after else jax.device_get(state.params)

@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,3 +128,33 @@ def test_the_embedding_lookup_gathers_the_cast_table_and_sums_its_gradient_in_fl
     (grad,) = pullback(dy)
     assert grad.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(grad), [[0.0] * 3, [1 + 2.0**-10] * 3, [0.0] * 3, [0.5] * 3])
+
+
+@pytest.mark.parametrize("mask_axis", [0, None], ids=["mask-mapped", "mask-shared"])
+def test_attention_batched_as_one_is_jaxs_batching_forward_and_backward(mask_axis):
+    """Context parallelism's masked attention under the pipelines' vmap over stages, with the
+    mapped axis merged into the batch (`attention.batched_as_one`, where jax's cuDNN batching
+    rule fails): the same outputs and gradients as jax's own batching, through XLA's attention
+    (the same maths as cuDNN's). Negative control: masks paired with the wrong rows are seen."""
+    from lm.model import attention
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (2, 3, 8, 4, 16))  # [stages, batch, length, heads, head_dim]
+    k, v = (jax.random.normal(key, (2, 3, 16, 2, 16)) for key in keys[1:3])
+    mask = (jax.random.uniform(keys[3], (2, 3, 8, 16)) < 0.6) | jnp.eye(8, 16, dtype=bool)
+    mask = mask if mask_axis == 0 else mask[0]
+    weights = jax.random.normal(keys[4], q.shape)
+
+    def kernel(q, k, v, mask):
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="xla")
+
+    def loss(fn, q, k, v):
+        return (jax.vmap(fn, in_axes=(0, 0, 0, mask_axis))(q, k, v, mask) * weights).sum()
+
+    ref, ref_grads = jax.value_and_grad(functools.partial(loss, kernel), argnums=(0, 1, 2))(q, k, v)
+    out, grads = jax.value_and_grad(functools.partial(loss, attention.batched_as_one(kernel)), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(out, ref, rtol=1e-5)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-5)
+    swapped = loss(attention.batched_as_one(lambda q, k, v, mask: kernel(q, k, v, mask[::-1])), q, k, v)
+    assert not np.isclose(swapped, ref, rtol=1e-3)

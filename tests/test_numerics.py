@@ -246,18 +246,21 @@ def test_current_scaling_takes_each_scale_from_the_tensors_own_amax():
 def test_current_scaling_trains_sharded_as_on_one_device():
     from conftest import run_steps, small_config
 
-    # Each amax is a maximum over every shard, so the scales are one device's; two steps, since
-    # later ones drift apart as fp8 rounding magnifies float32's last-bit differences (as delayed
-    # scaling's do, tests/test_context.py).
+    # Each amax is a maximum over every shard, so the scales are one device's: two steps' losses
+    # equal to 1e-5 (later ones drift apart as fp8 rounding magnifies float32's last-bit
+    # differences, as delayed scaling's do, tests/test_context.py).
     fp8 = dict(precision__compute_dtype="float32", precision__fp8="current")
-    ref_losses, ref_params = run_steps(small_config({}, **fp8), jax.devices()[:1], steps=2)
-    losses, params = run_steps(small_config({"fsdp": 2, "tensor": 2}, **fp8), jax.devices()[:4], steps=2)
+    ref_losses, ref_params = run_steps(small_config({}, **fp8), jax.devices()[:1], steps=2, params_after=1)
+    losses, params = run_steps(small_config({"fsdp": 2, "tensor": 2}, **fp8), jax.devices()[:4], steps=2, params_after=1)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] != losses[0]
-    # A few weights (4 of ~100k) move differently by up to 4e-5: where a float32 last-bit
-    # difference moves a tiny gradient across an e5m2 rounding boundary, Adam's normalised step
-    # turns it into a visible difference. All within 1e-4 of one device.
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+    # After the first step the weights are one device's within 1e-4 but for a few: where a
+    # float32 last-bit difference moves a gradient across an e5m2 rounding boundary, Adam's first
+    # step (the gradient's sign times the learning rate) can move a near-zero one the other way.
+    # Seen: none under jax 0.10.2; 10 of ~100k, by up to 1.3e-3, under jax 0.12.
+    moved = [np.abs(a - b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True)]
+    outliers = sum(int((m > 1e-4).sum()) for m in moved)
+    assert outliers <= 1e-3 * sum(m.size for m in moved) and max(float(m.max()) for m in moved) <= 2 * small_config({}).optim.lr
     # And it is not the float32 run: the fp8 rounding shows in the losses.
     plain, _ = run_steps(small_config({}, precision__compute_dtype="float32"), jax.devices()[:1], steps=2)
     assert not np.allclose(plain, ref_losses, rtol=1e-6, atol=0)

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import ROOT
 
-from lm.compiler import kernels, steptime
+from lm.compiler import hlo, kernels, steptime
 
 # One cuBLAS GEMM and one elementwise fusion in a loop of 4 trips, one all-reduce after it.
 HLO = """HloModule jit__train_step
@@ -104,6 +104,17 @@ def test_a_fused_slice_of_stacked_weights_counts_the_slice_behind_a_bitcast():
     (amax,) = [k for k in kernels.table(SLICED) if k.name == "input_reduce_fusion"]
     assert amax.kind == "reduction"
     assert amax.bytes == 4 + 4 * 64 * 16 + 4 * 64  # the index, one layer's slice, the result: not the 4-layer stack
+
+
+def test_an_asynchronous_all_reduce_counts_its_bytes_once_in_either_xlas_form():
+    """XLA 0.10 writes an all-reduce-start's result as its results only; XLA 0.12 as the operands
+    and the results: the same 64 KiB all-reduce over 2 devices either way (counted twice, the
+    cost model's tensor-parallel bytes were off by 21% on jax 0.12)."""
+    old = "  %all-reduce-start = bf16[2,128,128]{2,1,0} all-reduce-start(%x), replica_groups=[4,2]<=[8], to_apply=%add"
+    new = ("  %all-reduce-start = ((bf16[2,128,128]{2,1,0}), bf16[2,128,128]{2,1,0}) all-reduce-start(%x), "
+           "replica_groups=[4,2]<=[8], to_apply=%add")
+    synchronous = "  %all-reduce = bf16[2,128,128]{2,1,0} all-reduce(%x), replica_groups=[4,2]<=[8], to_apply=%add"
+    assert {hlo._collective_bytes(line) for line in (old, new, synchronous)} == {(("all-reduce", 2), 2 * 128 * 128 * 2)}
 
 
 def test_a_program_made_worse_is_predicted_slower_by_at_least_its_bytes_at_hbm_bandwidth():

@@ -173,7 +173,9 @@ def _collective_bytes(line: str) -> tuple[tuple[str, int], int] | None:
         return None
     types, op, start = m.groups()
     sizes = buffer_bytes(types)
-    if start and op != "all-reduce":  # (operands..., results...)
+    # Asynchronous, the result holds the operands and the results; XLA 0.10's all-reduce-start
+    # held only its results, later XLAs' hold both, as `((operands...), results...)`.
+    if start and (op != "all-reduce" or types.startswith("((")):
         half = len(sizes) // 2
         sizes = sizes[:half] if op == "reduce-scatter" else sizes[half:]
     n = _group_size(line)

@@ -93,6 +93,48 @@ def _softmax_jvp(primals, tangents):
     return y, y * (dlogits - (y * dlogits).sum(-1, keepdims=True))
 
 
+# jax >= 0.11's batching rule for cuDNN attention reshapes a mask broadcast over the heads to one
+# per head and fails ("cannot reshape array of shape (1, 2, 1, 64, 128) ... into shape (2, 4, 64,
+# 128)"): context parallelism's masked attention under the pipelines' vmap over stages.
+CUDNN_BATCHING_RESHAPES_THE_MASK = jax.__version_info__ >= (0, 11)
+
+
+def _merged_into_batch(fn):
+    """`fn`, whose arguments and results are batch-first, under `vmap` run once with the mapped
+    axis merged into the batch axis, never through the batching rules of what it calls."""
+    merged = jax.custom_batching.custom_vmap(fn)
+
+    @merged.def_vmap
+    def rule(axis_size, in_batched, *args):
+        args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, batched in zip(args, in_batched, strict=True)]
+        out = merged(*[a.reshape(-1, *a.shape[2:]) for a in args])
+        return jax.tree.map(lambda o: o.reshape(axis_size, -1, *o.shape[1:]), out), jax.tree.map(lambda _: True, out)
+
+    return merged
+
+
+def batched_as_one(kernel):
+    """`kernel(q, k, v, mask)` differentiable, with its forward and backward each run under `vmap`
+    as one call over the mapped axis merged into the batch (`_merged_into_batch`). The backward
+    runs the forward again for its pullback: one more attention forward, only where jax's own
+    batching rule fails (`CUDNN_BATCHING_RESHAPES_THE_MASK`)."""
+    forward = _merged_into_batch(kernel)
+    backward = _merged_into_batch(lambda q, k, v, mask, dy: jax.vjp(lambda q, k, v: kernel(q, k, v, mask), q, k, v)[1](dy))
+
+    @jax.custom_vjp
+    def attend(q, k, v, mask):
+        return forward(q, k, v, mask)
+
+    def attend_fwd(q, k, v, mask):
+        return forward(q, k, v, mask), (q, k, v, mask)
+
+    def attend_bwd(residuals, dy):
+        return (*backward(*residuals, dy), None)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
+
+
 def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0, decoding: bool = False) -> jax.Array:
     """Softmax attention with grouped-query heads; `mask_bts` None means causal (within a sliding
     `window` of keys when it is > 0); `decoding`: the queries continue a KV cache.
@@ -119,6 +161,8 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
         # partitioner takes the three split alike only, and inside a partly manual shard_map (the
         # per-stage pipeline) cannot partition at all: each device runs its own part.
         queries, keys = ("batch", "length", "heads", "head_dim"), ("batch", "kv_length", "kv_heads", "head_dim")
+        if CUDNN_BATCHING_RESHAPES_THE_MASK and mask_bts is not None:
+            fused = batched_as_one(fused)
         return sharding.per_shard(fused, (queries, keys, keys, ("batch", "length", "kv_length"))[: len(args)], queries)(*args)
     b, t, h, k = q_bthk.shape
     g = k_bsgk.shape[2]

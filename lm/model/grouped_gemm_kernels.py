@@ -90,7 +90,9 @@ def _mma(pl, plgpu, acc_ref, a_smem, b_smem, transpose_a: bool = False, transpos
     Pallas' GPU interpreter (jax 0.10.2) ignores transposed views, so there the tiles are copied
     transposed into SMEM first."""
     if interpret_params() is None:
-        view = lambda ref, t: plgpu.transpose_ref(ref, (1, 0)) if t else ref  # noqa: E731
+        # jax 0.12 transposes the ref itself (`plgpu.transpose_ref` deprecated); 0.10 has only that.
+        transposed = (lambda ref: ref.transpose((1, 0))) if jax.__version_info__ >= (0, 12) else (lambda ref: plgpu.transpose_ref(ref, (1, 0)))
+        view = lambda ref, t: transposed(ref) if t else ref  # noqa: E731
         plgpu.wgmma(acc_ref, view(a_smem, transpose_a), view(b_smem, transpose_b))
         return
     flipped = lambda ref, t: ref.shape[::-1] if t else ref.shape  # noqa: E731

@@ -33,8 +33,23 @@ def _algorithm(a, b):
     if a.dtype == b.dtype and a.dtype in _F32_ACCUMULATION:
         return _F32_ACCUMULATION[a.dtype]
     if jnp.dtype(a.dtype).itemsize == 1 and jnp.dtype(b.dtype).itemsize == 1 and has_fp8_gemms():  # e4m3 / e5m2
-        return _FP8_F32_ACCUMULATION
+        return _FP8_F32_ACCUMULATION if fp8_algorithm_compiles(sharding.device()) else None
     return None
+
+
+@functools.cache
+def fp8_algorithm_compiles(device) -> bool:
+    """Whether a dot naming the fp8 algorithm compiles for `device`. jax 0.12.0.1's CUDA plugin
+    takes StableHLO 1.16.3, which cannot carry a dot algorithm on fp8 operands ("failed to
+    legalize operation 'vhlo.dot_general_v2'"); there fp8 GEMMs write float32, scaled and cast
+    after (one more pass per GEMM), rather than fail."""
+    f8 = jax.ShapeDtypeStruct((16, 16), jnp.float8_e4m3fn, sharding=jax.sharding.SingleDeviceSharding(device))
+    dot = functools.partial(jnp.dot, precision=_FP8_F32_ACCUMULATION, preferred_element_type=jnp.bfloat16)
+    try:
+        jax.jit(dot).lower(f8, f8).compile()
+    except jax.errors.JaxRuntimeError:
+        return False
+    return True
 
 
 def has_fp8_gemms() -> bool:
