@@ -7,7 +7,7 @@
 
 `--memory` compiles the train step of small configurations under a spread of layouts and fits
 the coefficients of `lm.planner.memory`'s temporaries terms to XLA's memory analysis (non-negative least
-squares), per platform. The one step-time constant, the matmul efficiency (the share of the
+squares), per platform and jax release (XLA's memory use moves between them). The one step-time constant, the matmul efficiency (the share of the
 dense peak the model's FLOPs run at), is fitted to one published figure of the same compiler
 (`--published --fit`: MaxText's Llama-3-70B bf16 step on 128 H100s); every other row of
 `lm/hardware/published.json` is a prediction. Both write `lm/hardware/calibration.json`.
@@ -38,7 +38,7 @@ from lm.planner.calibration import (
     published_rows,
     table,
 )
-from lm.planner.memory import calibration
+from lm.planner.memory import calibration, compiler_key
 
 
 def main(argv: list[str]) -> None:
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> None:
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", 8)
             devices = jax.devices()[:8]
-        constants["memory"][args.platform] = fit_memory(devices, args.platform, System.load(args.target))
+        constants["memory"].setdefault(args.platform, {})[compiler_key()] = fit_memory(devices, args.platform, System.load(args.target))
     if args.published and args.fit:
         constants["matmul_efficiency"] = fit_efficiency(constants)
         print(f"matmul efficiency fitted to {FIT_ROW}: {constants['matmul_efficiency']:.4f}")

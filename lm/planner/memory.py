@@ -12,6 +12,7 @@ each weighted by a coefficient fitted once to XLA's memory analysis of small com
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 from functools import cached_property
 
@@ -45,6 +46,26 @@ def pipeline_report(plan: PipelinePlan, layers: int) -> dict:
 def calibration() -> dict:
     """The fitted constants: the matmul efficiency and each platform's memory coefficients."""
     return json.loads(data_file("calibration.json").read_text())
+
+
+def compiler_key() -> str:
+    """Which XLA memory coefficients are fitted on: jax's minor version (`jax0.12`). XLA's memory
+    use moves between releases (jax 0.12's per-stage 1F1B temporaries: 37% below 0.10's)."""
+    major, minor = importlib.metadata.version("jax").split(".")[:2]
+    return f"jax{major}.{minor}"
+
+
+def memory_coefficients(constants: dict, platform: str) -> dict:
+    """`platform`'s temporaries coefficients fitted on this jax's XLA, else on the nearest
+    release fitted."""
+    fitted = constants["memory"][platform]
+
+    def release(key: str) -> tuple[int, int]:
+        major, minor = key.removeprefix("jax").split(".")
+        return int(major), int(minor)
+
+    here = release(compiler_key())
+    return fitted[min(fitted, key=lambda key: (abs(release(key)[0] - here[0]), abs(release(key)[1] - here[1])))]
 
 
 class Memory:
@@ -170,7 +191,7 @@ class Memory:
     def memory(self) -> dict:
         """Per-device bytes: state (exact), temporaries (modelled), and their sum."""
         state = self.state_bytes
-        coefficients = self.constants["memory"][self.platform]
+        coefficients = memory_coefficients(self.constants, self.platform)
         terms = self.memory_terms()
         temporaries = coefficients.get("constant", 0.0) + sum(coefficients[k] * terms[k] for k in MEMORY_TERMS)
         out = {"params": state["params"], "opt_state": state["opt_state"] + state["other"], "temporaries": int(temporaries)}
