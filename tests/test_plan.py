@@ -152,6 +152,19 @@ WITHIN_20_PERCENT = ("maxtext-llama3-70b-bf16-128", "maxtext-llama3-70b-fp8-128"
                      "megatron-gpt-70b-tp8-pp2-768")
 
 
+def test_memory_coefficients_are_those_fitted_on_this_jax_else_the_nearest_release(monkeypatch):
+    from lm.planner import memory
+
+    fitted = {"memory": {"gpu": {"jax0.10": {"grads": 10.0}, "jax0.12": {"grads": 12.0}}}}
+    picked = {}
+    for release in ("0.10.2", "0.11.2", "0.12.0.1", "0.13.1", "1.0.0"):
+        monkeypatch.setattr(memory.importlib.metadata, "version", lambda _, release=release: release)
+        picked[release] = memory.memory_coefficients(fitted, "gpu")["grads"]
+    assert picked == {"0.10.2": 10.0, "0.11.2": 10.0, "0.12.0.1": 12.0, "0.13.1": 12.0, "1.0.0": 10.0}
+    # The stored file holds a fit for each stack the suite runs on.
+    assert {"jax0.10", "jax0.12"} <= set(calibration()["memory"]["gpu"])
+
+
 def test_published_runs_are_predicted_within_20_percent():
     rows = {r["name"]: r for r in calibrate.published_rows()}
     assert calibrate.FIT_ROW in WITHIN_20_PERCENT and len(rows) >= 7
