@@ -101,10 +101,12 @@ def test_fp8_scales_move_restore_bit_exactly_and_only_follow_the_amax_history(tm
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.fp8, state.fp8)
 
 
-@pytest.mark.parametrize("capability, fp8_gemm", [("9.0", True), ("8.9", True), ("8.0", False), (None, False)])
-def test_fp8_sites_name_fp8_gemms_only_for_gpus_that_have_them(monkeypatch, capability, fp8_gemm):
+@pytest.mark.parametrize("capability, plugin_takes_it, fp8_gemm", [("9.0", True, True), ("8.9", True, True), ("8.0", True, False), (None, True, False),
+                                                                   ("9.0", False, False)])
+def test_fp8_sites_name_fp8_gemms_only_for_gpus_that_have_them(monkeypatch, capability, plugin_takes_it, fp8_gemm):
     """H100 / Ada: a bf16 result with the fp8 dot algorithm (float32 accumulation); an A100 (which
-    XLA would refuse that algorithm) or a GPU of unknown capability: a float32 result, as on CPUs."""
+    XLA would refuse that algorithm), a GPU of unknown capability, or a GPU plugin that cannot
+    take the algorithm (jax 0.12.0.1's): a float32 result, as on CPUs."""
     from types import SimpleNamespace
 
     import sharding
@@ -112,6 +114,7 @@ def test_fp8_sites_name_fp8_gemms_only_for_gpus_that_have_them(monkeypatch, capa
 
     monkeypatch.setattr(sharding, "platform", lambda: "gpu")
     monkeypatch.setattr(sharding, "device", lambda: SimpleNamespace(platform="gpu", compute_capability=capability))
+    monkeypatch.setattr(matmul, "fp8_algorithm_compiles", lambda device: plugin_takes_it)
     x, w = jnp.ones((4, 8), jnp.float8_e4m3fn), jnp.ones((8, 2), jnp.float8_e4m3fn)
     dot = next(e for e in jax.make_jaxpr(lambda x, w: matmul.einsum("bd,df->bf", x, w, jnp.bfloat16, jnp.float32(2.0)))(x, w).eqns
                if e.primitive.name == "dot_general")
