@@ -108,6 +108,7 @@ def test_fp8_gemms_write_bf16_with_their_scales_folded_in():
     themselves (cuBLAS's own scale operand, not a constant 1); dw stays float32 for its
     reduction. One device: the test model's small GEMMs over 8 are split along K by XLA, whose
     partial products are float32 by design."""
+    needs_the_named_fp8_algorithm()
     text = compiled(targets.devices("h100", 1), {}, precision__fp8="delayed", precision__fp8_sites="all")
     gemms = [g for g in model_gemms(text) if g.lhs.startswith("f8")]
     outputs = {(g.lhs, g.rhs): {h.out for h in gemms if (h.lhs, h.rhs) == (g.lhs, g.rhs)} for g in gemms}

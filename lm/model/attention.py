@@ -5,6 +5,8 @@ attention, or the einsums written out for CPU. Shape suffixes as in `lm.model.la
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -97,6 +99,19 @@ def _softmax_jvp(primals, tangents):
 # per head and fails ("cannot reshape array of shape (1, 2, 1, 64, 128) ... into shape (2, 4, 64,
 # 128)"): context parallelism's masked attention under the pipelines' vmap over stages.
 CUDNN_BATCHING_RESHAPES_THE_MASK = jax.__version_info__ >= (0, 11)
+_MAPPED = contextvars.ContextVar("attention_mapped", default=False)
+
+
+@contextlib.contextmanager
+def mapped():
+    """Attention traced inside runs under a vmap (a pipeline stage's layers, mapped over the
+    stages): there jax's own batching rule for cuDNN's masked attention is bypassed where it
+    fails (`batched_as_one`)."""
+    token = _MAPPED.set(True)
+    try:
+        yield
+    finally:
+        _MAPPED.reset(token)
 
 
 def _merged_into_batch(fn):
@@ -117,7 +132,7 @@ def batched_as_one(kernel):
     """`kernel(q, k, v, mask)` differentiable, with its forward and backward each run under `vmap`
     as one call over the mapped axis merged into the batch (`_merged_into_batch`). The backward
     runs the forward again for its pullback: one more attention forward, only where jax's own
-    batching rule fails (`CUDNN_BATCHING_RESHAPES_THE_MASK`)."""
+    batching rule fails (`CUDNN_BATCHING_RESHAPES_THE_MASK`, inside `mapped`)."""
     forward = _merged_into_batch(kernel)
     backward = _merged_into_batch(lambda q, k, v, mask, dy: jax.vjp(lambda q, k, v: kernel(q, k, v, mask), q, k, v)[1](dy))
 
@@ -161,7 +176,7 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
         # partitioner takes the three split alike only, and inside a partly manual shard_map (the
         # per-stage pipeline) cannot partition at all: each device runs its own part.
         queries, keys = ("batch", "length", "heads", "head_dim"), ("batch", "kv_length", "kv_heads", "head_dim")
-        if CUDNN_BATCHING_RESHAPES_THE_MASK and mask_bts is not None:
+        if CUDNN_BATCHING_RESHAPES_THE_MASK and mask_bts is not None and _MAPPED.get():
             fused = batched_as_one(fused)
         return sharding.per_shard(fused, (queries, keys, keys, ("batch", "length", "kv_length"))[: len(args)], queries)(*args)
     b, t, h, k = q_bthk.shape

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm.model import moe
+from lm.model import attention, moe
 from lm.model.block import Block
 from lm.model.config import ModelConfig
 from lm.model.fp8 import Probe, fp8_suspended
@@ -154,7 +154,8 @@ class Transformer(nnx.Module):
 
         def stage(chunk, chunk_probes, x_btd, chunk_index):  # a chunk of consecutive layers on one microbatch
             positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
-            return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None, chunk=chunk_index)[0]
+            with attention.mapped():  # GPipe and 1F1B vmap this over the stages
+                return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None, chunk=chunk_index)[0]
 
         axes = nnx.get_partition_spec
         probes_given = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
