@@ -303,17 +303,18 @@ def test_fp8_state_under_every_schedule_is_bitwise_the_one_device_runs_at_each_o
     head on the whole batch, its weight gradient summed in another order: equal for 3 steps.)"""
     ref = fp8_one_device_in_two_microbatches
     run = fp8_states({"stage": 2}, jax.devices()[:2], **WHOLE_VOCABULARY, **extra)
-    for state, ref_state in zip(run.fp8[:BITWISE_STEPS], ref.fp8, strict=False):
+    bitwise = BITWISE_STEPS if extra in ({}, {"pipeline__schedule": "1f1b_per_stage"}) else 5
+    for state, ref_state in zip(run.fp8[:bitwise], ref.fp8, strict=False):
         jax.tree.map(np.testing.assert_array_equal, state, ref_state)
-    np.testing.assert_array_equal(run.losses[:BITWISE_STEPS], ref.losses[:BITWISE_STEPS])
+    np.testing.assert_array_equal(run.losses[:bitwise], ref.losses[:bitwise])
     np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-4)
 
 
-# Steps the pipelines' fp8 state stays bitwise the one-device run's. Under jaxlib 0.11 / 0.12,
-# XLA:CPU sums one weight gradient of GPipe and of the per-stage 1F1B in another order at the
-# fourth step (1 float32 ulp in one amax then, the losses equal to 1e-6 and apart by 9e-5 at the
-# fifth); the other schedules stay bitwise for all 5.
-BITWISE_STEPS = 5 if jax.__version_info__ < (0, 11) else 3
+# Steps GPipe's and the per-stage 1F1B's fp8 state and losses stay bitwise the one-device
+# run's. Under jaxlib 0.11 / 0.12 XLA:CPU sums one of their weight gradients in another order
+# from the third or fourth step on, which one varying between runs of the same test (1 float32
+# ulp in a loss or an amax then, 9e-5 apart by the fifth); the other schedules stay bitwise.
+BITWISE_STEPS = 5 if jax.__version_info__ < (0, 11) else 2
 
 
 def test_gradient_accumulation_keeps_the_whole_batchs_fp8_gradient_statistics(fp8_one_device):
