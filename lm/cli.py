@@ -11,7 +11,7 @@ from pathlib import Path
 import ml_collections
 
 import sharding.distributed
-from lm import cache_home
+from lm import cache_home, progress
 from lm.config import UserError, apply_overrides
 from lm.recipe import load_file
 
@@ -96,5 +96,5 @@ def run(main: Callable[[list[str]], None], argv: list[str] | None = None) -> Non
     try:
         main(sys.argv[1:] if argv is None else argv)
     except (UserError, sharding.ShardingError) as e:
-        print("error: " + " ".join(str(e).split("\n")), file=sys.stderr, flush=True)  # one line, always
+        progress.final_line(f"error: {e}")  # one line, always, at the start of a line
         sys.exit(getattr(e, "exit_code", 2))

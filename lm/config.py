@@ -59,6 +59,10 @@ def default_config() -> ml_collections.ConfigDict:
         spike_window=100,
         spike_steps=3,
         spike_max_rollbacks=3,
+        # The step watchdog: no step completing for this long ends every process, each writing its
+        # Python stacks to WORKDIR/hang-<process>.txt (resume with the same command). None: 10 x the
+        # median step, at least 300 s, timed from the first completed step; 0: off.
+        step_timeout_s=config_dict.placeholder(float),
     )
     c.optim = dict(
         name="adamw",  # adamw | muon: Muon for the block matmul weights, AdamW for the rest
@@ -157,9 +161,23 @@ def assign(node: ml_collections.ConfigDict, key: str, value, shown: str) -> None
         raise UserError(f"{shown} is not a valid {kind}") from None
 
 
-def _parse_value(text: str, current):
+def _placeholder_type(dotted: str):
+    """The type a key unset by default takes (a `placeholder`'s), or None."""
+    node = default_config()
+    *groups, key = dotted.split(".")
+    for g in groups:
+        node = node[g]
+    return node.get_ref(key).get_type() if key in node else None
+
+
+def _parse_value(text: str, current, unset_type=None):
     import ast
 
+    if unset_type in (int, float) and current is None and text != "None":
+        try:
+            return unset_type(text)
+        except ValueError:
+            return text  # refused by the type check, naming the key
     if isinstance(current, str) or (current is None and text[:1] not in "([{" and text not in ("None", "True", "False")):
         return text
     try:
@@ -189,7 +207,7 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean --config.{'.'.join(groups + close)}?" if close else f"; known keys: {', '.join(sorted(known))}"
             raise UserError(f"unknown config key --config.{dotted}{hint}")
-        value = _parse_value(text, node[key]) if isinstance(text, str) else text
+        value = _parse_value(text, node[key], _placeholder_type(dotted)) if isinstance(text, str) else text
         assign(node, key, value, f"--config.{dotted}={text!r}")
     validate(c)
     c.lock()

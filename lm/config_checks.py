@@ -89,6 +89,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise UserError(f"--config.{key} must be in [{low:g}, {min(high, 1.0):g}{')' if high <= 1.0 else ']'}, got {_get(c, key)}")
     if not c.train.spike_factor > 1.0:
         raise UserError(f"--config.train.spike_factor must be above 1 (a multiple of the recent mean loss), got {c.train.spike_factor}")
+    timeout = c.train.step_timeout_s
+    if timeout is not None and (isinstance(timeout, (str, bool)) or not timeout >= 0):
+        raise UserError(f"--config.train.step_timeout_s must be zero (off) or positive seconds, or None (derived from the steps), "
+                        f"got {c.train.step_timeout_s}")
     m = c.model
     if m.num_heads % m.num_kv_heads:
         raise UserError(

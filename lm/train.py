@@ -35,14 +35,17 @@ def main(argv: list[str]) -> None:
         default_config=_default_config,
     )
     parser.add_argument("--workdir", required=True, help="run directory: checkpoints, metrics, tokenizer")
-    for flag in ("kill_at_step", "kill_during_save_at_step"):
+    for flag in ("kill_at_step", "kill_during_save_at_step", "stall_at_step"):
         parser.add_argument(f"--debug_{flag}", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--debug_stall_s", type=float, default=float("inf"), help=argparse.SUPPRESS)
     parser.add_argument("--debug_nonfinite_steps", default="", help=argparse.SUPPRESS)
     args = parser.parse(argv)
     faults = Faults(
         kill_at_step=args.debug_kill_at_step,
         kill_during_save_at_step=args.debug_kill_during_save_at_step,
         nonfinite_steps=tuple(int(s) for s in args.debug_nonfinite_steps.split(",") if s),
+        stall_at_step=args.debug_stall_at_step,
+        stall_s=args.debug_stall_s,
     )
     with paths.held(args.workdir, "--workdir", "lm.train", leader=jax.process_index() == 0):
         train(args.config, args.workdir, faults=faults)

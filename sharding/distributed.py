@@ -85,25 +85,49 @@ def _guard_stderr() -> None:
     guard.stdin.close()  # fd 2 is now the one writer; the guard sees EOF when this process ends
 
 
+def raise_flag(name: str, value: str = "1") -> None:
+    """Marks this process in the coordination service's key-value store under `name` (nothing
+    with one process)."""
+    client = _client()
+    if client is not None:
+        client.key_value_set(f"meshlm/{name}/{jax.process_index()}", value, allow_overwrite=True)
+
+
+def raised_flags(name: str) -> dict[int, str]:
+    """The processes that raised flag `name`, with their values."""
+    client = _client()
+    if client is None:
+        return {}
+    return {int(key.rsplit("/", 1)[1]): value for key, value in client.key_value_dir_get(f"meshlm/{name}/")}
+
+
+def roll_call(name: str, wait_s: float) -> bool:
+    """Raises flag `name` and waits up to `wait_s` for every process to raise it; whether all did."""
+    if _client() is None or jax.process_count() == 1:
+        return True
+    raise_flag(name)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if len(raised_flags(name)) == jax.process_count():
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def await_lost_peer(wait_s: float = 10.0) -> None:
     """After an error caught on this process: if another process is gone, wait for JAX's
     heartbeat check to end this one (the guarded stderr then names the lost process) instead of
     printing a traceback first; a collective whose peer died often fails at once, long before.
 
-    A roll call in the service's key-value store tells which: every process that caught an
-    error answers; if all do within `wait_s`, the error is everyone's own and this returns at
-    once. Otherwise it returns only if JAX has not ended the process within twice its timeout.
+    A roll call tells which: every process that caught an error answers; if all do within
+    `wait_s`, the error is everyone's own and this returns at once. Otherwise it returns only if
+    JAX has not ended the process within twice its timeout.
     """
-    client, count, me = _client(), jax.process_count(), jax.process_index()
-    if client is None or count == 1:
+    if _client() is None or jax.process_count() == 1:
         return
     try:
-        client.key_value_set(f"meshlm/roll_call/{me}", "1", allow_overwrite=True)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if len(client.key_value_dir_get("meshlm/roll_call/")) == count:
-                return
-            time.sleep(0.2)
+        if roll_call("roll_call", wait_s):
+            return
     except Exception:  # the service is unreachable: process 0 is gone, and JAX is ending this one
         pass
     time.sleep(2 * _peer_timeout_s + 10)

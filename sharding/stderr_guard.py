@@ -8,7 +8,8 @@ service detected fatal errors ...") with a stack trace, then abort(). Nothing in
 process can replace that (jaxlib 0.10's missed-heartbeat callback throws std::bad_cast when set
 from Python), so its stderr runs through this process, which outlives it: lines pass through
 unchanged, the coordination service's error records are held back a few seconds, and when the
-fatal record arrives everything after it is replaced by one line naming the lost process.
+fatal record arrives everything after it is replaced by one line naming the lost process, or by
+nothing if the process had already said its own final line (`error: ...`, e.g. its step watchdog's).
 Standard library only: it must start in a blink and never fail.
 """
 
@@ -57,6 +58,7 @@ def main(argv: list[str]) -> None:
     fd = source.fileno()
     held: list[bytes] = []  # coordination-service records (and their continuation lines) not yet shown
     fatal: list[bytes] | None = None
+    said_final = False  # the process wrote its own `error:` line: JAX's abort after it adds nothing
     pending = b""
     while True:
         timeout = HOLD_S if held and fatal is None else None
@@ -86,10 +88,11 @@ def main(argv: list[str]) -> None:
             else:
                 out.write(b"".join(held) + line)
                 held = []
+                said_final = said_final or line.startswith(b"error: ")
         out.flush()
     if fatal is None:
         out.write(b"".join(held) + pending)
-    else:
+    elif not said_final:
         line = verdict(b"".join(fatal).decode(errors="replace"), me, count)
         out.write(("\n" if os.isatty(out.fileno()) else "").encode() + line.encode() + b"\n")  # off a progress bar
     out.flush()

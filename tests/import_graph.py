@@ -19,7 +19,7 @@ COMMANDS = ("train", "prepare", "generate", "convert", "bench", "layout", "plan"
 # `lm` alone is the package's __init__ (environment set-up, cache_home) and errors.
 FLOORS = (
     ("lm", "lm.errors", "sharding"),
-    ("lm.hardware", "lm.paths"),
+    ("lm.hardware", "lm.paths", "lm.progress"),
     ("lm.model",),
     ("lm.config", "lm.config_checks", "lm.recipe"),
     ("lm.data",),

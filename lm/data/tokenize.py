@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lm import paths
+from lm import progress as lm_progress
 from lm.data import sources, token_store
 from lm.data.sources import Piece, Reading
 from lm.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -165,11 +166,9 @@ def _check_same(out: Path, saved: dict, plan: dict) -> None:
 
 
 def _run(out: Path, units, todo: list[int], tokenizer, reading: Reading, workers: int | None, progress: bool) -> None:
-    from tqdm import tqdm
-
     sizes = [sum(sources._size(Path(p.path)) for p in unit) for unit in units]
-    bar = tqdm(total=sum(sizes), initial=sum(sizes) - sum(sizes[i] for i in todo), unit="B", unit_scale=True,
-               disable=not progress, file=sys.stdout, dynamic_ncols=True, desc="tokenising")
+    bar = lm_progress.bar(total=sum(sizes), initial=sum(sizes) - sum(sizes[i] for i in todo), unit="B", unit_scale=True,
+                          disable=not progress, desc="tokenising")
     start, tokens = time.perf_counter(), 0
 
     def done(index: int) -> None:

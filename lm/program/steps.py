@@ -59,6 +59,8 @@ class Faults:
     nonfinite_steps: tuple[int, ...] = ()  # these steps' loss and gradients are NaN
     overflow_steps: tuple[int, ...] = ()  # these steps' gradients are 1e30 times too large
     garbled_batches: tuple[int, ...] = ()  # these batches (by number) hold random tokens
+    stall_at_step: int | None = None  # this step's data read blocks for stall_s (alive, heartbeating)
+    stall_s: float = float("inf")
 
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import numpy as np
 import sharding
 import sharding.distributed
 from lm import config as lm_config
-from lm import paths
+from lm import paths, progress
 from lm.config import UserError
 from lm.data import corpus as lm_data
 from lm.evaluation.harness import DuringTraining
@@ -35,6 +34,7 @@ from lm.training.metrics import (
 )
 from lm.training.spikes import SKIPPED, SpikeWatch, record, skipped
 from lm.training.tracking import WandbRun
+from lm.training.watchdog import StepWatchdog
 
 
 def check_workdir(config, workdir: Path) -> None:
@@ -134,11 +134,8 @@ def train(config, workdir: str | os.PathLike, devices=None, *, faults: Faults = 
 
 def _say(text: str) -> None:
     """Console output from the lead process, around the progress bar."""
-    from tqdm import tqdm
-
     if jax.process_index() == 0:
-        tqdm.write(text, file=sys.stdout)
-        sys.stdout.flush()
+        progress.say(text)
 
 
 def _start(program: Program, ckpt: Checkpointer):
@@ -196,9 +193,14 @@ def _roll_back(program: Program, ckpt: Checkpointer, batches, spikes: SpikeWatch
     return target, restored
 
 
-def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: MetricsWriter, stop, faults: Faults, workdir: Path, evaluation=None) -> dict:
-    from tqdm import tqdm
+def _stall(seconds: float) -> None:
+    """Fault injection (tests): a data read that blocks, the process staying alive."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(1.0, end - time.monotonic()))
 
+
+def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: MetricsWriter, stop, faults: Faults, workdir: Path, evaluation=None) -> dict:
     config = program.config
     t, mesh, mcfg = config.train, program.mesh, program.model_cfg
     val_batches = [program.global_batch(rows) for rows in val_rows]  # on device once, reused
@@ -211,25 +213,55 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
         f"model: {param_count(state.params) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
         f"mesh {dict(mesh.shape)}, {t.steps} steps of {tokens_per_step} tokens"
     )
+    step_fn = None
     if start >= t.steps:
         _say(f"already trained to step {start}; raise --config.train.steps to continue")
     else:
         step_fn = program.train_step.lower(state, val_batches[0]).compile()
-    bar = tqdm(total=t.steps, initial=start, disable=jax.process_index() != 0, unit="step", dynamic_ncols=True, file=sys.stdout)
+    bar = progress.bar(total=t.steps, initial=start, disable=jax.process_index() != 0, unit="step")
+    watch = StepWatchdog(t.step_timeout_s, workdir)
+    try:
+        last = _steps(program, ckpt, batches, val_batches, writer, stop, faults, workdir, evaluation, start, state, step_fn, rate, bar, watch)
+    finally:
+        watch.close()
+        bar.close()  # its line ended before whatever is said next, an error's included
+    _say(f"checkpoints: {ckpt.directory}")
+    _say(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})")
+    return last
+
+
+def _steps(program: Program, ckpt: Checkpointer, batches, val_batches, writer: MetricsWriter, stop, faults: Faults, workdir: Path,
+           evaluation, start: int, state, step_fn, rate: StepRate, bar, watch: StepWatchdog) -> dict:
+    """Steps `start + 1 .. train.steps`; the last logged metrics. Each step is known complete
+    (to the watchdog) when the next has been dispatched, so the device is never left idle."""
+    config = program.config
+    t, mcfg = config.train, program.model_cfg
     spikes = SpikeWatch(t.spike_factor, t.spike_window, t.spike_steps) if t.spike_rollback else None
     rollbacks = len(skipped(workdir))
     batches.skip = {b for row in skipped(workdir) for b in row["batches"]}
-    pending, numbers, last, step = [], [], {}, start
+    pending, numbers, last, step, previous = [], [], {}, start, None
     while step < t.steps:
         step += 1
+        watch.doing = f"reading the batch of step {step}"
+        if faults.stall_at_step == step:
+            _stall(faults.stall_s)
         batch = next(batches)
         numbers.append(batches.taken)
         if batches.taken in faults.garbled_batches:
             batch = _garbled(batch, mcfg.vocab_size, batches.taken)
+        watch.doing = f"dispatching step {step}"
         state, metrics = step_fn(state, program.global_batch(batch))
+        if previous is not None:
+            watch.doing = f"waiting for step {step - 1} to complete (step {step} dispatched)"
+            jax.block_until_ready(previous)
+            watch.completed(step - 1)
+        previous = metrics
         pending.append(metrics)
         if step % t.log_every == 0 or step == t.steps:
+            watch.doing = f"waiting for step {step} to complete"
             host = jax.device_get(pending)  # the one device->host transfer
+            watch.completed(step)
+            previous = None
             last = {**rate.row(step, host), **batches.source_tokens()}
             writer.write(last)
             bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_sec']:,.0f}", refresh=False)
@@ -240,24 +272,25 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
             if spike:
                 rollbacks += 1
                 if rollbacks > t.spike_max_rollbacks:
-                    bar.close()
                     raise TrainingHalted(f"step {step}: the loss spiked again after {t.spike_max_rollbacks} rollbacks (train.spike_max_rollbacks); "
                                          f"the spiking batches are listed in {workdir / SKIPPED}")
                 restore_start = time.perf_counter()
-                step, state = _roll_back(program, ckpt, batches, spikes, spike, writer, rollbacks, workdir)
+                with watch.paused(f"rolling back from step {step}"):
+                    step, state = _roll_back(program, ckpt, batches, spikes, spike, writer, rollbacks, workdir)
                 rate.exclude(time.perf_counter() - restore_start)
                 bar.n = step
                 bar.refresh()
                 continue
             halt = _nonfinite_verdict(program.spec, first, host, _say)
             if halt:
-                ckpt.save(step, state, batches.get_state())
-                ckpt.wait()
-                bar.close()
+                with watch.paused(f"checkpointing step {step}"):
+                    ckpt.save(step, state, batches.get_state())
+                    ckpt.wait()
                 raise TrainingHalted(f"{halt}; no non-finite update was applied: the state is checkpointed at step {step} ({ckpt.directory / str(step)})")
         if step % t.eval_every == 0 or step == t.steps:
             eval_start = time.perf_counter()
-            losses = jax.device_get([program.eval_step(state, b) for b in val_batches])
+            with watch.paused(f"evaluating at step {step}"):
+                losses = jax.device_get([program.eval_step(state, b) for b in val_batches])
             last["eval_loss"] = float(np.mean(losses))
             writer.write({"step": step, "eval_loss": last["eval_loss"], "eval_perplexity": perplexity(last["eval_loss"])})
             _say(f"step {step}: eval loss {last['eval_loss']:.4f}")
@@ -265,12 +298,14 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
         if evaluation is not None and (step % config.eval.every_steps == 0 or step == t.steps):
             # before the step's checkpoint: a run resumed from it has this evaluation already
             eval_start = time.perf_counter()
-            scores = evaluation(state)
+            with watch.paused(f"running lm-eval at step {step}"):
+                scores = evaluation(state)
             writer.write({"step": step, **scores})
             _say(f"step {step}: lm-eval " + ", ".join(f"{k.removeprefix('lm_eval/')} {v:.4f}" for k, v in scores.items()))
             rate.exclude(time.perf_counter() - eval_start)
         if step % config.checkpoint.every_steps == 0 or step == t.steps:
-            ckpt.save(step, state, batches.get_state())
+            with watch.paused(f"checkpointing step {step}"):
+                ckpt.save(step, state, batches.get_state())
             if faults.kill_during_save_at_step == step:
                 _kill_self(step, "during the checkpoint write")
         bar.update(1)
@@ -280,12 +315,10 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
         if stop.reached(step):
             if pending:
                 writer.write(rate.row(step, jax.device_get(pending)))
-            ckpt.save(step, state, batches.get_state())
-            ckpt.wait()
+            with watch.paused(f"checkpointing step {step} to stop"):
+                ckpt.save(step, state, batches.get_state())
+                ckpt.wait()
             bar.close()
             _say(f"{stop.signal_name}: stopped after step {step}; checkpoint {ckpt.directory / str(step)} is written; run the same command to resume")
             break
-    bar.close()
-    _say(f"checkpoints: {ckpt.directory}")
-    _say(f"metrics:     {writer.path.absolute()} (TensorBoard: {writer.tb_dir.absolute()})")
     return last
