@@ -43,6 +43,11 @@ class Parser(argparse.ArgumentParser):
                 "--peer_timeout_s", type=int, default=120,
                 help="a process silent this long (hung, frozen, host down) ends the job (default 120)",
             )
+            group.add_argument(
+                "--interface",
+                help="network interface (or its address) that reaches the other hosts (default: $GLOO_SOCKET_IFNAME, "
+                     "else the one that routes to the coordinator)",
+            )
 
     def error(self, message):
         raise UserError(f"{message} (see --help)")
@@ -62,7 +67,7 @@ class Parser(argparse.ArgumentParser):
         args = self.parse_args(rest)
         if self.distributed:  # before the config: nothing may touch JAX's devices first
             try:
-                sharding.distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.peer_timeout_s)
+                sharding.distributed.initialize(args.coordinator, args.num_processes, args.process_id, args.peer_timeout_s, args.interface)
             except ValueError as e:
                 raise UserError(str(e)) from None
         if self.with_config:

@@ -14,14 +14,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import jax
 
+from sharding import hosts
+
 # Environment variables by which SLURM, Open MPI and JAX say "you are one of several processes".
 _CLUSTER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 _peer_timeout_s = 120
+CONNECT_S = 60.0  # how long the processes' first collective may take to connect
 
 
 def _in_a_cluster() -> bool:
@@ -36,13 +40,16 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     peer_timeout_s: int = 120,
+    interface: str | None = None,
 ) -> bool:
     """Starts `jax.distributed` when this is one of several processes; True if it did.
 
     Explicit arguments win; otherwise JAX's cluster auto-detection reads the environment. Must
     run before anything asks JAX for devices. `peer_timeout_s`: the coordination service's
     heartbeat timeout, after which a process that stopped answering (hung, frozen, its host
-    gone) ends the job.
+    gone) ends the job. `interface`: the network interface (or address) the CPU collectives use
+    (`hosts.advertised`); on CPUs they are connected here, and processes that cannot reach each
+    other end in a ValueError naming every process's address.
     """
     if peer_timeout_s < 1:
         raise ValueError(f"--peer_timeout_s={peer_timeout_s}: give a whole number of seconds >= 1")
@@ -54,11 +61,65 @@ def initialize(
     # CPU devices of different processes talk through gloo (the default CPU client has no
     # cross-process collectives); harmless on GPU and TPU, whose own collectives are used.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    from jax._src import distributed
+
+    if interface:
+        hosts.interface_address(interface)  # a mistyped name fails before any waiting
     jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=peer_timeout_s)
     global _peer_timeout_s
     _peer_timeout_s = peer_timeout_s
     _guard_stderr()
+    address, chosen = hosts.advertised(distributed.global_state.coordinator_address, interface)
+    _gloo_on(address)
+    if jax.default_backend() == "cpu":
+        _connect_collectives(address, chosen)
     return True
+
+
+def _gloo_on(address: str) -> None:
+    """CPU clients made from now on run gloo bound to, and advertising, `address` (JAX's own
+    factory lets gloo take the host name's address, often loopback)."""
+    from jax._src import xla_bridge
+    from jax._src.lib import _jax
+
+    def make_cpu_client():
+        collectives = _jax.make_gloo_tcp_collectives(distributed_client=_client(), hostname=address)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+
+
+def _connect_collectives(address: str, chosen: str, wait_s: float = CONNECT_S) -> None:
+    """A first collective over every device, so that processes that cannot reach each other
+    find out now, within `wait_s`, each in one line naming every process's address, not in the
+    first step. (gloo's own retries can take minutes; a connection that is stuck stays behind in
+    a thread that ends with the process.)"""
+    from jax.experimental import multihost_utils
+
+    raise_flag("address", f"{address} ({chosen})")
+    failure: list[str] = []
+
+    def connect():
+        try:
+            multihost_utils.sync_global_devices("meshlm: collectives connected")
+        except jax.errors.JaxRuntimeError as e:
+            failure.append(" ".join(str(e).split())[:200])
+
+    connecting = threading.Thread(target=connect, name="meshlm-connect", daemon=True)
+    connecting.start()
+    connecting.join(wait_s)
+    if connecting.is_alive():
+        failure.append(f"no connection within {wait_s:.0f} s")
+    if not failure:
+        return
+    roll_call("collectives_failed", 15.0)  # the others fail too: each says so before any exits
+    seen = raised_flags("address")
+    addresses = "; ".join(f"process {i} at {seen[i]}" for i in sorted(seen))
+    raise ValueError(
+        f"process {jax.process_index()} of {jax.process_count()} could not connect to the others' CPU collectives (gloo: {failure[0]}); "
+        f"addresses tried: {addresses}. Give each process the network interface that reaches the other hosts: "
+        f"--interface=NAME (or {hosts.INTERFACE_ENV}=NAME; for NCCL on GPUs, NCCL_SOCKET_IFNAME)"
+    )
 
 
 def _client():

@@ -37,6 +37,8 @@ def lost_processes(text: str, me: int) -> list[int] | None:
         return sorted({int(p) for p in found if int(p) != me}) or None
     if "Failed to send RPC to coordination service" in text or "leader task" in text:
         return [0]
+    if "CoordinationService/Heartbeat" in text:  # this process's heartbeats no longer reach the coordinator
+        return [0]
     return None
 
 
@@ -47,7 +49,7 @@ def verdict(fatal_text: str, me: int, count: int) -> str:
         return f"error: process {me} of {count}: the JAX distributed service ended it: {status[0] if status else 'unknown error'}"
     names = ", ".join("0 (the coordinator)" if p == 0 else str(p) for p in lost)
     return (
-        f"error: lost process {names} of {count} (it stopped answering: killed, crashed, frozen or its host is down); "
+        f"error: lost process {names} of {count} (it stopped answering: killed, crashed, frozen, its host down or the network to it cut); "
         f"process {me} stopped too. Start all {count} processes again: they resume from the last complete checkpoint"
     )
 

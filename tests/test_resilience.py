@@ -1,6 +1,8 @@
 """Several processes, preemption, crashes and bad steps: nothing is lost but the work since the
 last checkpoint, and a checkpoint restores onto any mesh."""
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -8,18 +10,20 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import FAST, ROOT, fast_config, losses, metrics_rows, run_module
+from by_hand import CLI_FAST, two_processes
+from conftest import ROOT, fast_config, losses, metrics_rows, run_module
+from netns import two_hosts
 
 from lm.program.checkpoint import Checkpointer, CheckpointNotWritten
 from lm.program.steps import Faults, setup
 from lm.training.loop import TrainingHalted, train
 
 MESH = dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2)
-CLI_FAST = [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]
 
 
 def cli_args(corpus, workdir, *extra):
@@ -211,70 +215,36 @@ def test_too_many_nonfinite_steps_in_a_row_end_the_run(tmp_path, small_corpus):
         train(c, tmp_path, jax.devices()[:1], faults=Faults(nonfinite_steps=(2, 3)))
 
 
-def _two_processes_by_hand(corpus, workdir, out_dir, victim: int | None = None, fault: str = "") -> list[tuple[int, str, str, float]]:
-    """`lm.train` as two independent processes (4 CPU devices each, as SLURM would start them: no
-    launcher watching), `fault` given to `victim` only; each one's (exit code, stdout, stderr,
-    time it ended)."""
-    import socket
-
-    from conftest import UNOPTIMIZED
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {UNOPTIMIZED}", JAX_PLATFORMS="cpu")
-    args = cli_args(corpus, workdir, "--config.train.steps=20", "--config.mesh.data=2", "--config.mesh.fsdp=4",
-                    "--config.checkpoint.every_steps=5", f"--coordinator=127.0.0.1:{port}", "--num_processes=2", "--peer_timeout_s=10")
-    procs, files = [], []
-    for i in range(2):
-        files.append((open(out_dir / f"{i}.out", "w+"), open(out_dir / f"{i}.err", "w+")))
-        extra = [f"--process_id={i}", *([fault] if i == victim else [])]
-        procs.append(subprocess.Popen([sys.executable, "-m", "lm.train", *args, *extra], cwd=ROOT, env=env,
-                                      stdout=files[i][0], stderr=files[i][1]))
-    ended = [None, None]
-    deadline = time.monotonic() + 400
-    while None in ended and time.monotonic() < deadline:
-        for i, p in enumerate(procs):
-            if ended[i] is None and p.poll() is not None:
-                ended[i] = time.monotonic()
-        time.sleep(0.1)
-    results = []
-    for p, (out, err), end in zip(procs, files, ended):
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-        out.seek(0), err.seek(0)
-        results.append((p.returncode, out.read(), err.read(), end or float("inf")))
-    return results
-
-
 def test_a_lost_peer_ends_every_survivor_in_one_line_and_all_restarted_resume(tmp_path, small_corpus):
-    """Two processes started by hand; one is SIGKILLed (a worker after a step, then the
-    coordinator in the middle of a save): the survivor exits non-zero within the peer timeout
-    with one line naming the lost process (JAX's own abort, its C++ stack trace and the Python
-    traceback are replaced), the last complete checkpoint is intact, and a restart of both
-    resumes from it with the losses of an uninterrupted run."""
+    """Two processes started by hand, as two hosts in network namespaces where they can be made
+    (else on loopback); one is SIGKILLed (a worker after a step, then the coordinator in the middle
+    of a save): the survivor exits non-zero within the peer timeout with one line naming the lost
+    process, on a line of its own after the progress bar's (JAX's own abort, its C++ stack trace
+    and the Python traceback are replaced), the last complete checkpoint is intact, and a restart
+    of both resumes from it with the losses of an uninterrupted run."""
     work = tmp_path / "run"
     runs = []
-    for n, (victim, fault, lost) in enumerate([(1, "--debug_kill_at_step=8", "1"), (0, "--debug_kill_during_save_at_step=10", "0 (the coordinator)")]):
-        (tmp_path / str(n)).mkdir()
-        results = _two_processes_by_hand(small_corpus, work, tmp_path / str(n), victim, fault)
-        survivor = results[1 - victim]
-        assert results[victim][0] == -signal.SIGKILL, results[victim][2][-2000:]
-        assert survivor[0] not in (0, None) and survivor[3] - results[victim][3] < 60, survivor[2][-3000:]
-        said = [line for line in survivor[2].splitlines() if line.strip() and not line.startswith("[Gloo]")]
-        assert said[-1] == (f"error: lost process {lost} of 2 (it stopped answering: killed, crashed, frozen or its host is down); "
-                            f"process {1 - victim} stopped too. Start all 2 processes again: they resume from the last complete checkpoint"), said[-5:]
-        assert not any(w in survivor[2] for w in ("Traceback", "stack trace", "client.h", "Fatal Python")), survivor[2][-3000:]
-        assert Checkpointer(work / "checkpoints").latest_step() == 5  # the save of step 10 never completed
-        runs.append(losses(work))
-    assert (work / "checkpoints" / "10.orbax-checkpoint-tmp").exists() or not (work / "checkpoints" / "10").exists()
+    with two_hosts(or_loopback=True) as hosts:
+        for n, (victim, fault, lost) in enumerate([(1, "--debug_kill_at_step=8", "1"), (0, "--debug_kill_during_save_at_step=10", "0 (the coordinator)")]):
+            (tmp_path / str(n)).mkdir()
+            results = two_processes(small_corpus, work, tmp_path / str(n), hosts=hosts, victim=victim, fault=fault)
+            survivor = results[1 - victim]
+            assert results[victim].code == -signal.SIGKILL, results[victim].text[-2000:]
+            assert survivor.code not in (0, None) and survivor.at - results[victim].at < 60, survivor.text[-3000:]
+            line = (f"error: lost process {lost} of 2 (it stopped answering: killed, crashed, frozen, its host down or the network to it cut); "
+                    f"process {1 - victim} stopped too. Start all 2 processes again: they resume from the last complete checkpoint")
+            assert survivor.said()[-1] == line, survivor.said()[-5:]
+            if victim == 1:  # the survivor drew the progress bar: the line is its own, in bytes
+                assert "step/s" in survivor.text and survivor.log.endswith(b"\n" + line.encode() + b"\n"), survivor.log[-600:]
+            assert not any(w in survivor.text for w in ("Traceback", "stack trace", "client.h", "Fatal Python")), survivor.text[-3000:]
+            assert Checkpointer(work / "checkpoints").latest_step() == 5  # the save of step 10 never completed
+            runs.append(losses(work))
+        assert (work / "checkpoints" / "10.orbax-checkpoint-tmp").exists() or not (work / "checkpoints" / "10").exists()
 
-    (tmp_path / "restart").mkdir()
-    restarted = _two_processes_by_hand(small_corpus, work, tmp_path / "restart")
-    assert [r[0] for r in restarted] == [0, 0], restarted[0][2][-3000:]
-    assert "resuming from step 5" in restarted[0][1]
+        (tmp_path / "restart").mkdir()
+        restarted = two_processes(small_corpus, work, tmp_path / "restart", hosts=hosts)
+    assert [r.code for r in restarted] == [0, 0], restarted[0].text[-3000:]
+    assert "resuming from step 5" in restarted[0].text
     final = losses(work)
     assert sorted(final) == list(range(1, 21))
     # bitwise: steps 6-8 as each of the three runs computed them from the same checkpoint
@@ -300,7 +270,7 @@ def test_launcher_prefixes_output_and_stops_everyone_when_one_process_fails(tmp_
     assert "[0] hello from 0" in out.stdout and "[1] hello from 1" in out.stdout
 
 
-def test_one_writer_per_run_directory_and_a_dead_holders_lock_is_taken_over(tmp_path, capsys):
+def test_one_writer_per_run_directory_and_a_dead_holders_lock_is_taken_over(tmp_path, capsys, monkeypatch):
     """A second lm.train on a directory in use is refused in one line naming the holder, and the
     first trains on undisturbed; the lock of a holder that was SIGKILLed (its pid gone from this
     host) is taken over, said in one line, and released when the run ends."""
@@ -335,10 +305,21 @@ def test_one_writer_per_run_directory_and_a_dead_holders_lock_is_taken_over(tmp_
     assert third.returncode == 0, third.stderr
     assert f"taking over the lock of lm.train (pid {first.pid} on " in third.stdout
     assert not lock.exists()  # released at the end
-    # Negative control: a live holder on this host (this very process) is not taken over.
+    # Negative control: a live holder (this very process) is not taken over: by the kernel's lock,
+    with paths.held(workdir, "--workdir", "a test"):
+        refused = run_cli(capsys, lm_train.main, "--config=configs/tiny.py", f"--workdir={workdir}", "--config.train.steps=2")
+    assert refused.returncode == 2 and "is in use by a test" in refused.stderr
+    # and, on a file system without kernel locks, by the record's pid (a zombie's would be gone).
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(paths.fcntl, "flock", no_locks)
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "command": "a test", "since": "now"}))
     refused = run_cli(capsys, lm_train.main, "--config=configs/tiny.py", f"--workdir={workdir}", "--config.train.steps=2")
     assert refused.returncode == 2 and "is in use by a test" in refused.stderr
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": first.pid, "command": "a test", "since": "now"}))
+    with paths.held(workdir, "--workdir", "a second test"):
+        assert json.loads(lock.read_text())["command"] == "a second test"
 
 
 def test_a_loss_spike_rolls_back_once_and_trains_on_as_if_its_batches_never_were(tmp_path, small_corpus):
@@ -369,3 +350,129 @@ def test_a_loss_spike_rolls_back_once_and_trains_on_as_if_its_batches_never_were
     train(fast_config(small_corpus, **{**kw, "train__spike_rollback": False, "train__steps": 26}), tmp_path / "off", devices, faults=garbled)
     assert not (tmp_path / "off" / "skipped_batches.json").exists()
     assert losses(tmp_path / "off")[24] == first_pass[24]  # trained on the garbled batches
+
+
+def test_a_step_that_never_completes_ends_every_process_with_its_stacks_written(tmp_path, small_corpus):
+    """Process 1's data read blocks at step 7 (alive, heartbeating: the lost-peer check sees
+    nothing): within train.step_timeout_s plus a bound both processes write their Python stacks
+    to WORKDIR/hang-<process>.txt and end in one line naming the step and the file; a restart
+    resumes from the last complete checkpoint."""
+    work = tmp_path / "run"
+    ended = two_processes(small_corpus, work, tmp_path, victim=1, fault="--debug_stall_at_step=7",
+                          extra=("--config.train.step_timeout_s=8",), timeout_s=200)
+    for me, result in enumerate(ended):
+        assert result.code == 4, result.text[-3000:]
+        hang = work / f"hang-{me}.txt"
+        line = result.said()[-1]
+        assert line.startswith(f"error: process {me} of 2: ") and "did not complete within 8 s (train.step_timeout_s" in line, line
+        assert f"this process's Python stacks are in {hang}" in line and "Traceback" not in result.text
+        stacks = hang.read_text()
+        assert "thread MainThread:" in stacks and "meshlm-watchdog" in stacks
+    assert "in _stall" in (work / "hang-1.txt").read_text()  # where it hung
+    assert "the loop was reading the batch of step 7" in (work / "hang-1.txt").read_text()
+    assert abs(ended[0].at - ended[1].at) < 20
+    assert ended[0].log.endswith(b"\n" + ended[0].said()[-1].encode() + b"\n")  # off the progress bar's line
+    assert Checkpointer(work / "checkpoints").latest_step() == 5
+    (tmp_path / "restart").mkdir()
+    restarted = two_processes(small_corpus, work, tmp_path / "restart", steps=8)
+    assert [r.code for r in restarted] == [0, 0] and "resuming from step 5" in restarted[0].text, restarted[0].text[-2000:]
+
+
+def test_the_watchdog_times_steps_from_the_first_completed_one_not_compilation_or_restores(tmp_path, small_corpus):
+    """A first step 3 s slow (as compilation, a restore or a cold data read make it) under a 1-s
+    step timeout trips nothing, nor does the slow first step after resuming from a checkpoint, nor
+    evaluation and checkpoint writes; the limit derived by default is at least the floor."""
+    from lm.training import watchdog
+
+    config = fast_config(small_corpus, train__steps=6, train__step_timeout_s=1.0, checkpoint__every_steps=3, train__eval_every=3)
+    train(config, tmp_path, jax.devices()[:1], faults=Faults(stall_at_step=1, stall_s=3.0))
+    resumed = fast_config(small_corpus, train__steps=9, train__step_timeout_s=1.0, checkpoint__every_steps=3, train__eval_every=3)
+    train(resumed, tmp_path, jax.devices()[:1], faults=Faults(stall_at_step=7, stall_s=3.0))
+    assert sorted(losses(tmp_path)) == list(range(1, 10)) and not list(tmp_path.glob("hang-*.txt"))
+
+    auto = watchdog.StepWatchdog(None, tmp_path)
+    try:
+        assert auto.limit_s() == watchdog.FLOOR_S
+        for step in range(1, 6):
+            auto.completed(step)
+        assert auto.limit_s() == watchdog.FLOOR_S  # 10 x a step of microseconds is below the floor
+        auto._intervals.extend([60.0] * 10)
+        assert auto.limit_s() == 600.0
+    finally:
+        auto.close()
+
+
+def test_a_run_killed_with_its_launcher_restarts_at_once(tmp_path, small_corpus):
+    """lm.launch and its trainers SIGKILLed together (a scheduler's kill): the trainer that held
+    the run's lock is left a zombie under a parent that does not reap it (this test, made the
+    subreaper of its orphans, as a container's PID 1 that never reaps). A restart at once runs
+    and resumes. Negative control: that zombie still answers `kill -0`, which is all the lock's
+    pid check used to ask."""
+    import ctypes
+
+    from lm import paths
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_CHILD_SUBREAPER = 36
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    work = tmp_path / "run"
+    launch = [sys.executable, "-m", "lm.launch", "--processes=2", "--devices_per_process=4", "--", sys.executable, "-m", "lm.train",
+              *cli_args(small_corpus, work, "--config.train.steps=12", "--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.checkpoint.every_steps=5")]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    zombies = []
+    try:
+        with open(tmp_path / "first.log", "wb") as log:
+            first = subprocess.Popen(launch, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.monotonic() + 300
+            while not (work / "checkpoints" / "5").is_dir() and time.monotonic() < deadline and first.poll() is None:
+                time.sleep(0.2)
+            holder = json.loads((work / paths.LOCK_FILE).read_text())["pid"]
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and paths._alive(holder):
+            time.sleep(0.1)
+        state = open(f"/proc/{holder}/stat").read().rpartition(")")[2].split()[0]
+        assert state == "Z" and os.kill(holder, 0) is None  # a zombie, "alive" to kill -0
+        zombies = [holder]
+        restart = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert restart.returncode == 0, restart.stdout[-3000:]
+        assert "which is gone" in restart.stdout and "resuming from step 5" in restart.stdout, restart.stdout[-3000:]
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        for pid in [p for p in _orphans_of_this_process()] + zombies:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+    assert sorted(losses(work)) == list(range(1, 13))
+
+
+def _orphans_of_this_process() -> list[int]:
+    """Zombie children of this process (orphans it adopted as their subreaper)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            fields = stat.read_text().rpartition(")")[2].split()
+            if fields[0] == "Z" and int(fields[1]) == os.getpid():
+                found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_final_line_starts_a_line_of_its_own_after_a_progress_bar_in_a_file():
+    """The bar written to a file is lines, so a line written after it by anyone starts a line.
+    Negative control: tqdm's own redraws to a file leave the next line glued on (the issue's log:
+    `... tok_s=1,675]error: lost process 1 of 2 ...`)."""
+    import io
+
+    from tqdm import tqdm
+
+    from lm import progress
+
+    for make, glued in ((lambda out: progress.bar(stream=out, total=100, unit="step"), False),
+                        (lambda out: tqdm(file=out, total=100, unit="step", mininterval=0), True)):
+        out = io.StringIO()
+        bar = make(out)
+        for _ in range(99):
+            bar.update(1)
+        bar.refresh()
+        out.write("error: lost process 1 of 2\n")  # the process dies with its bar open
+        assert ("\n" + "error: lost" not in out.getvalue()) == glued and ("\r" in out.getvalue()) == glued, repr(out.getvalue()[-200:])
