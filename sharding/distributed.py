@@ -26,6 +26,7 @@ from sharding import hosts
 _CLUSTER_SIZES = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 _peer_timeout_s = 120
 CONNECT_S = 60.0  # how long the processes' first collective may take to connect
+START_S = 300  # how long a process waits for the coordinator and the others to start (JAX's default)
 
 
 def _in_a_cluster() -> bool:
@@ -65,10 +66,15 @@ def initialize(
 
     if interface:
         hosts.interface_address(interface)  # a mistyped name fails before any waiting
-    jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=peer_timeout_s)
+    if coordinator is not None:  # the guard also turns an unreachable coordinator's abort into one line
+        _guard_stderr(process_id, num_processes, coordinator)
+    jax.distributed.initialize(coordinator, num_processes, process_id, heartbeat_timeout_seconds=peer_timeout_s,
+                               initialization_timeout=START_S)
     global _peer_timeout_s
     _peer_timeout_s = peer_timeout_s
-    _guard_stderr()
+    if coordinator is None:  # the process's place is known only now
+        state = distributed.global_state
+        _guard_stderr(state.process_id, state.num_processes, state.coordinator_address)
     address, chosen = hosts.advertised(distributed.global_state.coordinator_address, interface)
     _gloo_on(address)
     if jax.default_backend() == "cpu":
@@ -129,16 +135,12 @@ def _client():
     return distributed.global_state.client
 
 
-def _guard_stderr() -> None:
+def _guard_stderr(process_id: int, num_processes: int, coordinator: str) -> None:
     """Runs this process's stderr through `stderr_guard.py`, which outlives it: when JAX's
-    coordination client aborts the process because a peer was lost, the guard replaces JAX's
-    fatal record and stack trace with one line naming the lost process."""
-    # The process's place, known before any backend starts.
-    from jax._src import distributed
-
-    state = distributed.global_state
+    coordination client aborts the process because a peer was lost (or the coordinator never
+    answered), the guard replaces JAX's fatal record and stack trace with one line saying so."""
     guard = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("stderr_guard.py")), str(state.process_id), str(state.num_processes)],
+        [sys.executable, str(Path(__file__).with_name("stderr_guard.py")), str(process_id), str(num_processes), coordinator, str(START_S)],
         stdin=subprocess.PIPE, stdout=sys.stderr.fileno(), close_fds=True,
     )
     sys.stderr.flush()

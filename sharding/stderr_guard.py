@@ -1,6 +1,6 @@
 """JAX's fatal distributed-runtime errors as one line: a process that reads another's stderr.
 
-    python stderr_guard.py PROCESS_INDEX PROCESS_COUNT   (started by `distributed.initialize`)
+    python stderr_guard.py PROCESS_INDEX PROCESS_COUNT COORDINATOR START_S   (started by `distributed.initialize`)
 
 When a process of a JAX cluster is lost, JAX's coordination client ends every survivor from a
 C++ thread: an error record, a `LOG(FATAL)` ("Terminating process because the JAX distributed
@@ -42,7 +42,10 @@ def lost_processes(text: str, me: int) -> list[int] | None:
     return None
 
 
-def verdict(fatal_text: str, me: int, count: int) -> str:
+def verdict(fatal_text: str, me: int, count: int, coordinator: str = "?", start_s: str = "?") -> str:
+    if "CoordinationService/RegisterTask" in fatal_text:
+        return (f"error: process {me} of {count}: the coordinator at {coordinator} did not answer within {start_s} s; "
+                "start process 0 there (its host and port as this host reaches them, in --coordinator) and the others within that time")
     lost = lost_processes(fatal_text, me)
     if lost is None:
         status = fatal_text.split("absl::Status:", 1)[-1].strip().splitlines()
@@ -55,7 +58,7 @@ def verdict(fatal_text: str, me: int, count: int) -> str:
 
 
 def main(argv: list[str]) -> None:
-    me, count = int(argv[1]), int(argv[2])
+    me, count, coordinator, start_s = int(argv[1]), int(argv[2]), argv[3], argv[4]
     source, out = sys.stdin.buffer, sys.stdout.buffer
     fd = source.fileno()
     held: list[bytes] = []  # coordination-service records (and their continuation lines) not yet shown
@@ -95,7 +98,7 @@ def main(argv: list[str]) -> None:
     if fatal is None:
         out.write(b"".join(held) + pending)
     elif not said_final:
-        line = verdict(b"".join(fatal).decode(errors="replace"), me, count)
+        line = verdict(b"".join(fatal).decode(errors="replace"), me, count, coordinator, start_s)
         out.write(("\n" if os.isatty(out.fileno()) else "").encode() + line.encode() + b"\n")  # off a progress bar
     out.flush()
 

@@ -40,13 +40,15 @@ def test_two_hosts_train_as_one_process_a_cut_link_ends_both_in_a_line_each_and_
         hosts.mend()
         (tmp_path / "restart").mkdir()
         restarted = two_processes(small_corpus, work, tmp_path / "restart", hosts=hosts)
-    assert [r.code for r in restarted] == [0, 0], restarted[0].text[-3000:]
+        (tmp_path / "straight").mkdir()
+        straight = two_processes(small_corpus, tmp_path / "uncut", tmp_path / "straight", hosts=hosts)
+    assert [r.code for r in restarted + straight] == [0, 0, 0, 0], restarted[0].text[-3000:]
     assert f"resuming from step {latest}" in restarted[0].text
     final = losses(work)
     assert sorted(final) == list(range(1, 21))
-    # bitwise: the steps both runs computed from the same checkpoint, on the same two hosts
-    again = [s for s in range(latest + 1, max(cut_losses) + 1) if s in cut_losses]
-    assert again and [cut_losses[s] for s in again] == [final[s] for s in again]
+    # bitwise: the interrupted and resumed run is the uninterrupted one, step for step
+    uncut = losses(tmp_path / "uncut")
+    assert [final[s] for s in range(1, 21)] == [uncut[s] for s in range(1, 21)]
     train(fast_config(small_corpus, train__steps=20, mesh__data=2, mesh__fsdp=4), tmp_path / "one")
     one = losses(tmp_path / "one")
     np.testing.assert_allclose([final[s] for s in range(1, 21)], [one[s] for s in range(1, 21)], rtol=1e-5)
@@ -92,3 +94,22 @@ def test_a_process_whose_heartbeats_no_longer_reach_the_coordinator_has_lost_it(
     """Seen on the far side of a cut link (above): JAX's status names no task, only the RPC."""
     assert lost_processes(HEARTBEAT_TIMED_OUT, 1) == [0]
     assert lost_processes(HEARTBEAT_TIMED_OUT.replace("Heartbeat", "PollForError"), 1) is None  # control
+
+
+def test_the_guard_names_an_unreachable_coordinator_and_adds_nothing_after_a_processs_own_last_line():
+    """JAX aborts a process whose coordinator never answers (`RegisterTask`, seen with a closed
+    port) and every survivor after a process ended by its own line (a watchdog's): the guard says
+    the first in one line, and adds nothing to the second (control: without the process's own
+    line it names the lost process)."""
+    guard = str(ROOT / "sharding" / "stderr_guard.py")
+    never = ("F1128 06:43:03.728028   14768 client.h:80] Terminating process because the JAX distributed service detected fatal errors. "
+             "absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded\n\nRPC: /xla.coordination.CoordinationService/RegisterTask\n*** Check failure stack trace: ***\n")
+    out = subprocess.run([sys.executable, guard, "1", "2", "10.0.0.1:1234", "300"], input=never.encode(), capture_output=True).stdout.decode()
+    assert out == ("error: process 1 of 2: the coordinator at 10.0.0.1:1234 did not answer within 300 s; start process 0 there "
+                   "(its host and port as this host reaches them, in --coordinator) and the others within that time\n")
+    lost = HEARTBEAT_TIMED_OUT + "*** Check failure stack trace: ***\n    @     0x7f6fed040634  absl::LogMessage::SendToLog()\n"
+    own = "error: process 1 of 2: step 7 did not complete within 8 s\n"
+    out = subprocess.run([sys.executable, guard, "1", "2", "10.0.0.1:1234", "300"], input=(own + lost).encode(), capture_output=True).stdout.decode()
+    assert out == own
+    out = subprocess.run([sys.executable, guard, "1", "2", "10.0.0.1:1234", "300"], input=lost.encode(), capture_output=True).stdout.decode()
+    assert out.startswith("error: lost process 0 (the coordinator) of 2")

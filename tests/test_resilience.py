@@ -476,3 +476,27 @@ def test_a_final_line_starts_a_line_of_its_own_after_a_progress_bar_in_a_file():
         bar.refresh()
         out.write("error: lost process 1 of 2\n")  # the process dies with its bar open
         assert ("\n" + "error: lost" not in out.getvalue()) == glued and ("\r" in out.getvalue()) == glued, repr(out.getvalue()[-200:])
+
+
+def test_a_final_line_after_a_bar_left_open_on_a_terminal_starts_a_line_of_its_own(monkeypatch):
+    """An error raised with the bar still drawn on a terminal (a watchdog, a lost collective):
+    the bar's line is ended first. Control: with no bar open nothing extra is written."""
+    import io
+
+    from lm import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen, errors = Terminal(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", screen)
+    monkeypatch.setattr(sys, "stderr", errors)
+    bar = progress.bar(stream=screen, total=10, unit="step")
+    bar.update(3)
+    progress.final_line("error: one")
+    assert screen.getvalue().endswith("\n") and "\r" in screen.getvalue() and errors.getvalue() == "error: one\n"
+    bar.close()
+    before = screen.getvalue()
+    progress.final_line("error: two")
+    assert screen.getvalue() == before and errors.getvalue().endswith("error: two\n")
