@@ -1,16 +1,18 @@
 """Progress bars, and final lines that start a line of their own, on terminals, files and pipes.
 
 On a terminal a bar redraws in place (tqdm). Written to a file or a pipe (SLURM's log, `| tee`)
-it is a plain line at most every `LINE_EVERY_S`: no carriage-return redraws, so whatever is
+it is a plain line at most every `LINE_EVERY_S` (or $MESHLM_PROGRESS_LINE_S): no carriage-return redraws, so whatever is
 written after it (by this process, or by another sharing the log) starts a line of its own.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 
 LINE_EVERY_S = 30.0
+LINE_EVERY_ENV = "MESHLM_PROGRESS_LINE_S"  # another interval (lm.launch sets 5 s when it writes to a terminal)
 _terminal_bars: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -45,7 +47,8 @@ def bar(stream=None, **tqdm_args):
         made = tqdm(file=stream, dynamic_ncols=True, **tqdm_args)
         _terminal_bars.add(made)
         return made
-    return tqdm(file=_Lines(stream), mininterval=LINE_EVERY_S, ncols=100, ascii=True, **tqdm_args)
+    every = float(os.environ.get(LINE_EVERY_ENV, LINE_EVERY_S))
+    return tqdm(file=_Lines(stream), mininterval=every, ncols=100, ascii=True, **tqdm_args)
 
 
 def say(text: str) -> None:

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from lm import progress
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -33,6 +35,8 @@ def _child_env(devices: int) -> dict:
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
+    if sys.stdout.isatty():  # the bars reach a terminal as lines through this process: more often
+        env.setdefault(progress.LINE_EVERY_ENV, "5")
     return env
 
 
@@ -77,7 +81,7 @@ def _supervise(children: list[subprocess.Popen], grace_s: float) -> int:
                 selector.unregister(key.fileobj)
                 open_streams -= 1
                 chunk = b"\n" if pending[i] else b""
-            # Progress bars redraw with '\r': each redraw is passed on as it comes, prefixed.
+            # Each piece (a line; a '\r' redraw from a program that draws them) passed on as it comes, prefixed.
             *pieces, pending[i] = re.split(rb"(?<=[\r\n])", pending[i] + chunk)
             for piece in pieces:
                 _write(i, piece)

@@ -31,6 +31,7 @@ FACTOR = 10.0
 WARM_STEPS = 3  # completed steps before their median is trusted (until then: FLOOR_S)
 EXIT_CODE = 4
 POLL_S = 1.0
+FLAG_POLLS = 5  # polls between looks at the other processes' flags
 FLAG = "watchdog"  # raised in the coordination service by a process whose watchdog fired
 AGREE_S = 30.0  # how long a firing process waits for the others to write their stacks
 
@@ -83,9 +84,13 @@ class StepWatchdog:
         polls = 0
         while not self._stop.wait(POLL_S):
             polls += 1
-            overdue = self._last is not None and not self._paused and time.monotonic() - self._last > self.limit_s()
+            waited = time.monotonic() - self._last if self._last is not None else 0.0
+            overdue = self._last is not None and not self._paused and waited > self.limit_s()
             fired_elsewhere = {}
-            if not overdue and polls % 2 == 0 and jax.process_count() > 1:
+            # Another's watchdog asked only in trouble (a step half its limit late, or a pause that
+            # may wait on a stuck peer): one RPC per process every FLAG_POLL_S, not all the time.
+            trouble = self._paused or waited > self.limit_s() / 2
+            if not overdue and trouble and polls % FLAG_POLLS == 0 and jax.process_count() > 1:
                 with contextlib.suppress(Exception):  # the service gone: JAX's heartbeats end us
                     fired_elsewhere = sharding.distributed.raised_flags(FLAG)
             if overdue or fired_elsewhere:
