@@ -500,3 +500,35 @@ def test_a_final_line_after_a_bar_left_open_on_a_terminal_starts_a_line_of_its_o
     before = screen.getvalue()
     progress.final_line("error: two")
     assert screen.getvalue() == before and errors.getvalue().endswith("error: two\n")
+
+
+def test_the_watchdog_holds_off_while_a_debugger_traces_the_loop():
+    """A breakpoint in the loop is not a hang: with a trace function on the main thread (as pdb
+    sets) the watchdog does not fire; without one (control) it would."""
+    import threading
+
+    from lm.training import watchdog
+
+    seen = []
+
+    def look():
+        time.sleep(0.3)
+        seen.append(watchdog._debugged())
+
+    def tracer(frame, event, arg):
+        return tracer
+
+    def stepping():  # a frame entered under the trace function, as the loop's under pdb
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            pass
+
+    looking = threading.Thread(target=look)
+    looking.start()
+    sys.settrace(tracer)
+    try:
+        stepping()
+    finally:
+        sys.settrace(None)
+    looking.join()
+    assert seen == [True] and not watchdog._debugged()

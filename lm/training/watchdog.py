@@ -5,7 +5,8 @@ each writes its Python stacks to `WORKDIR/hang-<process>.txt`, says so in one li
 the same command then resumes from the last complete checkpoint.
 
 The clock starts at the first completed step (compilation and a restore are not timed) and
-stops while the loop evaluates, checkpoints or rolls back (`paused`). `timeout_s`: None derives
+stops while the loop evaluates, checkpoints or rolls back (`paused`), and while a debugger traces
+the loop. `timeout_s`: None derives
 it from the steps seen (`FACTOR` x their median, at least `FLOOR_S`); 0 turns it off.
 """
 
@@ -34,6 +35,16 @@ POLL_S = 1.0
 FLAG_POLLS = 5  # polls between looks at the other processes' flags
 FLAG = "watchdog"  # raised in the coordination service by a process whose watchdog fired
 AGREE_S = 30.0  # how long a firing process waits for the others to write their stacks
+
+
+def _debugged() -> bool:
+    """Whether a debugger traces the main thread (a breakpoint in the loop is not a hang)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_trace is not None:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class StepWatchdog:
@@ -93,7 +104,7 @@ class StepWatchdog:
             if not overdue and trouble and polls % FLAG_POLLS == 0 and jax.process_count() > 1:
                 with contextlib.suppress(Exception):  # the service gone: JAX's heartbeats end us
                     fired_elsewhere = sharding.distributed.raised_flags(FLAG)
-            if overdue or fired_elsewhere:
+            if (overdue or fired_elsewhere) and not _debugged():
                 self._fire(fired_elsewhere)
 
     def _fire(self, fired_elsewhere: dict[int, str]) -> None:
