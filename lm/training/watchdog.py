@@ -99,7 +99,7 @@ class StepWatchdog:
             overdue = self._last is not None and not self._paused and waited > self.limit_s()
             fired_elsewhere = {}
             # Another's watchdog asked only in trouble (a step half its limit late, or a pause that
-            # may wait on a stuck peer): one RPC per process every FLAG_POLL_S, not all the time.
+            # may wait on a stuck peer): one RPC per process every FLAG_POLLS polls, not all the time.
             trouble = self._paused or waited > self.limit_s() / 2
             if not overdue and trouble and polls % FLAG_POLLS == 0 and jax.process_count() > 1:
                 with contextlib.suppress(Exception):  # the service gone: JAX's heartbeats end us
@@ -111,10 +111,11 @@ class StepWatchdog:
         me, count, step = jax.process_index(), jax.process_count(), self._step + 1
         waited = time.monotonic() - (self._last or time.monotonic())
         path = self.workdir / f"hang-{me}.txt"
-        writer = threading.Thread(target=self._write_stacks, args=(path, step, waited), daemon=True)
+        outcome: list[str] = []  # the error, if writing failed
+        writer = threading.Thread(target=self._write_stacks, args=(path, step, waited, outcome), daemon=True)
         writer.start()
         writer.join(10.0)  # a dead mount must not keep the process from ending
-        written = path if not writer.is_alive() else None
+        written = path if not writer.is_alive() and not outcome else None
         with contextlib.suppress(Exception):
             if not fired_elsewhere:
                 sharding.distributed.raise_flag(FLAG, str(step))
@@ -124,7 +125,7 @@ class StepWatchdog:
             why = f"process {first}'s step {their_step} did not complete within {self.limit_s():.0f} s"
         else:
             why = f"step {step} did not complete within {self.limit_s():.0f} s"
-        where = f"this process's Python stacks are in {written}" if written else f"{path} could not be written within 10 s"
+        where = f"this process's Python stacks are in {written}" if written else f"{path} could not be written ({outcome[0] if outcome else 'not within 10 s'})"
         progress.final_line(
             f"error: process {me} of {count}: {why} (train.step_timeout_s; it was {self.doing}); {where}. "
             "Run the same command again to resume from the last complete checkpoint"
@@ -133,7 +134,7 @@ class StepWatchdog:
             time.sleep(2.0)  # the coordinator last, so the others end by their own line, not by its loss
         os._exit(EXIT_CODE)
 
-    def _write_stacks(self, path: Path, step: int, waited: float) -> None:
+    def _write_stacks(self, path: Path, step: int, waited: float, outcome: list[str]) -> None:
         names = {t.ident: t.name for t in threading.enumerate()}
         lines = [
             f"process {jax.process_index()} of {jax.process_count()}, pid {os.getpid()}: step {step} not complete "
@@ -147,4 +148,7 @@ class StepWatchdog:
             lines.append(f"thread {names.get(ident, ident)}:")
             lines.extend(line.rstrip("\n") for line in traceback.format_stack(frame))
             lines.append("")
-        path.write_text("\n".join(lines))
+        try:
+            path.write_text("\n".join(lines))
+        except OSError as e:
+            outcome.append(e.strerror or str(e))
