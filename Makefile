@@ -36,9 +36,11 @@ train: $(VENV)/.base
 # Two pytest workers, each taking whole test files (their module fixtures are computed once):
 # the suite compiles far more than it runs, and one process leaves a core idle between compiles
 # (20.5 -> 14.1 min on 2 cores, PERFORMANCE.md). TEST_WORKERS=0 runs it in one process.
+# TEST_ARGS: more pytest arguments, e.g. TEST_ARGS='-m "not slow"' (what .ci/run's second stack runs).
 TEST_WORKERS ?= 2
+TEST_ARGS ?=
 test: $(VENV)/.test $(VENV)/gpu-compiler/.done
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(TEST_ARGS)
 
 bench: $(VENV)/.base
 	$(PY) -m lm.bench --config=configs/tiny.py

@@ -123,6 +123,7 @@ def test_document_masks_reach_attention_through_the_reorder(one_device):
     assert np.abs(logits - one_device[True][0]).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_context_parallelism_composes_with_the_pipeline_fp8_and_gradient_accumulation():
     reference = run_steps(small_config({"data": 1}), jax.devices()[:1], steps=3)[0]  # one device: no pipeline, no accumulation
     for mesh, kw in (({"stage": 2, "context": 2}, dict(pipeline__microbatches=2)), ({"stage": 2, "context": 2}, dict(pipeline__schedule="1f1b")),

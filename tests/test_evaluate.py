@@ -78,6 +78,7 @@ def test_requests_on_the_runs_mesh_equal_the_model_on_one_device(sharded_run):
     assert generated == reference.split("\n")[0]
 
 
+@pytest.mark.slow
 def test_local_tasks_end_to_end_and_bad_tasks_in_one_line(sharded_run, capsys):
     from lm import evaluate as lm_evaluate
 
@@ -110,6 +111,7 @@ def test_local_tasks_end_to_end_and_bad_tasks_in_one_line(sharded_run, capsys):
     assert_one_line_error(run_cli(capsys, lm_evaluate.main, f"--workdir={run}", "--tasks=local_choice", "--limit=-3"), "--limit=-3")
 
 
+@pytest.mark.slow
 def test_evaluation_during_training_logs_and_resumes_its_schedule(sharded_run, small_corpus, tmp_path):
     """eval.tasks every 5 steps: lm-eval rows in metrics.jsonl at steps 5, 10 and the last, each
     once although the run was killed at step 7 and resumed; the value logged at step 5 is what

@@ -372,6 +372,7 @@ def test_bench_compile_only_for_a_target(capsys):
     assert summary["compiled_train_step_per_device"]["temp_bytes"] > 0 and summary["compile_wall_s"] > 0
 
 
+@pytest.mark.slow
 def test_no_involuntary_full_rematerialization(h100s, capfd):
     # XLA's SPMD partitioner logs (from C++, to the process's stderr) each tensor it can only
     # reshard by replicating it whole; the training steps must cause none.
@@ -410,6 +411,7 @@ def test_document_masking_context_parallelism_and_sliding_windows_compile_for_h1
     assert windowed["__cudnn$fmhaSoftmax"] == 2 and windowed["__cudnn$fmhaSoftmaxBackward"] == 2
 
 
+@pytest.mark.slow
 def test_every_pipeline_schedule_compiles_for_h100s(h100s):
     # Circular once crashed the XLA GPU compiler ("Failed after batched_gather_scatter_normalizer":
     # a gather indexed per stage); 1F1B runs vjps inside its scan; the per-stage 1F1B runs cuDNN
@@ -424,6 +426,7 @@ def test_every_pipeline_schedule_compiles_for_h100s(h100s):
                 assert hlo.custom_calls(text)["__cudnn$fmhaSoftmaxBackward"] >= 1
 
 
+@pytest.mark.slow
 def test_1f1b_keeping_residuals_compiles_for_h100s_with_cudnn_attention_under_context_parallelism(h100s):
     # The context-parallel attention mask depends on no input of the stage: kept once, it reaches
     # the backward unbatched (stashed per stage, cuDNN's batching rule failed on it).
@@ -432,6 +435,7 @@ def test_1f1b_keeping_residuals_compiles_for_h100s_with_cudnn_attention_under_co
     assert hlo.custom_calls(text)["__cudnn$fmhaScaleBiasSoftmaxBackward"] >= 1
 
 
+@pytest.mark.slow
 def test_1f1b_temporaries_stay_flat_in_the_microbatches_on_h100s(h100s):
     def temporaries(microbatches: int, **schedule) -> int:  # microbatches of 2 sequences per FSDP shard
         step = compiled_step(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, train__batch_size=8 * microbatches,
@@ -584,6 +588,7 @@ def _ragged_gemm_shapes(text: str) -> list[tuple[int, ...]]:
     return out
 
 
+@pytest.mark.slow
 def test_an_expert_parallel_mixture_of_experts_compiles_with_ragged_all_to_alls_and_grouped_gemms(h100s):
     """16 experts on {expert: 8}: 2 per GPU, each GPU's 256 tokens x 2 choices sent by
     `ragged_all_to_all` (only the real rows, one slice per device and expert; received into room
@@ -671,6 +676,7 @@ def _expert_gradient_copies(h100s) -> int:
     return sum(k.count for k in kernels.table(text) if k.kind == "copy" and k.shape == "f32[2048,16,768]")
 
 
+@pytest.mark.slow
 def test_fsdp_programs_double_buffer_the_layer_loop_so_pipelined_gradients_are_not_copied(h100s):
     """With the weights split by FSDP, XLA pipelines the layer loop's reduce-scatters into the
     next iteration; unrolled by two (targets.SHARDED_WEIGHTS_OPTIONS) the iterations alternate

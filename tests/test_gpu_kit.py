@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, run_module
 
 import lm
 from lm.planner import search as plan
 
 
+@pytest.mark.slow
 def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
     result = run_module("benchmarks.gpu", "--config=configs/tiny.py", f"--out={tmp_path}", "--steps=2", "--matmul_size=128",
                         "--cases=bf16_cudnn_b8,bf16_xla_b8", "--max_batch=16", "--grouped_gemm=256,4,128,128", timeout=900,

@@ -67,6 +67,7 @@ def test_swiglu_over_the_real_rows_equals_xla_with_gradients():
         _close(got[:real], want[:real])
 
 
+@pytest.mark.slow
 def test_dropless_experts_with_the_pallas_kernels_equal_xla_in_values_and_gradients():
     """A layer of 4 experts (width 128), 64 tokens x 2 choices, in bf16: the Pallas path (grouped
     GEMMs, the SwiGLU kernels, the tile table shared by the backward) against `ragged_dot`'s."""

@@ -54,6 +54,7 @@ def test_two_hosts_train_as_one_process_a_cut_link_ends_both_in_a_line_each_and_
     np.testing.assert_allclose([final[s] for s in range(1, 21)], [one[s] for s in range(1, 21)], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_hosts_on_the_wrong_interface_each_end_in_one_line_naming_the_addresses(tmp_path, small_corpus):
     """Both told to use loopback (as a host name resolving to 127.0.1.1 did before): each end
     within a bound in one line naming every process's address and what to set."""

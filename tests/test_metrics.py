@@ -134,6 +134,7 @@ def test_a_wandb_failure_is_one_warning_and_training_goes_on(tmp_path, small_cor
     assert len(warnings) == 1 and expected in warnings[0] and warnings[0].endswith("training goes on without it")
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_its_run_under_the_workdir(tmp_path):
     pytest.importorskip("wandb")
     from conftest import run_module

@@ -167,6 +167,7 @@ def test_bad_moe_input_is_one_line(tmp_path, capsys, extra, fragment):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_balancing_evens_the_experts_load(tmp_path, small_corpus):
     """moe_tiny (2 of its layers) for 20 steps with no balancing, the balancing loss (0.05), and
     DeepSeek-V3's bias instead (rate 0.01): the busiest expert's load over the mean (averaged over

@@ -9,6 +9,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch, tmp_path):
     if "import transformers" in path.read_text() or "import torch" in path.read_text():

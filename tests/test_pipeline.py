@@ -401,6 +401,7 @@ def compiled_1f1b_step(microbatches: int, **extra):
     return compiled_train_step(setup(c, VOCAB, jax.devices()[:2]))
 
 
+@pytest.mark.slow
 def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
     def temporaries(schedule: str, microbatches: int, repeats: int = 1) -> int:
         compiled = compiled_1f1b_step(microbatches, pipeline__schedule=schedule, pipeline__repeats=repeats)
@@ -414,6 +415,7 @@ def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
     assert max(interleaved) <= 1.1 * min(interleaved)  # (R + 1)S - 1 chunk inputs
 
 
+@pytest.mark.slow
 def test_1f1b_keeping_residuals_skips_the_recompute_and_stays_flat_in_the_microbatches():
     """pipeline.remat=none: the stash holds each microbatch's pullback residuals (what the
     layers keep, here everything), not the parameters; the backward half runs no forward again

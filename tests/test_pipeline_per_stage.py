@@ -151,6 +151,7 @@ def test_per_stage_training_matches_one_device(one_device_deep, mesh, extra):  #
     assert not full_vocabulary_buffers(hlo)  # the head and loss run outside the shard_map, split over the stages
 
 
+@pytest.mark.slow
 def test_per_stage_keeps_memory_flat_in_the_microbatches_and_fewer_residuals_than_lockstep_1f1b():
     def temporaries(microbatches: int, **extra) -> int:
         return compiled_1f1b_step(microbatches, **extra).memory_analysis().temp_size_in_bytes

@@ -117,6 +117,7 @@ def test_every_listed_layout_divides_the_model_and_the_batch(small):
         setup(apply_overrides(config, lay.overrides()), nominal_vocab_size(config.data), jax.devices()[:8])
 
 
+@pytest.mark.slow
 def test_memory_predictions_match_the_compiler_and_rejections_do_not_fit(small):
     """With a memory limit that admits a handful of layouts of 4 GPUs: each admitted one's
     compiled state equals the prediction, its temporaries and total are within the stated
@@ -225,6 +226,7 @@ def test_with_maxtext_remat_the_planner_picks_maxtexts_layout(capsys):
     assert summary["dropped"]["does not fit"] > 0 and "layouts fit" in result.stdout
 
 
+@pytest.mark.slow
 def test_an_impossible_request_names_the_smallest_gpu_count_that_fits(capsys):
     result = run_cli(capsys, lm_plan.main, "--config=configs/llama_70b.py", "--gpus=4", "--target=h100")
     assert_one_line_error(result, "no layout of this config fits 4 h100 GPUs", "the smallest GPU count that fits is 32")
@@ -243,6 +245,7 @@ def test_a_gpu_count_nothing_divides_says_so_and_names_a_power_of_two_that_fits(
         assert_one_line_error(run_cli(capsys, lm_plan.main, "--config=configs/tiny.py", *flags), fragment)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not targets.compiler_available(), reason="the XLA GPU compiler plugin is not installed (make gpu-compiler)")
 def test_verify_compiles_the_top_layouts_for_the_target(capsys):
     result = run_cli(capsys, lm_plan.main, "--config=configs/tiny.py", "--gpus=8", "--target=h100", "--top=2", "--verify", "--remat=full")
@@ -256,6 +259,7 @@ def test_verify_compiles_the_top_layouts_for_the_target(capsys):
     assert f"(model {100 * first['memory_error']:+.1f}%;" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not targets.compiler_available(), reason="the XLA GPU compiler plugin is not installed (make gpu-compiler)")
 def test_verify_drops_what_compiles_over_the_pool_and_compiles_the_next(capsys, monkeypatch):
     """The tiny config is far below the calibration's sizes and the model misses it by up to 60%:

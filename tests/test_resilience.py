@@ -42,6 +42,7 @@ def assert_trees_equal(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_their_checkpoint_restores_on_other_meshes(tmp_path, small_corpus):
     start = time.perf_counter()
     launched = run_module(
@@ -68,6 +69,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores_on_other_meshes(t
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), on_one_device, reference)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_exits_0_and_resumes(tmp_path, small_corpus):
     workdir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -93,6 +95,7 @@ def test_sigterm_checkpoints_the_current_step_exits_0_and_resumes(tmp_path, smal
     assert max(losses(workdir)) == stopped + 2
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_and_a_truncated_checkpoint_lose_only_the_work_since_the_previous(tmp_path, small_corpus):
     every = ["--config.checkpoint.every_steps=10"]
     straight = run_module("lm.train", *cli_args(small_corpus, tmp_path / "straight", "--config.train.steps=30", *every))
@@ -270,6 +273,7 @@ def test_launcher_prefixes_output_and_stops_everyone_when_one_process_fails(tmp_
     assert "[0] hello from 0" in out.stdout and "[1] hello from 1" in out.stdout
 
 
+@pytest.mark.slow
 def test_one_writer_per_run_directory_and_a_dead_holders_lock_is_taken_over(tmp_path, capsys, monkeypatch):
     """A second lm.train on a directory in use is refused in one line naming the holder, and the
     first trains on undisturbed; the lock of a holder that was SIGKILLed (its pid gone from this
@@ -352,6 +356,7 @@ def test_a_loss_spike_rolls_back_once_and_trains_on_as_if_its_batches_never_were
     assert losses(tmp_path / "off")[24] == first_pass[24]  # trained on the garbled batches
 
 
+@pytest.mark.slow
 def test_a_step_that_never_completes_ends_every_process_with_its_stacks_written(tmp_path, small_corpus):
     """Process 1's data read blocks at step 7 (alive, heartbeating: the lost-peer check sees
     nothing): within train.step_timeout_s plus a bound both processes write their Python stacks
@@ -402,6 +407,7 @@ def test_the_watchdog_times_steps_from_the_first_completed_one_not_compilation_o
         auto.close()
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_its_launcher_restarts_at_once(tmp_path, small_corpus):
     """lm.launch and its trainers SIGKILLed together (a scheduler's kill): the trainer that held
     the run's lock is left a zombie under a parent that does not reap it (this test, made the

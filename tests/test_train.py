@@ -38,6 +38,7 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path, small_corpus):
     np.testing.assert_allclose([b[s] for s in range(1, 5)], [a[s] for s in range(1, 5)], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_after_kill_logs_the_same_losses(tmp_path, small_corpus):
     args = ["lm.train", "--config=configs/tiny.py", f"--config.data.path={small_corpus}", "--config.train.steps=20",
             "--config.checkpoint.every_steps=10"] + [f"--config.{k.replace('__', '.')}={v}" for k, v in FAST.items()]
@@ -79,6 +80,7 @@ def test_weight_decay_moves_matmul_weights_only_on_the_real_model():
         "embedding", "pos_embedding", "blocks/attn/bq", "blocks/mlp/b_in", "blocks/attn_norm/bias", "final_norm/scale"}
 
 
+@pytest.mark.slow
 def test_muon_orthogonalises_the_block_matmuls_adamw_the_rest_and_trains_sharded_like_one_device(tmp_path, small_corpus):
     """optim.name=muon: the block matmul weights get Muon (one momentum, an update whose singular
     values are near one per layer's matrix), the embedding, head and norms AdamW (two moments), by
