@@ -182,10 +182,10 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
     b, t, h, k = q_bthk.shape
     g = k_bsgk.shape[2]
     q = (q_bthk * jnp.asarray(k**-0.5, q_bthk.dtype)).reshape(b, t, g, h // g, k)
-    logits = policy.matmul("btgrk,bsgk->bgrts", q, k_bsgk, out_dtype=jnp.float32)
+    logits = policy.matmul("btgrk,bsgk->bgrts", q, k_bsgk, out_dtype=jnp.float32, weight=False)
     if mask_bts is None:
         mask_bts = causal_mask(jnp.arange(t)[None], jnp.arange(k_bsgk.shape[1])[None], window)
     logits = jnp.where(mask_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = softmax(logits)
-    out = policy.matmul("bgrts,bsgk->btgrk", probs, v_bsgk)
+    out = policy.matmul("bgrts,bsgk->btgrk", probs, v_bsgk, weight=False)
     return out.reshape(b, t, h, k)

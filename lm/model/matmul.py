@@ -17,6 +17,7 @@ of reduce-scatters (PERFORMANCE.md, "Partial sums in the compute dtype"). XLA:CP
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -118,14 +119,22 @@ def backward(spec: str, x, w, dy, *, dtypes=None, scales=(None, None)):
     return dx, dw.astype(dw_dtype)
 
 
+def matmul(spec: str, out_dtype, x, w, weight: bool = True):
+    """`einsum(spec, x, w)` accumulated in float32, the result in `out_dtype`. Where `w` is a
+    weight, under `split_backward.split_vjp` its backward's input-gradient (B) or weight-gradient
+    (W) half."""
+    if _split.mode is None or not weight:
+        return _matmul(spec, out_dtype, x, w)
+    return _split.mode(spec, out_dtype, x, w)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def matmul(spec: str, out_dtype, x, w):
-    """`einsum(spec, x, w)` accumulated in float32, the result in `out_dtype`."""
+def _matmul(spec: str, out_dtype, x, w):
     return einsum(spec, x, w, out_dtype)
 
 
 def _matmul_fwd(spec, out_dtype, x, w):
-    return matmul(spec, out_dtype, x, w), (x, w)
+    return _matmul(spec, out_dtype, x, w), (x, w)
 
 
 def _matmul_bwd(spec, out_dtype, residuals, dy):
@@ -148,4 +157,54 @@ def summed_as(cotangent, primal):
     return jax.lax.psum(cotangent, tuple(sorted(extra))) if extra else cotangent
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+class _Split(threading.local):
+    mode = None  # set by `lm.model.split_backward`: what `matmul` does instead of `_matmul`
+
+
+_split = _Split()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def input_gradient_matmul(spec: str, out_dtype, x, w, tap):
+    """`matmul` whose backward gives x's gradient alone (B) and, as the cotangent of `tap` (zeros
+    shaped like x and the result), the x and output gradient the weight's gradient needs later
+    (W: `weight_gradient_matmul`); w's cotangent is zero."""
+    return einsum(spec, x, w, out_dtype)
+
+
+def _input_fwd(spec, out_dtype, x, w, tap):
+    return einsum(spec, x, w, out_dtype), (x, w)
+
+
+def _input_bwd(spec, out_dtype, residuals, dy):
+    x, w = residuals
+    dx_spec = transposed_specs(spec)[0]
+    dx = einsum(dx_spec, dy.astype(x.dtype), w, x.dtype)
+    return summed_as(dx, x), jnp.zeros_like(w), (x, dy)
+
+
+input_gradient_matmul.defvjp(_input_fwd, _input_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def weight_gradient_matmul(spec: str, out_dtype, x, w, stash):
+    """`matmul` replayed for W: its result is zeros (nothing downstream of it is needed) and its
+    backward ignores the incoming cotangent, giving w's gradient from `stash` (the x and output
+    gradient `input_gradient_matmul` handed out), exactly as `_matmul`'s backward computes it."""
+    return jnp.zeros(stash[1].shape, out_dtype)
+
+
+def _weight_fwd(spec, out_dtype, x, w, stash):
+    return jnp.zeros(stash[1].shape, out_dtype), (w, stash)
+
+
+def _weight_bwd(spec, out_dtype, residuals, _):
+    w, (x, dy) = residuals
+    _, dw = backward(spec, x, w, dy.astype(x.dtype))
+    return jnp.zeros(x.shape, x.dtype), summed_as(dw, w), (jnp.zeros_like(x), jnp.zeros_like(dy))
+
+
+weight_gradient_matmul.defvjp(_weight_fwd, _weight_bwd)

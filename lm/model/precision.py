@@ -76,10 +76,13 @@ class Policy:
         """Per layer of the stack: does it compute in fp8?"""
         return self.fp8.layer_mask(num_layers) if self.fp8 else [False] * num_layers
 
-    def matmul(self, spec: str, x: jax.Array, w: jax.Array, out_dtype=None, site: MatmulSite | None = None) -> jax.Array:
+    def matmul(self, spec: str, x: jax.Array, w: jax.Array, out_dtype=None, site: MatmulSite | None = None,
+               weight: bool = True) -> jax.Array:
         """`einsum(spec, x, w)` on compute-dtype inputs, accumulated in float32 forward and
         backward; the result is in `out_dtype` (default: the compute dtype). At a `site`, in fp8
-        when the policy says so (and no `fp8_suspended()` is in force)."""
+        when the policy says so (and no `fp8_suspended()` is in force). `weight`: whether w is a
+        weight, whose gradient a split backward defers (`lm.model.split_backward`), or an
+        activation (attention's keys and values)."""
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
         quantize = (self.fp8 is not None and site is not None and not is_suspended()
                     and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape)))
@@ -87,7 +90,7 @@ class Policy:
             w = with_layout_constraint(w, Layout(tuple(range(w.ndim))))
         x, w = self.cast(x), self.cast(w)
         if site is None or not (quantize or self.observe):
-            y = plain_matmul(spec, out_dtype, x, w)
+            y = plain_matmul(spec, out_dtype, x, w, weight)
         else:
             stateful = self.fp8 is not None and self.fp8.stateful
             scales = site.scale[...] if stateful else jnp.zeros(len(ROLES), F32)  # zero: each tensor's own amax

@@ -1,0 +1,82 @@
+"""The backward split in B (input gradient) and W (matmul weights' gradients) for zero-bubble
+pipelines: on one block, B's and W's gradients are the unsplit backward's bit for bit, B alone
+computes no weight gradient of a matmul, and W needs nothing but B's stash."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lm.model.block import Block
+from lm.model.config import ModelConfig
+from lm.model.precision import Policy
+from lm.model.split_backward import split_vjp, tap_shapes
+
+GPT2 = dict(norm="layernorm", position="learned", mlp="gelu", use_bias=True)
+
+
+def block(compute_dtype, **kw):
+    cfg = ModelConfig(vocab_size=256, max_len=32, num_layers=1, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                      mlp_dim=128, **kw)
+    graphdef, params = nnx.split(Block(cfg, Policy(compute_dtype=jnp.dtype(compute_dtype)), nnx.Rngs(0)))
+    return (lambda p, x: nnx.merge(graphdef, p)(x)[0]), params
+
+
+@pytest.mark.parametrize("style", [{}, GPT2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_b_and_w_add_up_to_the_unsplit_backward_bit_for_bit(compute_dtype, style):
+    fn, params = block(compute_dtype, **style)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64), jnp.float32)
+    dy = jax.random.normal(jax.random.key(2), (2, 16, 64), jnp.float32)
+
+    @jax.jit
+    def unsplit(params, x, dy):
+        y, pullback = jax.vjp(fn, params, x)
+        return (y, *pullback(dy))
+
+    @jax.jit
+    def input_part(params, x, dy):
+        y, input_backward, _ = split_vjp(fn, params, x)
+        return (y, *input_backward(dy))
+
+    @jax.jit
+    def weight_part(params, x, stash):
+        return split_vjp(fn, params, x)[2](stash)
+
+    y, dparams, dx = unsplit(params, x, dy)
+    y_split, dx_split, dparams_b, stash = input_part(params, x, dy)
+    dparams_w = weight_part(params, x, stash)
+    np.testing.assert_array_equal(y_split, y)
+    np.testing.assert_array_equal(dx_split, dx)  # B: the input gradient, bit for bit
+
+    # Each matmul's weight gradient comes from W alone (B's is zero), everything else from B alone.
+    matmuls = len(tap_shapes(fn, params, x))
+    assert matmuls == (6 if style else 7)  # q, k, v, o, (gate,) up, down
+    flat, flat_b, flat_w = (jax.tree_util.tree_leaves_with_path(t) for t in (dparams, dparams_b, dparams_w))
+    from_w = 0
+    for (path, full), (_, b), (_, w) in zip(flat, flat_b, flat_w, strict=True):
+        name = jax.tree_util.keystr(path)
+        if np.any(w != 0):
+            from_w += 1
+            assert not np.any(b != 0), name
+        np.testing.assert_array_equal(np.asarray(b) + np.asarray(w), full, err_msg=name)
+    assert from_w == matmuls
+
+
+def test_w_needs_only_the_stash():
+    """The negative control: W from another batch's stash gives other gradients (so W reads the
+    stash, not the replayed input, which is zeros)."""
+    fn, params = block("float32")
+    x, other = (jax.random.normal(jax.random.key(k), (2, 16, 64), jnp.float32) for k in (1, 3))
+    dy = jnp.ones((2, 16, 64), jnp.float32)
+    _, input_backward, weight_backward = split_vjp(fn, params, x)
+    _, _, stash = input_backward(dy)
+    _, _, other_stash = split_vjp(fn, params, other)[1](dy)
+    ours, theirs = (jax.tree.leaves(weight_backward(s)) for s in (stash, other_stash))
+    assert any(np.any(a != b) for a, b in zip(ours, theirs))
+    _, pullback = jax.vjp(fn, params, x)
+    full = jax.tree.leaves(pullback(dy)[0])
+    b_grads = jax.tree.leaves(input_backward(dy)[1])
+    for f, b, w in zip(full, b_grads, ours):
+        np.testing.assert_array_equal(np.asarray(b) + np.asarray(w), f)
