@@ -1,6 +1,9 @@
 """The backward split in B (input gradient) and W (matmul weights' gradients) for zero-bubble
-pipelines: on one block, B's and W's gradients are the unsplit backward's bit for bit, B alone
-computes no weight gradient of a matmul, and W needs nothing but B's stash."""
+pipelines: on one block and through a scanned stack of layers, B's and W's gradients are the
+unsplit backward's bit for bit; B computes no weight gradient of a matmul and W nothing else;
+W reads B's stash."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ from lm.model.block import Block
 from lm.model.config import ModelConfig
 from lm.model.precision import Policy
 from lm.model.split_backward import split_vjp, tap_shapes
+from lm.model.transformer import Transformer
 
 GPT2 = dict(norm="layernorm", position="learned", mlp="gelu", use_bias=True)
 
@@ -51,7 +55,7 @@ def test_b_and_w_add_up_to_the_unsplit_backward_bit_for_bit(compute_dtype, style
     np.testing.assert_array_equal(dx_split, dx)  # B: the input gradient, bit for bit
 
     # Each matmul's weight gradient comes from W alone (B's is zero), everything else from B alone.
-    matmuls = len(tap_shapes(fn, params, x))
+    matmuls = len(tap_shapes(fn, params, x).seen)
     assert matmuls == (6 if style else 7)  # q, k, v, o, (gate,) up, down
     flat, flat_b, flat_w = (jax.tree_util.tree_leaves_with_path(t) for t in (dparams, dparams_b, dparams_w))
     from_w = 0
@@ -80,3 +84,54 @@ def test_w_needs_only_the_stash():
     b_grads = jax.tree.leaves(input_backward(dy)[1])
     for f, b, w in zip(full, b_grads, ours):
         np.testing.assert_array_equal(np.asarray(b) + np.asarray(w), f)
+
+
+@pytest.mark.parametrize("scan_layers, remat", [(True, "full"), (True, "dots"), (True, "none"), (False, "none")])
+def test_a_stack_of_layers_splits_through_its_scan(scan_layers, remat):
+    """Three layers (scanned: each layer's taps are its slice of the stack's) and the head: B + W
+    is the unsplit backward bit for bit, under remat policies and unrolled."""
+    cfg = ModelConfig(vocab_size=256, max_len=32, num_layers=3, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                      mlp_dim=128, scan_layers=scan_layers, remat=remat)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0), policy=Policy(compute_dtype=jnp.dtype("bfloat16"))))
+
+    def fn(p, x):
+        model = nnx.merge(graphdef, p)
+        return model._logits(model._layers(x, None, None, 0)[0], model.final_norm, model._head_weight())
+
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64), jnp.float32)
+    dy = jax.random.normal(jax.random.key(2), (2, 16, 256), jnp.float32)
+    seen = tap_shapes(fn, params, x).seen
+    assert [(n, len(body.seen)) for n, body in seen[:-1]] == [(3, 7)] and seen[-1][1].shape == (2, 16, 256)  # the stack, the head
+
+    @jax.jit
+    def both(params, x, dy):
+        _, pullback = jax.vjp(fn, params, x)
+        _, input_backward, weight_backward = split_vjp(fn, params, x)
+        dx, dparams_b, stash = input_backward(dy)
+        return pullback(dy), (dparams_b, dx), weight_backward(stash)
+
+    (dparams, dx), (dparams_b, dx_split), dparams_w = both(params, x, dy)
+    np.testing.assert_array_equal(dx_split, dx)
+    for full, b, w in zip(*(jax.tree.leaves(t) for t in (dparams, dparams_b, dparams_w)), strict=True):
+        np.testing.assert_array_equal(np.asarray(b) + np.asarray(w), full)
+
+
+def test_b_skips_the_weight_gradients_and_w_computes_nothing_else():
+    """Dots in the compiled programs of one block (7 weight matmuls, 2 of attention): W is the 7
+    weight-gradient dots alone (its replayed forward is dead code), B is the forward and the rest
+    of the backward, so B + W is the unsplit backward's count (control: the unsplit one has 7 more
+    than B)."""
+    fn, params = block("float32")
+    x, dy = jnp.ones((2, 16, 64)), jnp.ones((2, 16, 64))
+
+    def dots(f, *args):
+        return len(re.findall(r"= \S+ dot\(", jax.jit(f).lower(*args).compile().as_text()))
+
+    _, input_backward, _ = split_vjp(fn, params, x)
+    stash = input_backward(dy)[2]
+    forward = dots(fn, params, x)
+    unsplit = dots(lambda p, x, dy: jax.vjp(fn, p, x)[1](dy), params, x, dy)
+    b = dots(lambda p, x, dy: split_vjp(fn, p, x)[1](dy), params, x, dy)
+    w = dots(lambda p, x, stash: split_vjp(fn, p, x)[2](stash), params, x, stash)
+    assert forward == 9 and w == 7
+    assert b + w == unsplit and unsplit - b == 7

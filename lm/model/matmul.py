@@ -125,7 +125,7 @@ def matmul(spec: str, out_dtype, x, w, weight: bool = True):
     (W) half."""
     if _split.mode is None or not weight:
         return _matmul(spec, out_dtype, x, w)
-    return _split.mode(spec, out_dtype, x, w)
+    return _split.mode.matmul(spec, out_dtype, x, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -161,7 +161,7 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 class _Split(threading.local):
-    mode = None  # set by `lm.model.split_backward`: what `matmul` does instead of `_matmul`
+    mode = None  # set by `lm.model.split_backward`: its `matmul` runs instead of `_matmul`
 
 
 _split = _Split()

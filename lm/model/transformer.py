@@ -28,6 +28,7 @@ from lm.model.layers import (
     lookup,
 )
 from lm.model.precision import Policy
+from lm.model.split_backward import layer_taps, stack_taps
 from sharding import constrain
 from sharding.pipeline import pipeline, pipeline_loss
 from sharding.pipeline_1f1b import pipeline_1f1b
@@ -181,9 +182,10 @@ class Transformer(nnx.Module):
         applied in order; layers that `precision.fp8_skip` keeps out of fp8 run as separate
         segments."""
 
-        def layer(x, params_and_cache):
-            params, layer_cache = params_and_cache
-            return nnx.merge(graphdef, *[p for p in params if p is not None])(x, positions_bt, layer_cache, cache_index, segments_bt)
+        def layer(x, params_cache_taps):
+            params, layer_cache, taps = params_cache_taps
+            with layer_taps(taps):  # a split backward's (`lm.model.split_backward`); None otherwise
+                return nnx.merge(graphdef, *[p for p in params if p is not None])(x, positions_bt, layer_cache, cache_index, segments_bt)
 
         # Also inside a pipeline tick: one layer's internals at a time.
         layer = remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
@@ -208,6 +210,7 @@ class Transformer(nnx.Module):
         runs, new_caches = _runs(in_fp8), []
         for start, stop in runs:
             segment = (stacked, cache) if len(runs) == 1 else jax.tree.map(lambda a: a[start:stop], (stacked, cache))
+            segment = (*segment, stack_taps(stop - start))
             x, segment_cache = (run if isinstance(in_fp8[start], bool) else either)(x, segment, in_fp8[start])
             new_caches.append(segment_cache)
         if cache is None:
