@@ -1,4 +1,4 @@
-"""A function's backward in two parts, for zero-bubble pipelines (`sharding.schedules`): B, the
+"""A function's backward in two parts, for zero-bubble pipelines (`sharding.zero_bubble`): B, the
 input gradient (on the critical path: its cotangent goes one stage back at once), and W, the
 weights' gradients of its matmuls, which can wait.
 

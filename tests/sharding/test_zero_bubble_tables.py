@@ -1,12 +1,12 @@
-"""Zero-bubble schedules as tables (`sharding.schedules`): ZB-H1 and ZB-V keep every dependency,
+"""Zero-bubble schedules as tables (`sharding.zero_bubble`): ZB-H1 and ZB-V keep every dependency,
 keep no more than 1F1B's peak from an F to its W, and cut the bubble as the paper says when F,
 B and W are costed alike; 1F1B's costed bubble stays (S - 1) / (M + S - 1); a hand-broken table
 is refused."""
 
 import pytest
 
-from sharding import schedules
-from sharding.schedules import Op
+from sharding import schedules, zero_bubble
+from sharding.zero_bubble import Op
 
 SIZES = [(2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8), (4, 13), (4, 32), (6, 9), (8, 8), (8, 16)]
 ALIKE = {"F": 1, "B": 1, "W": 1, "BW": 2}
@@ -17,37 +17,37 @@ def one_stage_each(stages):
 
 
 def one_f1b(stages, microbatches):
-    return schedules.per_stage_ops(schedules.schedule_1f1b_per_stage(stages, microbatches))
+    return zero_bubble.per_stage_ops(schedules.schedule_1f1b_per_stage(stages, microbatches))
 
 
 @pytest.mark.parametrize("stages, microbatches", SIZES)
 def test_zero_bubble_tables_keep_their_dependencies_memory_and_bubble(stages, microbatches):
-    zb = schedules.schedule_zero_bubble(stages, microbatches)
-    schedules.check_table(zb, microbatches, one_stage_each(stages))
-    assert schedules.costed_bubble(zb, ALIKE) == pytest.approx((stages - 1) / (3 * microbatches + stages - 1))
-    assert max(schedules.held_until_w(zb)) == min(stages, microbatches)  # 1F1B's stage 0 keeps S
+    zb = zero_bubble.schedule_zero_bubble(stages, microbatches)
+    zero_bubble.check_table(zb, microbatches, one_stage_each(stages))
+    assert zero_bubble.costed_bubble(zb, ALIKE) == pytest.approx((stages - 1) / (3 * microbatches + stages - 1))
+    assert max(zero_bubble.held_until_w(zb)) == min(stages, microbatches)  # 1F1B's stage 0 keeps S
 
-    zbv = schedules.schedule_zbv(stages, microbatches)
-    schedules.check_table(zbv, microbatches, schedules.v_chunks(stages))
-    assert max(schedules.held_until_w(zbv)) <= 2 * stages  # chunks of half a stage: S stages' worth
-    assert schedules.costed_bubble(zbv, ALIKE) < schedules.costed_bubble(zb, ALIKE)
+    zbv = zero_bubble.schedule_zbv(stages, microbatches)
+    zero_bubble.check_table(zbv, microbatches, zero_bubble.v_chunks(stages))
+    assert max(zero_bubble.held_until_w(zbv)) <= 2 * stages  # chunks of half a stage: S stages' worth
+    assert zero_bubble.costed_bubble(zbv, ALIKE) < zero_bubble.costed_bubble(zb, ALIKE)
 
     # 1F1B's figure under the same costing, whatever the backward costs against the forward.
     for backward in (2, 3, 4.5):
-        assert schedules.costed_bubble(one_f1b(stages, microbatches), {"F": 1, "BW": backward}) == pytest.approx(
+        assert zero_bubble.costed_bubble(one_f1b(stages, microbatches), {"F": 1, "BW": backward}) == pytest.approx(
             (stages - 1) / (microbatches + stages - 1))
 
 
 def test_at_4_stages_and_8_microbatches_zb_h1_halves_1f1bs_bubble_and_zb_v_quarters_it():
-    f1b = schedules.costed_bubble(one_f1b(4, 8), ALIKE)
+    f1b = zero_bubble.costed_bubble(one_f1b(4, 8), ALIKE)
     assert f1b == pytest.approx(3 / 11)
-    assert schedules.costed_bubble(schedules.schedule_zero_bubble(4, 8), ALIKE) <= f1b / 2
-    assert schedules.costed_bubble(schedules.schedule_zbv(4, 8), ALIKE) <= f1b / 4
+    assert zero_bubble.costed_bubble(zero_bubble.schedule_zero_bubble(4, 8), ALIKE) <= f1b / 2
+    assert zero_bubble.costed_bubble(zero_bubble.schedule_zbv(4, 8), ALIKE) <= f1b / 4
 
 
 def test_a_hand_broken_table_is_refused_naming_the_cell():
-    table = [list(row) for row in schedules.schedule_zero_bubble(2, 2)]
-    schedules.check_table(table, 2, one_stage_each(2))  # the control: intact, it passes
+    table = [list(row) for row in zero_bubble.schedule_zero_bubble(2, 2)]
+    zero_bubble.check_table(table, 2, one_stage_each(2))  # the control: intact, it passes
     stages = one_stage_each(2)
 
     def cell(op):
@@ -57,7 +57,7 @@ def test_a_hand_broken_table_is_refused_naming_the_cell():
         copy = [list(row) for row in table]
         edit(copy)
         with pytest.raises(ValueError) as refused:
-            schedules.check_table(copy, 2, stages)
+            zero_bubble.check_table(copy, 2, stages)
         return str(refused.value)
 
     def swap(copy, a, b):
