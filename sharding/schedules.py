@@ -1,6 +1,6 @@
 """Pipeline schedules as plain data: the plan (`PipelinePlan`, `check`), and for every
 schedule its table of which stage does what when, so it can be tested, drawn and its bubble and
-stash read (`report`) apart from the programs that step through it (`sharding.pipeline`:
+stash read (`sharding.schedule_report`) apart from the programs that step through it (`sharding.pipeline`:
 GPipe and circular; `sharding.pipeline_1f1b`: lockstep 1F1B, interleaved with repeats;
 `sharding.pipeline_per_stage`: Megatron-LM's per-stage 1F1B, balanced or not).
 """
@@ -174,34 +174,13 @@ def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
     return sum(cell is None for cell in cells) / len(cells)
 
 
+PER_STAGE = ("1f1b_per_stage", "zero_bubble")  # the schedules whose stages each run their own work per slot
+
+
 def balanced_slots(plan: PipelinePlan, layers: int) -> bool:
     """Whether the per-stage 1F1B runs `balanced` slots: when it keeps residuals (its backward
     is then two forwards' work) and each stage's `layers` (0: not known) halve."""
     return plan.schedule == "1f1b_per_stage" and plan.remat != "full" and layers > 0 and layers % (2 * plan.stages) == 0
-
-
-def report(plan: PipelinePlan, layers: int = 0) -> dict:
-    """What `lm.bench` and `lm.layout` say of a plan: the schedule's name, its bubble (the idle
-    share of the stages' work slots), its stash depth (how many microbatch chunks each stage
-    keeps for its backward: every tick's for GPipe / circular, the most in flight for 1F1B,
-    (R + 1)S - 1 when M is large enough, S for the per-stage 1F1B) and what it keeps of each (`stash`: the stage inputs,
-    recomputing the rest, with remat `full`; else residuals)."""
-    if plan.stages == 1:
-        return {"schedule": "none", "bubble": 0.0, "stash_depth": 0, "stash": "none"}
-    kept = "stage inputs" if plan.remat == "full" else "residuals"
-    if plan.schedule == "1f1b_per_stage":
-        balanced = balanced_slots(plan, layers)
-        table = schedule_1f1b_per_stage(plan.stages, plan.microbatches, balanced)
-        depth = max(held_per_stage(table) if plan.remat == "full" else in_flight(table))  # inputs from arrival; residuals from the forward
-        name = "balanced 1f1b_per_stage" if balanced else plan.schedule
-        return {"schedule": name, "bubble": bubble_fraction(table), "stash_depth": depth, "stash": kept}
-    if plan.schedule == "1f1b":
-        table = schedule_1f1b(plan.stages, plan.microbatches, plan.repeats)
-        name = "interleaved 1f1b" if plan.repeats > 1 else "1f1b"
-        return {"schedule": name, "bubble": bubble_fraction(table), "stash_depth": max(in_flight(table)), "stash": kept}
-    table = schedule(plan.stages, plan.microbatches, plan.repeats)
-    name = "circular" if plan.repeats > 1 else "gpipe"
-    return {"schedule": name, "bubble": bubble_fraction(table), "stash_depth": len(table), "stash": kept}
 
 
 def check(stages: int, microbatches: int, repeats: int, layers: int | None = None, batch: int | None = None,
@@ -220,13 +199,13 @@ def check(stages: int, microbatches: int, repeats: int, layers: int | None = Non
             f"interleaved 1F1B (pipeline.repeats={repeats}) takes microbatches in groups of the {stages} stages; "
             f"make pipeline.microbatches={microbatches} a multiple of {stages}"
         )
-    if schedule == "1f1b_per_stage" and repeats > 1:
+    if schedule in PER_STAGE and repeats > 1:
         raise ShardingError(
-            f"pipeline.schedule=1f1b_per_stage does not interleave; use pipeline.repeats=1 (got {repeats}), "
+            f"pipeline.schedule={schedule} does not interleave; use pipeline.repeats=1 (got {repeats}), "
             "or pipeline.schedule=1f1b for interleaved 1F1B (which already keeps Megatron-LM's interleaved count)"
         )
-    if schedule == "1f1b_per_stage" and context > 1:  # its attention's collective-permutes would sit in one stage's branch
-        raise ShardingError(f"pipeline.schedule=1f1b_per_stage does not run with context parallelism (mesh.context={context}); "
+    if schedule in PER_STAGE and context > 1:  # its attention's collective-permutes would sit in one stage's branch
+        raise ShardingError(f"pipeline.schedule={schedule} does not run with context parallelism (mesh.context={context}); "
                             "use pipeline.schedule=1f1b")
     if layers is not None and layers % (stages * repeats):
         raise ShardingError(

@@ -1,8 +1,9 @@
 """Zero-bubble pipeline schedules as plain data (Qi et al., "Zero Bubble Pipeline Parallelism",
 2024): each backward split into B (the input gradient) and W (the weights' gradients, which can
 wait), tables of which stage runs which F, B or W of which microbatch's chunk in each slot,
-their dependency check, what they keep and their bubble costed per kind of work. No pipeline
-program runs them yet (issue 61); the backward's split itself is `lm.model.split_backward`.
+their dependency check, what they keep and their bubble costed per kind of work. The program
+that runs ZB-H1 is `sharding.pipeline_zero_bubble`; the backward's split itself is
+`lm.model.split_backward`.
 """
 
 from __future__ import annotations
@@ -151,6 +152,18 @@ def held_until_w(table: Sequence[Sequence[Op | None]]) -> list[int]:
     return most
 
 
+def waiting_for_w(table: Sequence[Sequence[Op | None]]) -> list[int]:
+    """Per stage, the most chunks whose B has run and whose W has not: how many sets of B's
+    matmul inputs and output gradients it keeps for W."""
+    held, most = [0] * len(table[0]), [0] * len(table[0])
+    for row in table:
+        for s, op in enumerate(row):
+            if op is not None and op.kind in "BW":
+                held[s] += 1 if op.kind == "B" else -1
+                most[s] = max(most[s], held[s])
+    return most
+
+
 def costed_bubble(table: Sequence[Sequence[Op | None]], cost: dict[str, float]) -> float:
     """Idle time over all time of a table's stages, with each op taking `cost[kind]` (kinds F, B,
     W, or BW for an unsplit backward: B + W, which needs the next chunk's B, or BW, before it):
@@ -171,6 +184,15 @@ def costed_bubble(table: Sequence[Sequence[Op | None]], cost: dict[str, float]) 
             free[s] = finish[(op.kind, op.microbatch, op.chunk)] = start + cost[op.kind]
             busy[s] += cost[op.kind]
     return 1 - sum(busy) / (stages * max(free))
+
+
+def slotted_bubble(table: Sequence[Sequence[Op | None]], cost: dict[str, float]) -> float:
+    """Idle time over all time when the stages run the table slot by slot in step, each slot as
+    long as its longest op (`sharding.pipeline_zero_bubble`: one SPMD program, a `shard_map` per
+    slot): what the program pays where `costed_bubble` lets each stage run ahead."""
+    busy = sum(cost[op.kind] for row in table for op in row if op is not None)
+    total = sum(max((cost[op.kind] for op in row if op is not None), default=0.0) for row in table)
+    return 1 - busy / (len(table[0]) * total)
 
 
 def per_stage_ops(table: Sequence[Sequence[Step]]) -> list[list[Op | None]]:

@@ -24,12 +24,12 @@ from lm.program.steps import setup
 from lm.training.loop import train
 from sharding import ShardingError
 from sharding.pipeline_1f1b import Pullbacks, stash_slots
+from sharding.schedule_report import report
 from sharding.schedules import (
     PipelinePlan,
     bubble_fraction,
     in_flight,
     phases,
-    report,
     schedule,
     schedule_1f1b,
 )

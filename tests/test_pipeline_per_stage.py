@@ -21,12 +21,12 @@ from test_pipeline import (
 from lm.program.steps import setup
 from sharding import ShardingError
 from sharding.pipeline_per_stage import BACKWARD, FORWARD, slot_arrays
+from sharding.schedule_report import report
 from sharding.schedules import (
     PipelinePlan,
     bubble_fraction,
     held_per_stage,
     in_flight,
-    report,
     schedule_1f1b_per_stage,
 )
 

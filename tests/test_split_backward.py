@@ -42,7 +42,8 @@ def test_b_and_w_add_up_to_the_unsplit_backward_bit_for_bit(compute_dtype, style
     @jax.jit
     def input_part(params, x, dy):
         y, input_backward, _ = split_vjp(fn, params, x)
-        return (y, *input_backward(dy))
+        dparams, dx, stash = input_backward(dy)
+        return y, dx, dparams, stash
 
     @jax.jit
     def weight_part(params, x, stash):
@@ -81,7 +82,7 @@ def test_w_needs_only_the_stash():
     assert any(np.any(a != b) for a, b in zip(ours, theirs))
     _, pullback = jax.vjp(fn, params, x)
     full = jax.tree.leaves(pullback(dy)[0])
-    b_grads = jax.tree.leaves(input_backward(dy)[1])
+    b_grads = jax.tree.leaves(input_backward(dy)[0])
     for f, b, w in zip(full, b_grads, ours):
         np.testing.assert_array_equal(np.asarray(b) + np.asarray(w), f)
 
@@ -107,7 +108,7 @@ def test_a_stack_of_layers_splits_through_its_scan(scan_layers, remat):
     def both(params, x, dy):
         _, pullback = jax.vjp(fn, params, x)
         _, input_backward, weight_backward = split_vjp(fn, params, x)
-        dx, dparams_b, stash = input_backward(dy)
+        dparams_b, dx, stash = input_backward(dy)
         return pullback(dy), (dparams_b, dx), weight_backward(stash)
 
     (dparams, dx), (dparams_b, dx_split), dparams_w = both(params, x, dy)

@@ -36,3 +36,13 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 def param_count(params) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def split_backward_flops(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """FLOPs per token of the layers' forward (F), input gradient (B) and matmul weights'
+    gradients (W), the split a zero-bubble pipeline schedules (`sharding.zero_bubble`): the
+    matmuls cost 2 per weight in each, attention's 2 * T * heads * head_dim (causal) forward and
+    twice that in B (its backward has no weights). The head is not in the pipeline's stages."""
+    layer_matmuls = matmul_params(cfg) - cfg.embed_dim * cfg.vocab_size
+    attention = 2.0 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+    return {"F": 2.0 * layer_matmuls + attention, "B": 2.0 * layer_matmuls + 2 * attention, "W": 2.0 * layer_matmuls}

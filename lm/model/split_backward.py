@@ -116,20 +116,17 @@ def tap_shapes(fn: Callable, *args) -> _Recording:
 
 
 def split_vjp(fn: Callable, params, x):
-    """`fn(params, x)`'s result and its backward in two: `input_backward(dy)` gives (dx, the
-    gradients of params that are not matmul weights, the stash W needs) and
-    `weight_backward(stash)` the matmul weights' gradients (zeros elsewhere)."""
+    """`fn(params, x)`'s result and its backward in two: `input_backward(dy)` gives (the
+    gradients of params that are not matmul weights, dx, the stash W needs) and
+    `weight_backward(stash)` the matmul weights' gradients (zeros elsewhere). `input_backward`
+    is `jax.vjp`'s own pullback (a pytree of its residuals, which a pipeline can stash)."""
     taps = tap_shapes(fn, params, x).zeros()
 
     def tapped(params, x, taps):
         with _matmuls_as(_Handing(input_gradient_matmul, taps)):
             return fn(params, x)
 
-    y, pullback = jax.vjp(tapped, params, x, taps)
-
-    def input_backward(dy):
-        dparams, dx, stash = pullback(dy)
-        return dx, dparams, stash
+    y, input_backward = jax.vjp(tapped, params, x, taps)
 
     def weight_backward(stash):
         def replay(params):

@@ -28,11 +28,12 @@ from lm.model.layers import (
     lookup,
 )
 from lm.model.precision import Policy
-from lm.model.split_backward import layer_taps, stack_taps
+from lm.model.split_backward import layer_taps, split_vjp, stack_taps
 from sharding import constrain
 from sharding.pipeline import pipeline, pipeline_loss
 from sharding.pipeline_1f1b import pipeline_1f1b
 from sharding.pipeline_per_stage import pipeline_per_stage
+from sharding.pipeline_zero_bubble import pipeline_zero_bubble
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan
 
@@ -138,7 +139,8 @@ class Transformer(nnx.Module):
         if not differentiated:
             run = functools.partial(pipeline_loss, differentiated=False)
         else:
-            run = {"gpipe": pipeline_loss, "1f1b": pipeline_1f1b, "1f1b_per_stage": pipeline_per_stage}[self.pipeline.schedule]
+            run = {"gpipe": pipeline_loss, "1f1b": pipeline_1f1b, "1f1b_per_stage": pipeline_per_stage,
+                   "zero_bubble": functools.partial(pipeline_zero_bubble, split_vjp=split_vjp)}[self.pipeline.schedule]
         with moe.loss_seed(loss_scale / self.pipeline.microbatches):  # as each microbatch's loss is
             return run(
                 stage, stacked, stacked_axes, self.pipeline, embed_fn=embed, embed_params=self._embed_tables(), inputs=tokens_bt,

@@ -11,10 +11,10 @@ import numpy as np
 from lm import GPU_MEMORY_FRACTION
 from lm.compiler import hlo, kernels, passes, steptime, targets
 from lm.data import corpus as lm_data
-from lm.model.flops import flops_per_token
+from lm.model.flops import flops_per_token, split_backward_flops
 from lm.program.steps import placed, setup
 from sharding import report
-from sharding.schedules import report as pipeline_report
+from sharding.schedule_report import report as pipeline_report
 
 
 def step_report(config, devices=None, compile_step: bool = True, save_hlo: str | None = None, target: str | None = None) -> tuple[list[report.Row], dict]:
@@ -38,7 +38,8 @@ def step_report(config, devices=None, compile_step: bool = True, save_hlo: str |
         },
     }
     summary["per_device"]["total_state_bytes"] = sum(summary["per_device"].values())
-    summary["pipeline"] = pipeline_report(program.spec.pipeline, program.spec.model.num_layers)
+    summary["pipeline"] = pipeline_report(program.spec.pipeline, program.spec.model.num_layers,
+                                          split_backward_flops(program.spec.model, config.train.seq_len))
     if compile_step:
         batch = jax.ShapeDtypeStruct(
             (config.train.batch_size, config.train.seq_len + 1), np.int32, sharding=program.batch_sharding

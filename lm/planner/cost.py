@@ -19,6 +19,7 @@ from functools import cached_property
 from lm.compiler import steptime
 from lm.hardware.systems import System
 from lm.model import grouped_gemm
+from lm.model.flops import split_backward_flops
 from lm.planner.memory import Memory, pipeline_report
 from lm.planner.network import ring_seconds, send_bandwidth
 from lm.planner.parallelism import Parallelism
@@ -145,9 +146,14 @@ class Cost(Memory):
         return 4 + (2 if recomputed else 0)
 
     def bubble_fraction(self) -> float:
-        """The idle share of the pipeline's work slots (0 without one)."""
+        """The idle share of the pipeline's work slots (0 without one); zero-bubble slots costed
+        by their ops' FLOPs."""
         lay = self.parallelism
-        return pipeline_report(lay.plan, self.run.model.num_layers)["bubble"] if lay.stage > 1 else 0.0
+        if lay.stage == 1:
+            return 0.0
+        costs = tuple(split_backward_flops(self.run.model, self.run.seq_len).items()) if lay.schedule == "zero_bubble" else ()
+        pipelined = pipeline_report(lay.plan, self.run.model.num_layers, costs)
+        return pipelined.get("slot_bubble", pipelined["bubble"])  # what the program pays, slot by slot
 
     @cached_property
     def step_time(self) -> dict:

@@ -19,7 +19,8 @@ from functools import cached_property
 from lm.hardware import data_file
 from lm.planner.parallelism import Parallelism
 from lm.planner.run import Run, StateLeaf
-from sharding.schedules import PipelinePlan, report
+from sharding.schedule_report import report
+from sharding.schedules import PipelinePlan
 
 MEMORY_TERMS = ("grads", "accumulator", "saved", "layer", "weights", "logits", "head")
 
@@ -38,9 +39,10 @@ def mesh_state_bytes(state: tuple[StateLeaf, ...], mesh: tuple[tuple[str, int], 
 
 
 @functools.cache
-def pipeline_report(plan: PipelinePlan, layers: int) -> dict:
-    """`sharding.schedules.report` of a plan (bubble, stash depth), remembered."""
-    return report(plan, layers)
+def pipeline_report(plan: PipelinePlan, layers: int, costs: tuple = ()) -> dict:
+    """`sharding.schedule_report.report` of a plan (bubble, stash depth), remembered; `costs`:
+    the split backward's F, B and W as (kind, cost) pairs."""
+    return report(plan, layers, dict(costs) or None)
 
 
 def calibration() -> dict:
@@ -139,12 +141,17 @@ class Memory:
         lay, kept = self.parallelism, self._kept_bytes()
         saved = self.layers * kept[lay.remat] * self.local_tokens
         if lay.stage > 1:
-            stash = pipeline_report(lay.plan, self.run.model.num_layers)["stash_depth"]
+            pipelined = pipeline_report(lay.plan, self.run.model.num_layers)
+            stash = pipelined["stash_depth"]
+            # B's taps until W: each weight matmul's input and output gradient, about twice what
+            # `dots_no_batch` keeps (its outputs), for every microbatch between its B and its W.
+            taps = pipelined.get("w_stash_depth", 0) * 2 * kept["dots_no_batch"] * self.layers * self.local_tokens
             if self._recomputes_ticks:  # every stage input the schedule keeps, plus one tick's layers on recompute
                 saved += stash * kept["full"] * self.local_tokens
             else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash),
                 # and the set a forward has just made or a backward is using, apart from the ring
                 saved *= (stash + 1) / lay.repeats
+            saved += taps
         # The gradients as the update takes them (spread over the replicas with ZeRO-1). Several
         # passes per step (accumulation, pipeline microbatches): a float32 accumulator too. With
         # ZeRO-1, XLA carries the update's placement back into the accumulation loop (each pass's

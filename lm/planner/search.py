@@ -20,9 +20,11 @@ from lm.planner.parallelism import Parallelism
 from lm.planner.run import Run
 from sharding.mesh import MESH_AXES
 from sharding.remat import REMAT
+from sharding.schedules import PER_STAGE
 
 # (schedule, pipeline.remat): what a tick or slot keeps, `full` recomputing it.
-SCHEDULES = (("gpipe", "full"), ("1f1b", "full"), ("1f1b", "none"), ("1f1b_per_stage", "full"), ("1f1b_per_stage", "none"))
+SCHEDULES = (("gpipe", "full"), ("1f1b", "full"), ("1f1b", "none"), ("1f1b_per_stage", "full"), ("1f1b_per_stage", "none"),
+             ("zero_bubble", "full"), ("zero_bubble", "none"))
 MAX_BUBBLE = 0.5  # pipelines idling more than this are dropped
 # A layout may fill this share of a GPU's memory: the temporaries model is within ~10-25% of
 # XLA's (lm.calibrate), and the allocator needs slack.
@@ -96,11 +98,11 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[P
                 for microbatches in counts:
                     # GPipe recomputes its ticks; 1F1B recomputes them or keeps their residuals.
                     for schedule, pipeline_remat in SCHEDULES:
-                        if schedule == "1f1b_per_stage" and mesh["context"] > 1:
+                        if schedule in PER_STAGE and mesh["context"] > 1:
                             continue  # refused by sharding.schedules.check: not a layout this config allows
                         piped = dataclasses.replace(layout, microbatches=microbatches, schedule=schedule, pipeline_remat=pipeline_remat)
                         yield piped
-                        if circular and schedule != "1f1b_per_stage":  # circular GPipe, interleaved 1F1B
+                        if circular and schedule not in PER_STAGE:  # circular GPipe, interleaved 1F1B
                             yield dataclasses.replace(piped, repeats=2)
 
 

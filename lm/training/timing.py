@@ -16,7 +16,7 @@ import numpy as np
 
 from lm.compiler import hlo, profile
 from lm.data import corpus as lm_data
-from lm.model.flops import flops_per_token, param_count
+from lm.model.flops import flops_per_token, param_count, split_backward_flops
 from lm.program.steps import setup
 from lm.training.metrics import (
     cpu_bf16_units,
@@ -25,7 +25,7 @@ from lm.training.metrics import (
     peak_memory_bytes,
     reference_peak_flops,
 )
-from sharding.schedules import report as pipeline_report
+from sharding.schedule_report import report as pipeline_report
 
 
 def _corpus_batches(config, workdir: Path):
@@ -115,7 +115,7 @@ def _bench(config, steps, warmup, devices, save_hlo, profile_dir, data_batches, 
     reference, reference_source = reference_peak_flops(peak_dtype(config.precision), peak)
     memory = compiled.memory_analysis()
     plan = program.spec.pipeline
-    pipelined = pipeline_report(plan, mcfg.num_layers)  # its schedule, bubble and stash depth
+    pipelined = pipeline_report(plan, mcfg.num_layers, split_backward_flops(mcfg, config.train.seq_len))  # schedule, bubble, stash
     return {
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
