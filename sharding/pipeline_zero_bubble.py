@@ -28,7 +28,7 @@ from sharding.constraints import active_mesh, constrain, constrain_leading, manu
 from sharding.mesh import ShardingError
 from sharding.pipeline import owning_backward, split_microbatches, with_ends
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_per_stage import _Rings, f32_of
+from sharding.pipeline_per_stage import _Rings
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan, check
 from sharding.zero_bubble import Op, schedule_zero_bubble
@@ -128,47 +128,56 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
             saved = forward_saving(own, embedded, stage)[1]
             constants = [r for r, constant in zip(saved, pullbacks.constant) if constant]
 
-        def put(ring, slot, x):  # one entry written in place, not the ring selected whole
+        def put(ring, slot, x):  # one entry (maybe none: slot -1) written in place, not the ring selected whole
             at = jnp.maximum(slot, 0)
             return jax.tree.map(lambda r, a: r.at[at].set(jnp.where(slot >= 0, a, r[at])), ring, x)
 
         def get(ring, slot):
             return jax.tree.map(lambda r: r[jnp.maximum(slot, 0)], ring)
 
+        def added(sums, dchunk, dprobes):  # a gradient-making branch's own addition: no zeros made elsewhere
+            return jax.tree.map(lambda g, d: g + d.astype(jnp.float32), sums[0], dchunk), jax.tree.map(
+                lambda g, d: jnp.maximum(g, d.astype(jnp.float32)), sums[1], dprobes)
+
         # This slot's arrivals first (the op may read them at once).
         c["inbox"] = put(c["inbox"], row["inbox_put"], c["recv_x"])
         c["cotangents"] = put(c["cotangents"], row["cotangents_put"], jnp.where(last, seed_dy, c["recv_dx"]))
         x_in = jnp.where(first, embedded, get(c["inbox"], row["inbox_get"]))
-        nothing = {"y": jnp.zeros_like(embedded), "dx": jnp.zeros_like(embedded), "dchunk": f32(chunk),
-                   "dprobes": f32(chunk_probes, -jnp.inf), "residuals": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["residuals"]),
-                   "taps": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["taps"])}
+        zeros = jnp.zeros_like(embedded)
 
-        def forward(c):
+        # Each branch gives (the sums, y, dx, what F and B keep). The rings are written outside:
+        # a conditional that updated one would copy it whole (seen in the deviceless H100 program).
+        made = {"residuals": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["residuals"]),
+                "taps": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["taps"])}
+
+        def idle(sums):
+            return sums, zeros, zeros, made
+
+        def forward(sums):
             if not keep_residuals:
-                return {**nothing, "y": stage_fn(chunk, chunk_probes, x_in, stage)}
+                return sums, stage_fn(chunk, chunk_probes, x_in, stage), zeros, made
             y, saved = forward_saving(own, x_in, stage)
-            return {**nothing, "y": y, "residuals": pullbacks.stashed(saved)}
+            return sums, y, zeros, {**made, "residuals": pullbacks.stashed(saved)}
 
-        def input_backward(c):
+        def input_backward(sums):
             dy = get(c["cotangents"], row["cotangents_get"])
             if keep_residuals:
                 pull = pullbacks.join(pullbacks.merge(get(c["residuals"], row["residuals_get"]), constants), own)
                 (dchunk, dprobes), dx, taps = pull(dy)
             else:  # recompute the chunk from its input
                 (dchunk, dprobes), dx, taps = split(own, x_in, stage)[1](dy)
-            return {**nothing, "dx": dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes), "taps": taps}
+            return added(sums, dchunk, dprobes), zeros, dx, {**made, "taps": taps}
 
-        def weight_backward(c):
+        def weight_backward(sums):
             dchunk, _ = split(own, x_in, stage)[2](get(c["taps"], row["taps_get"]))  # probes' statistics all come in B
-            return {**nothing, "dchunk": f32_of(dchunk)}
+            return (jax.tree.map(lambda g, d: g + d.astype(jnp.float32), sums[0], dchunk), sums[1]), zeros, zeros, made
 
-        out = jax.lax.switch(row["kind"], [lambda c: nothing, forward, input_backward, weight_backward], c)
-        sums = jax.tree.map(jnp.add, sums[0], out["dchunk"]), jax.tree.map(jnp.maximum, sums[1], out["dprobes"])
-        c["residuals"] = put(c["residuals"], row["residuals_put"], out["residuals"])
-        c["taps"] = put(c["taps"], row["taps_put"], out["taps"])
-        c["recv_x"] = jax.lax.ppermute(out["y"], "stage", [(i, i + 1) for i in range(s - 1)])
-        c["recv_dx"] = jax.lax.ppermute(out["dx"], "stage", [(i + 1, i) for i in range(s - 1)])
-        return (*jax.tree.map(lambda a: a[None], (c, out["y"], out["dx"])), sums)
+        sums, y, dx, made = jax.lax.switch(row["kind"], [idle, forward, input_backward, weight_backward], sums)
+        c["residuals"] = put(c["residuals"], row["residuals_put"], made["residuals"])
+        c["taps"] = put(c["taps"], row["taps_put"], made["taps"])
+        c["recv_x"] = jax.lax.ppermute(y, "stage", [(i, i + 1) for i in range(s - 1)])
+        c["recv_dx"] = jax.lax.ppermute(dx, "stage", [(i + 1, i) for i in range(s - 1)])
+        return (*jax.tree.map(lambda a: a[None], (c, y, dx)), sums)
 
     def run(params, probes, embed_params, loss_params, seed, inputs, targets):
         in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")

@@ -21,9 +21,13 @@ from test_pipeline import (
     pipelined_run,
 )
 
+from lm.model.config import ModelConfig
+from lm.model.flops import flops_per_token, split_backward_flops
 from lm.program.steps import setup
 from sharding import ShardingError
 from sharding.pipeline_zero_bubble import RINGS, B, F, W, op_arrays
+from sharding.schedule_report import report
+from sharding.schedules import PipelinePlan
 from sharding.zero_bubble import held_until_w, schedule_zero_bubble
 
 ZB = dict(pipeline__schedule="zero_bubble")
@@ -115,3 +119,26 @@ def test_zero_bubble_keeps_memory_flat_in_the_microbatches():
 def test_zero_bubble_refuses_what_it_cannot_run(mesh, extra, message):
     with pytest.raises(ShardingError, match=message):
         setup(small_config({"data": -1, **mesh}, **DEEP, **ZB, **extra), VOCAB)
+
+
+@pytest.mark.parametrize("pipeline_remat", ["full", "none"])
+def test_the_report_costs_f_b_and_w_and_1f1b_stays_on_its_scale(pipeline_remat):
+    """Costed alike (F = B = W; recomputing, B with its forward again): at S = 4, M = 8 ZB-H1's
+    bubble is at most half of 1F1B's (S - 1)/(M + S - 1), keeping no more microbatches from F to
+    W than per-stage 1F1B keeps; the slots the one program runs cost more where B is the longest."""
+    plan = lambda schedule: PipelinePlan(4, 8, 1, pipeline_remat, schedule)  # noqa: E731
+    one_f_one_b, zero_bubble = report(plan("1f1b_per_stage")), report(plan("zero_bubble"), costs={"F": 1, "B": 1, "W": 1})
+    assert one_f_one_b["bubble"] == pytest.approx(3 / 11)
+    assert zero_bubble["bubble"] <= one_f_one_b["bubble"] / 2 if pipeline_remat == "none" else zero_bubble["bubble"] < one_f_one_b["bubble"]
+    assert zero_bubble["stash_depth"] <= one_f_one_b["stash_depth"] and zero_bubble["w_stash_depth"] <= 4
+    if pipeline_remat == "none":
+        assert zero_bubble["bubble"] == pytest.approx(3 / 27) == zero_bubble["slot_bubble"]  # (S-1)/(3M+S-1)
+    else:
+        assert zero_bubble["slot_bubble"] > zero_bubble["bubble"]
+
+
+def test_split_backward_flops_add_up_to_the_layers_training_flops():
+    model = ModelConfig.from_config(small_config({}), VOCAB)
+    f = split_backward_flops(model, 64)
+    assert f["F"] + f["B"] + f["W"] == pytest.approx(flops_per_token(model, 64) - 6 * model.embed_dim * model.vocab_size)
+    assert f["B"] > f["W"] and f["F"] > f["W"]  # attention: its backward is all in B

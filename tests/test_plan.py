@@ -16,6 +16,7 @@ from lm.compiler import targets
 from lm.config import apply_overrides
 from lm.data.corpus import nominal_vocab_size
 from lm.hardware.systems import System
+from lm.model.flops import split_backward_flops
 from lm.planner import calibration as calibrate
 from lm.planner import search
 from lm.planner.compiled import step_report
@@ -24,6 +25,7 @@ from lm.planner.memory import calibration, compiler_key
 from lm.planner.parallelism import Parallelism
 from lm.planner.run import run_of
 from lm.program.steps import setup
+from sharding.schedule_report import report
 
 # A small model whose state and activations are both a real share of its memory.
 SMALL = dict(model__num_layers=4, model__embed_dim=512, model__num_heads=8, model__num_kv_heads=4, model__mlp_dim=1024,
@@ -110,9 +112,10 @@ def test_every_listed_layout_divides_the_model_and_the_batch(small):
     assert not [lay for lay in listed if lay.tensor == 8]
     meshes = {(tuple(lay.mesh.values()), lay.sequence_parallel): lay for lay in listed}
     sample = random.Random(0).sample(sorted(meshes.values(), key=str), 10)
-    sample += [next(lay for lay in listed if lay.schedule == schedule) for schedule in ("1f1b", "1f1b_per_stage")]
+    sample += [next(lay for lay in listed if lay.schedule == schedule) for schedule in ("1f1b", "1f1b_per_stage", "zero_bubble")]
     sample += [next(lay for lay in listed if lay.repeats > 1), next(lay for lay in listed if lay.context > 1)]
-    assert not [lay for lay in listed if lay.schedule == "1f1b_per_stage" and (lay.repeats > 1 or lay.context > 1)]  # refused
+    per_stage = ("1f1b_per_stage", "zero_bubble")
+    assert not [lay for lay in listed if lay.schedule in per_stage and (lay.repeats > 1 or lay.context > 1)]  # refused
     for lay in sample:  # setup raises on any dimension or batch the mesh does not divide
         setup(apply_overrides(config, lay.overrides()), nominal_vocab_size(config.data), jax.devices()[:8])
 
@@ -198,6 +201,19 @@ def test_per_stage_1f1b_slots_last_their_longest_work_and_keep_less(small, stage
     balanced = stages == 2 and pipeline_remat == "none"  # two layers per stage halve; residuals kept
     assert per_stage.parallelism.name(run.model.num_layers).endswith(f"{'balanced ' * balanced}1f1b_per_stage M={microbatches}"
                                                                  + ", pipeline remat=none" * (pipeline_remat == "none"))
+
+
+def test_zero_bubble_slots_are_priced_by_their_ops_flops_and_its_taps_by_their_bytes(small):
+    """ZB-H1 in the one program: each slot lasts its longest op, F, B and W costed by their FLOPs,
+    so its step's bubble is the report's `slot_bubble`; B's taps kept until W add memory."""
+    _, run = small
+    lay = dict(stage=4, fsdp=2, remat="dots", microbatches=8, pipeline_remat="none")
+    per_stage, zero_bubble = (Cost(run, Parallelism(**lay, schedule=schedule), H100) for schedule in ("1f1b_per_stage", "zero_bubble"))
+    costs = split_backward_flops(run.model, run.seq_len)
+    assert zero_bubble.bubble_fraction() == pytest.approx(report(zero_bubble.parallelism.plan, run.model.num_layers, costs)["slot_bubble"])
+    assert zero_bubble.bubble_fraction() < per_stage.bubble_fraction()
+    assert zero_bubble.step_time["total"] < per_stage.step_time["total"]
+    assert zero_bubble.memory["temporaries"] > per_stage.memory["temporaries"]  # the taps
 
 
 def test_with_maxtext_remat_the_planner_picks_maxtexts_layout(capsys):

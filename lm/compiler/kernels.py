@@ -2,7 +2,7 @@
 it runs per step, its FLOPs and the HBM bytes it reads and writes (`table`).
 
 A kernel is an instruction of the entry computation or of a computation it runs (a while loop's
-body, its known trip count times; a conditional's costliest branch): a fusion, a library call
+body, its known trip count times; a conditional's costliest branch, weighing FLOPs and bytes): a fusion, a library call
 (cuBLAS / cuBLASLt GEMMs incl. fp8, cuDNN attention), a copy or transpose, a collective. Its bytes
 come from the kernel's own operands and results, not its inner ops, except where a fusion reads
 a slice of an operand (`dynamic-slice` of a layer's weights out of the stacked ones) or updates
@@ -34,6 +34,9 @@ _WORKSPACE = {"s8", "u8"}
 ROW_KERNELS = re.compile(r'op_name="[^"]*/(grouped_gemm_rows|grouped_gemm_weight_grad|swiglu_rows)/')
 TILE_TABLE_ARRAYS = 5  # the rows kernel's first operands: lm.model.grouped_gemm_kernels.Tiles' per-tile arrays and count
 _EXPECTED_ROWS = re.compile(r'op_name="[^"]*/expected_rows_(\d+)/')
+# FLOPs a GPU does in the time it moves one HBM byte (H100: about 990 TFLOP/s over 3.35 TB/s): how a
+# conditional's branches are weighed against each other (`table`).
+RIDGE = 300.0
 
 
 class Kernel(NamedTuple):
@@ -291,30 +294,48 @@ def table(hlo: str) -> list[Kernel]:
                 branches = (re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed
                             else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", i.rest) or i.called)
                 if branches:  # the costliest branch, as if it ran every time
-                    costs = {b: sum(buffer_bytes(" ".join(r.type for r in module.bodies.get(b, [])))) for b in branches}
-                    walk(max(costs, key=costs.get), times, seen + (computation,))
+                    walk(max(branches, key=lambda b: branch_cost(b, seen + (computation,))), times, seen + (computation,))
                 continue
             key = (computation, i.name)
             counts[key] = counts.get(key, 0) + times
             found[key] = i
 
+    def branch_cost(computation: str, seen: tuple[str, ...]) -> float:
+        """A branch's kernels' FLOPs of GEMMs and attention plus `RIDGE` per HBM byte: which of a
+        conditional's branches takes longest (the B / W of a zero-bubble slot has no more
+        bytes than its F but twice the FLOPs)."""
+        nonlocal counts, found
+        outer, counts, found = (counts, found), {}, {}
+        walk(computation, 1, seen)
+        total = 0.0
+        for key, count in counts.items():
+            k, flops, moved = _cost(module, found[key])
+            total += count * ((flops if k in ("gemm", "gemm_fp8", "attention") else 0.0) + RIDGE * moved)
+        counts, found = outer
+        return total
+
     walk(module.entry, 1)
     out = []
     for (computation, name), count in counts.items():
         i = found[(computation, name)]
-        k = module.kind(i)
-        moved = None
-        if k in ("gemm", "gemm_fp8"):
-            flops = gemm_flops(module, i)
-        elif ROW_KERNELS.search(i.rest) and i.op == "custom-call":
-            flops, moved = row_kernel_cost(module, i)
-        elif k == "attention":
-            flops = attention_flops(module, i)
-        else:
-            flops = float(sum(math.prod(d) for _, d in buffers(i.type)))
-        moved = kernel_bytes(module, i) if moved is None else moved
+        k, flops, moved = _cost(module, i)
         out.append(Kernel(name, k, count, flops, moved, i.type.split("{")[0][:80], computation))
     return out
+
+
+def _cost(module: Module, i: Instruction) -> tuple[str, float, float]:
+    """A kernel's kind, FLOPs and HBM bytes."""
+    k = module.kind(i)
+    moved = None
+    if k in ("gemm", "gemm_fp8"):
+        flops = gemm_flops(module, i)
+    elif ROW_KERNELS.search(i.rest) and i.op == "custom-call":
+        flops, moved = row_kernel_cost(module, i)
+    elif k == "attention":
+        flops = attention_flops(module, i)
+    else:
+        flops = float(sum(math.prod(d) for _, d in buffers(i.type)))
+    return k, flops, kernel_bytes(module, i) if moved is None else moved
 
 
 def cost_analysis(executable) -> dict:

@@ -151,5 +151,6 @@ def _bench(config, steps, warmup, devices, save_hlo, profile_dir, data_batches, 
         "pipeline_bubble": pipelined["bubble"],
         "pipeline_stash_depth": pipelined["stash_depth"],
         "pipeline_stash": pipelined["stash"],
+        **{f"pipeline_{k}": pipelined[k] for k in ("slot_bubble", "w_stash_depth") if k in pipelined},  # zero-bubble's
         **data,
     }
