@@ -38,11 +38,13 @@ def param_count(params) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
-def split_backward_flops(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+def split_backward_flops(cfg: ModelConfig, seq_len: int, remat: str = "none") -> dict[str, float]:
     """FLOPs per token of the layers' forward (F), input gradient (B) and matmul weights'
     gradients (W), the split a zero-bubble pipeline schedules (`sharding.zero_bubble`): the
     matmuls cost 2 per weight in each, attention's 2 * T * heads * head_dim (causal) forward and
-    twice that in B (its backward has no weights). The head is not in the pipeline's stages."""
+    twice that in B (its backward has no weights); under the layers' `remat` full, B also runs
+    each layer's forward again. The head is not in the pipeline's stages."""
     layer_matmuls = matmul_params(cfg) - cfg.embed_dim * cfg.vocab_size
     attention = 2.0 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
-    return {"F": 2.0 * layer_matmuls + attention, "B": 2.0 * layer_matmuls + 2 * attention, "W": 2.0 * layer_matmuls}
+    forward = 2.0 * layer_matmuls + attention
+    return {"F": forward, "B": 2.0 * layer_matmuls + 2 * attention + forward * (remat == "full"), "W": 2.0 * layer_matmuls}

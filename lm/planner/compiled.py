@@ -39,7 +39,7 @@ def step_report(config, devices=None, compile_step: bool = True, save_hlo: str |
     }
     summary["per_device"]["total_state_bytes"] = sum(summary["per_device"].values())
     summary["pipeline"] = pipeline_report(program.spec.pipeline, program.spec.model.num_layers,
-                                          split_backward_flops(program.spec.model, config.train.seq_len))
+                                          split_backward_flops(program.spec.model, config.train.seq_len, program.spec.model.remat))
     if compile_step:
         batch = jax.ShapeDtypeStruct(
             (config.train.batch_size, config.train.seq_len + 1), np.int32, sharding=program.batch_sharding

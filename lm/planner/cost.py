@@ -151,7 +151,7 @@ class Cost(Memory):
         lay = self.parallelism
         if lay.stage == 1:
             return 0.0
-        costs = tuple(split_backward_flops(self.run.model, self.run.seq_len).items()) if lay.schedule == "zero_bubble" else ()
+        costs = tuple(split_backward_flops(self.run.model, self.run.seq_len, lay.remat).items()) if lay.schedule == "zero_bubble" else ()
         pipelined = pipeline_report(lay.plan, self.run.model.num_layers, costs)
         return pipelined.get("slot_bubble", pipelined["bubble"])  # what the program pays, slot by slot
 

@@ -115,7 +115,7 @@ def _bench(config, steps, warmup, devices, save_hlo, profile_dir, data_batches, 
     reference, reference_source = reference_peak_flops(peak_dtype(config.precision), peak)
     memory = compiled.memory_analysis()
     plan = program.spec.pipeline
-    pipelined = pipeline_report(plan, mcfg.num_layers, split_backward_flops(mcfg, config.train.seq_len))  # schedule, bubble, stash
+    pipelined = pipeline_report(plan, mcfg.num_layers, split_backward_flops(mcfg, config.train.seq_len, mcfg.remat))  # schedule, bubble, stash
     return {
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
