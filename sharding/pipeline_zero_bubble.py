@@ -10,7 +10,9 @@ owns its matmuls, and `sharding` never imports `lm`); W, later, turns those into
 gradients. Every stage keeps four rings of per-microbatch arrays, each slot numbered ahead of
 time from the table (`op_arrays`): activations from their arrival until used (until B when
 recomputing: `pipeline.remat` full; until F when keeping residuals), cotangents from their
-arrival until B, F's residuals until B (keeping them), B's taps until W. The embedding, the head
+arrival until B, F's residuals until B (keeping them), B's taps until W. Recomputing with an
+even number of layers per stage, B runs in two halves in consecutive slots (B1 the later
+layers, from the input F kept for them; B2 the earlier), so a slot holds about one forward. The embedding, the head
 and the loss run between the `shard_map`s, where `stage` is automatic, as in the per-stage
 1F1B: the vocabulary stays split over the stages.
 """
@@ -30,24 +32,40 @@ from sharding.pipeline import owning_backward, split_microbatches, with_ends
 from sharding.pipeline_1f1b import Pullbacks
 from sharding.pipeline_per_stage import _Rings
 from sharding.remat import remat
-from sharding.schedules import PipelinePlan, check
-from sharding.zero_bubble import Op, schedule_zero_bubble
+from sharding.schedules import PipelinePlan, balanced_zero_bubble, check
+from sharding.zero_bubble import Op, is_balanced, schedule_zero_bubble
 
-IDLE, F, B, W = 0, 1, 2, 3
-KIND = {"F": F, "B": B, "W": W}
-RINGS = ("inbox", "cotangents", "residuals", "taps")  # what each keeps: see `op_arrays`
+IDLE, F, B, W, B1, B2 = 0, 1, 2, 3, 4, 5
+KIND = {"F": F, "B": B, "W": W, "B1": B1, "B2": B2}
+# What each ring keeps, from the slot it is put to its last reader: activations arriving, their
+# cotangents arriving, F's residuals (keeping them), the later half's input (recomputing,
+# balanced), B's taps (per piece: the whole chunk's, or its earlier and its later half's).
+RINGS = ("inbox", "cotangents", "residuals", "halfway", "taps")
+
+
+def _uses(kind: str, s: int, keep_residuals: bool, balanced: bool) -> tuple[list[tuple[str, bool]], list[str]]:
+    """(the rings an op reads, each with whether it is their last reader) and the rings it fills."""
+    inbox = [] if s == 0 else [("inbox", True)]  # stage 0 embeds its microbatch again
+    if kind == "F":
+        return ([("inbox", keep_residuals)] if s > 0 else []), (["residuals"] if keep_residuals else ["halfway"] if balanced else [])
+    if kind in ("B", "B1"):
+        mine = [("residuals", kind == "B")] if keep_residuals else [("halfway", True)] if kind == "B1" else inbox
+        return [("cotangents", True)] + mine, ["taps"]
+    if kind == "B2":
+        return ([("residuals", True)] if keep_residuals else inbox), []
+    return [("taps", True)], []
 
 
 def op_arrays(table: Sequence[Sequence[Op | None]], keep_residuals: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """A one-chunk-per-stage split-backward table as [slots, stages] arrays: `kind` (IDLE, F, B,
-    W), `microbatch`, and per ring of `RINGS` the slot an arrival or a result is `<ring>_put`
-    into and the slot the op `<ring>_get`s (-1: none); then each ring's depth. An arriving
-    activation or cotangent is put in its ring in the slot it arrives (before the slot's op reads
-    it); a slot is free for reuse from the slot after its last reader. Stage 0 embeds its
-    microbatch again rather than keep it; the last stage's cotangent comes from the head, the
-    slot after its F."""
-    slots, stages = len(table), len(table[0])
-    names = ["kind", "microbatch"] + [f"{ring}_{way}" for ring in RINGS for way in ("put", "get")]
+    """A one-chunk-per-stage split-backward table (`schedule_zero_bubble`, balanced or not) as
+    [slots, stages] arrays: `kind` (IDLE, F, B, W, B1, B2), `microbatch`, and per ring of `RINGS`
+    the slot an arrival or a result is `<ring>_put` into and the slot the op `<ring>_get`s (-1:
+    none); a balanced table's B2 puts its taps into the slot its B1 took (`taps_put_earlier`).
+    Then each ring's depth. An arriving activation or cotangent is put in its ring in the slot it
+    arrives (before the slot's op reads it); a slot is free for reuse from the slot after its
+    last reader. The last stage's cotangent comes from the head, the slot after its F."""
+    slots, stages, balanced = len(table), len(table[0]), is_balanced(table)
+    names = ["kind", "microbatch", "taps_put_earlier"] + [f"{ring}_{way}" for ring in RINGS for way in ("put", "get")]
     out = {k: np.full((slots, stages), 0 if k in ("kind", "microbatch") else -1, np.int32) for k in names}
     rings = {ring: _Rings(stages) for ring in RINGS}
     for t, row in enumerate(table):
@@ -58,27 +76,23 @@ def op_arrays(table: Sequence[Sequence[Op | None]], keep_residuals: bool) -> tup
             sent_dy = before[s + 1] if s < stages - 1 else before[s]
             if sent_x is not None and sent_x.kind == "F":
                 out["inbox_put"][t, s] = rings["inbox"].take(s, sent_x.microbatch)
-            if sent_dy is not None and sent_dy.kind == ("B" if s < stages - 1 else "F"):
+            if sent_dy is not None and sent_dy.kind == (("B2" if balanced else "B") if s < stages - 1 else "F"):
                 out["cotangents_put"][t, s] = rings["cotangents"].take(s, sent_dy.microbatch)
             if op is None:
                 continue
             m = op.microbatch
             out["kind"][t, s], out["microbatch"][t, s] = KIND[op.kind], m
-            reads = []
-            if op.kind == "F":
-                if s > 0:
-                    reads.append(("inbox", keep_residuals))  # keeping residuals, the input is done with
-                if keep_residuals:
-                    out["residuals_put"][t, s] = rings["residuals"].take(s, m)
-            elif op.kind == "B":
-                reads += [("cotangents", True)] + ([("residuals", True)] if keep_residuals else [("inbox", True)] if s > 0 else [])
-                out["taps_put"][t, s] = rings["taps"].take(s, m)
-            else:
-                reads.append(("taps", True))
+            if op.kind == "B2":
+                if before[s] != Op("B1", m, op.chunk):  # its cotangent is B1's, kept on the device one slot
+                    raise AssertionError(f"stage {s}'s B2 of microbatch {m} at slot {t} does not follow its B1")
+                out["taps_put_earlier"][t, s] = rings["taps"].held[s][m]
+            reads, fills = _uses(op.kind, s, keep_residuals, balanced)
             for ring, last_use in reads:
                 out[f"{ring}_get"][t, s] = rings[ring].held[s][m]
                 if last_use:
                     frees.append((ring, s, m))
+            for ring in fills:
+                out[f"{ring}_put"][t, s] = rings[ring].take(s, m)
         for ring, s, m in frees:  # free from the next slot on
             rings[ring].release(s, m)
     return out, {ring: rings[ring].depth for ring in RINGS}
@@ -88,32 +102,40 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
                          embed_params, inputs, loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None],
                          batch_axes: Sequence[str | None], probes=None, probes_axes=None, seed=1.0):
     """What `sharding.pipeline_per_stage.pipeline_per_stage` computes (same arguments), by
-    `schedule_zero_bubble` (ZB-H1): each stage's backward run as B, then W in a later slot.
-    `split_vjp(fn, params, x)` gives `(y, input_backward, weight_backward)` as
-    `lm.model.split_backward.split_vjp` does. Needs the mesh in force to have the `stage` axis."""
+    `schedule_zero_bubble` (ZB-H1): each stage's backward run as B, then W in a later slot;
+    recomputing with an even number of layers per stage, B in halves (`balanced_zero_bubble`: B1 the chunk's
+    later layers, B2 its earlier ones, in consecutive slots). `split_vjp(fn, params, x)` gives
+    `(y, input_backward, weight_backward)` as `lm.model.split_backward.split_vjp` does. Needs the
+    mesh in force to have the `stage` axis."""
     m, s = plan.microbatches, plan.stages
     mesh = active_mesh()
     if mesh is None or mesh.shape.get("stage") != s:
         raise ShardingError(f"pipeline.schedule={plan.schedule} runs under a mesh whose `stage` axis has the plan's {s} stages")
-    check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule=plan.schedule, context=mesh.shape.get("context", 1))
+    layers = jax.tree.leaves(params)[0].shape[0]
+    check(s, m, plan.repeats, layers, schedule=plan.schedule, context=mesh.shape.get("context", 1))
     keep_residuals, tick_fn = plan.remat != "full", remat(stage_fn, plan.remat)
     in_mesh = {} if manual_axes() else {"mesh": mesh}  # nested in a manual `data` (sharding.per_replica): the mesh in context
-    arrays, depths = op_arrays(schedule_zero_bubble(s, m), keep_residuals)
+    balanced = balanced_zero_bubble(plan, layers)
+    arrays, depths = op_arrays(schedule_zero_bubble(s, m, balanced), keep_residuals)
     per_stage, whole = PartitionSpec("stage"), PartitionSpec()
     state_axes = ("stages", *x_axes)
-    pullbacks = Pullbacks()
+    # The chunk's layers as its pieces: all of them, or (balanced) its earlier and its later half,
+    # sub-chunks 2s and 2s + 1 of the model (as in `sharding.pipeline_per_stage`).
+    half = layers // s // 2
+    pieces = [lambda t: t] if not balanced else [lambda t: jax.tree.map(lambda a: a[:half], t), lambda t: jax.tree.map(lambda a: a[half:], t)]
+    pullbacks = [Pullbacks() for _ in pieces]
     f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
 
-    def split(own, x, stage):
-        """The chunk's forward with its backward in two (`split_vjp`), as `plan.remat` keeps it."""
+    def split(j, own, x, stage):
+        """Piece j's forward with its backward in two (`split_vjp`), as `plan.remat` keeps it."""
         fn = tick_fn if keep_residuals else stage_fn
-        return split_vjp(lambda p, x: fn(*p, x, stage), own, x)
+        return split_vjp(lambda p, x: fn(*p, x, stage * len(pieces) + j), jax.tree.map(pieces[j], own), x)
 
-    def forward_saving(own, x, stage):
-        """The forward, and the residuals B needs (the pullback of the split's B, as
+    def forward_saving(j, own, x, stage):
+        """Piece j's forward, and the residuals its B needs (the pullback of the split's B, as
         `plan.remat` keeps them)."""
-        y, input_backward, _ = split(own, x, stage)
-        return y, pullbacks.split(input_backward, own)
+        y, input_backward, _ = split(j, own, x, stage)
+        return y, pullbacks[j].split(input_backward, jax.tree.map(pieces[j], own))
 
     def stage_work(state, sums, chunk, chunk_probes, row, embedded, seed_dy):
         """One slot on one stage (inside the `shard_map`, `stage` manual): its op, then
@@ -123,10 +145,12 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
         state, row = jax.tree.map(lambda a: a[0], (state, row))
         own = chunk, chunk_probes
         c = dict(state)
-        constants = []
+        constants = [[] for _ in pieces]
         if keep_residuals:  # residuals that depend on no input (a mask): computed here, not stashed (dead code but for those)
-            saved = forward_saving(own, embedded, stage)[1]
-            constants = [r for r, constant in zip(saved, pullbacks.constant) if constant]
+            x = embedded
+            for j in range(len(pieces)):
+                x, saved = forward_saving(j, own, x, stage)
+                constants[j] = [r for r, constant in zip(saved, pullbacks[j].constant) if constant]
 
         def put(ring, slot, x):  # one entry (maybe none: slot -1) written in place, not the ring selected whole
             at = jnp.maximum(slot, 0)
@@ -135,46 +159,87 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
         def get(ring, slot):
             return jax.tree.map(lambda r: r[jnp.maximum(slot, 0)], ring)
 
-        def added(sums, dchunk, dprobes):  # a gradient-making branch's own addition: no zeros made elsewhere
-            return jax.tree.map(lambda g, d: g + d.astype(jnp.float32), sums[0], dchunk), jax.tree.map(
-                lambda g, d: jnp.maximum(g, d.astype(jnp.float32)), sums[1], dprobes)
+        def added(sums, j, dparams):
+            """Piece j's gradients into the chunk's sums (in place: its rows of the layers), its
+            probes' statistics into their maxima."""
+            dchunk, dprobes = dparams
+            start = 0 if not balanced else j * half
+
+            def into(combine):
+                def one(total, d):
+                    if not balanced:
+                        return combine(total, d.astype(jnp.float32))
+                    rows = jax.lax.dynamic_slice_in_dim(total, start, half)
+                    return jax.lax.dynamic_update_slice_in_dim(total, combine(rows, d.astype(jnp.float32)), start, 0)
+                return one
+
+            return jax.tree.map(into(jnp.add), sums[0], dchunk), sums[1] if dprobes is None else jax.tree.map(into(jnp.maximum), sums[1], dprobes)
 
         # This slot's arrivals first (the op may read them at once).
         c["inbox"] = put(c["inbox"], row["inbox_put"], c["recv_x"])
         c["cotangents"] = put(c["cotangents"], row["cotangents_put"], jnp.where(last, seed_dy, c["recv_dx"]))
         x_in = jnp.where(first, embedded, get(c["inbox"], row["inbox_get"]))
         zeros = jnp.zeros_like(embedded)
-
-        # Each branch gives (the sums, y, dx, what F and B keep). The rings are written outside:
-        # a conditional that updated one would copy it whole (seen in the deviceless H100 program).
+        # Each branch gives (the sums, y, dx, mid, what F and B keep). The rings are written
+        # outside: a conditional that updated one would copy it whole (seen in the deviceless H100
+        # program), and the sums pass through it (zeros made for them would be traffic too).
         made = {"residuals": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["residuals"]),
+                "halfway": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["halfway"]),
                 "taps": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["taps"])}
 
         def idle(sums):
-            return sums, zeros, zeros, made
+            return sums, zeros, zeros, zeros, made
 
         def forward(sums):
-            if not keep_residuals:
-                return sums, stage_fn(chunk, chunk_probes, x_in, stage), zeros, made
-            y, saved = forward_saving(own, x_in, stage)
-            return sums, y, zeros, {**made, "residuals": pullbacks.stashed(saved)}
+            x, residuals = x_in, []
+            for j in range(len(pieces)):
+                if j == 1 and not keep_residuals:
+                    halfway = x
+                if keep_residuals:
+                    x, saved = forward_saving(j, own, x, stage)
+                    residuals.append(pullbacks[j].stashed(saved))
+                else:
+                    x = stage_fn(*jax.tree.map(pieces[j], own), x, stage * len(pieces) + j)
+            kept = {**made, "residuals": residuals} if keep_residuals else {**made, "halfway": halfway} if balanced else made
+            return sums, x, zeros, zeros, kept
 
-        def input_backward(sums):
-            dy = get(c["cotangents"], row["cotangents_get"])
-            if keep_residuals:
-                pull = pullbacks.join(pullbacks.merge(get(c["residuals"], row["residuals_get"]), constants), own)
-                (dchunk, dprobes), dx, taps = pull(dy)
-            else:  # recompute the chunk from its input
-                (dchunk, dprobes), dx, taps = split(own, x_in, stage)[1](dy)
-            return added(sums, dchunk, dprobes), zeros, dx, {**made, "taps": taps}
+        def backward(j):
+            """B of piece j (of the whole chunk when there is one piece: B; else B1 for the
+            later half, B2 for the earlier)."""
+
+            def run(sums):
+                later = j == len(pieces) - 1
+                dy = get(c["cotangents"], row["cotangents_get"]) if later else c["mid"]
+                if keep_residuals:
+                    saved = get(c["residuals"], row["residuals_get"])[j]
+                    pull = pullbacks[j].join(pullbacks[j].merge(saved, constants[j]), jax.tree.map(pieces[j], own))
+                else:  # recompute the piece from its input
+                    x = get(c["halfway"], row["halfway_get"]) if j == 1 else x_in
+                    pull = split(j, own, x, stage)[1]
+                dparams, dx, taps = pull(dy)
+                taps = [taps if i == j else jax.tree.map(jnp.zeros_like, t) for i, t in enumerate(made["taps"])]
+                to_mid = balanced and j == 1
+                return added(sums, j, dparams), zeros, (zeros if to_mid else dx), (dx if to_mid else zeros), {**made, "taps": taps}
+
+            return run
 
         def weight_backward(sums):
-            dchunk, _ = split(own, x_in, stage)[2](get(c["taps"], row["taps_get"]))  # probes' statistics all come in B
-            return (jax.tree.map(lambda g, d: g + d.astype(jnp.float32), sums[0], dchunk), sums[1]), zeros, zeros, made
+            taps = get(c["taps"], row["taps_get"])
+            for j in range(len(pieces)):  # probes' statistics all come in B
+                dchunk, _ = split(j, own, x_in, stage)[2](taps[j])
+                sums = added(sums, j, (dchunk, None))
+            return sums, zeros, zeros, zeros, made
 
-        sums, y, dx, made = jax.lax.switch(row["kind"], [idle, forward, input_backward, weight_backward], sums)
+        branches = [idle, forward, backward(0), weight_backward]
+        if balanced:
+            branches += [backward(1), backward(0)]  # B1: the later half, B2: the earlier
+        sums, y, dx, c["mid"], made = jax.lax.switch(row["kind"], branches, sums)
         c["residuals"] = put(c["residuals"], row["residuals_put"], made["residuals"])
-        c["taps"] = put(c["taps"], row["taps_put"], made["taps"])
+        c["halfway"] = put(c["halfway"], row["halfway_put"], made["halfway"])
+        if balanced:  # B1 fills the later half's taps, B2 the earlier half's (each its own put)
+            c["taps"] = [put(c["taps"][0], row["taps_put_earlier"], made["taps"][0]), put(c["taps"][1], row["taps_put"], made["taps"][1])]
+        else:
+            c["taps"] = put(c["taps"], row["taps_put"], made["taps"])
         c["recv_x"] = jax.lax.ppermute(y, "stage", [(i, i + 1) for i in range(s - 1)])
         c["recv_dx"] = jax.lax.ppermute(dx, "stage", [(i + 1, i) for i in range(s - 1)])
         return (*jax.tree.map(lambda a: a[None], (c, y, dx)), sums)
@@ -186,13 +251,14 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
         stacked = lambda shape, dtype: constrain_leading(jnp.zeros((s, *shape), dtype), "stages", "pipeline per-stage state")  # noqa: E731
         ring = lambda depth, a: stacked((max(depth, 1), *a.shape[1:]), a.dtype)  # noqa: E731  [stages, depth, ...] from [1, ...]
 
-        def shapes(chunk, chunk_probes, x):  # one stage's residuals and taps (eval_shape only)
-            own = chunk, chunk_probes
-            saved = []
-            if keep_residuals:
-                pullbacks.mark_constants(lambda c, p, x: forward_saving((c, p), x, 0), chunk, chunk_probes, x)
-                saved = pullbacks.stashed(forward_saving(own, x, 0)[1])
-            taps = split(own, x, 0)[1](jnp.zeros_like(x))[2]
+        def shapes(chunk, chunk_probes, x):  # one stage's residuals and taps, per piece (eval_shape only)
+            own, saved, taps = (chunk, chunk_probes), [], []
+            for j in range(len(pieces)):
+                if keep_residuals:
+                    pullbacks[j].mark_constants(lambda c, p, x: forward_saving(j, (c, p), x, 0), chunk, chunk_probes, x)  # noqa: B023
+                    saved.append(pullbacks[j].stashed(forward_saving(j, own, x, 0)[1]))
+                taps.append(split(j, own, x, 0)[1](jnp.zeros_like(x))[2])
+                x = split(j, own, x, 0)[0]
             return jax.tree.map(lambda a: a[None], (saved, taps))
 
         stage_shard = jax.shard_map(shapes, **in_mesh, axis_names={"stage"}, check_vma=False, in_specs=(per_stage, per_stage, whole),
@@ -200,9 +266,10 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
         saved, taps = jax.eval_shape(stage_shard, params, probes, jnp.zeros(x_like.shape, x_like.dtype))
         state = {"inbox": ring(depths["inbox"], jnp.zeros((1, *x_like.shape), x_like.dtype)),
                  "cotangents": ring(depths["cotangents"], jnp.zeros((1, *x_like.shape), x_like.dtype)),
-                 "residuals": [ring(depths["residuals"], a) for a in saved],
+                 "residuals": jax.tree.map(lambda a: ring(depths["residuals"], a), saved),
+                 "halfway": ring(depths["halfway"], jnp.zeros((1, *x_like.shape), x_like.dtype)) if balanced and not keep_residuals else [],
                  "taps": jax.tree.map(lambda a: ring(depths["taps"], a), taps),
-                 **{k: stacked(x_like.shape, x_like.dtype) for k in ("recv_x", "recv_dx")}}
+                 **{k: stacked(x_like.shape, x_like.dtype) for k in ("recv_x", "recv_dx", "mid")}}
         placed = lambda tree, axes, fill=0.0: None if tree is None else jax.tree.map(  # noqa: E731
             lambda a, ax: constrain(jnp.full(a.shape, fill, jnp.float32), tuple(ax), "pipeline gradient sums"), tree, axes)
         sums = placed(params, params_axes), placed(probes, probes_axes, -jnp.inf)
@@ -230,7 +297,8 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
 
             no_head = lambda loss, dloss, seed_dy: (loss, dloss, mb_placed(seed_dy))  # noqa: E731
             loss, dloss, seed_dy = jax.lax.cond(last["kind"] == F, head, no_head, c["loss"], c["dloss"], c["seed_dy"])
-            dembed = jax.lax.cond(first["kind"] == B, lambda total: add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
+            gives_dx = (first["kind"] == B) | (first["kind"] == B2)  # stage 0's input cotangent
+            dembed = jax.lax.cond(gives_dx, lambda total: add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
             return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": loss, "dloss": dloss, "dembed": dembed}, None
 
         c = {"state": state, "sums": sums, "seed_dy": jnp.zeros(x_like.shape, x_like.dtype), "loss": jnp.zeros((), jnp.float32),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from sharding.schedules import (
     PipelinePlan,
     balanced_slots,
+    balanced_zero_bubble,
     bubble_fraction,
     held_per_stage,
     in_flight,
@@ -42,8 +43,9 @@ def report(plan: PipelinePlan, layers: int = 0, costs: dict[str, float] | None =
         return {"schedule": "none", "bubble": 0.0, "stash_depth": 0, "stash": "none"}
     kept = "stage inputs" if plan.remat == "full" else "residuals"
     if plan.schedule == "zero_bubble":
-        table, costs = schedule_zero_bubble(plan.stages, plan.microbatches), split_costs(plan, costs)
-        return {"schedule": plan.schedule, "bubble": costed_bubble(table, costs), "slot_bubble": slotted_bubble(table, costs),
+        balanced = balanced_zero_bubble(plan, layers)
+        table, costs = schedule_zero_bubble(plan.stages, plan.microbatches, balanced), split_costs(plan, costs)
+        return {"schedule": "balanced zero_bubble" if balanced else plan.schedule, "bubble": costed_bubble(table, costs), "slot_bubble": slotted_bubble(table, costs),
                 "stash_depth": max(held_until_w(table)), "stash": f"{kept}; matmul inputs and output gradients from B to W",
                 "w_stash_depth": max(waiting_for_w(table))}
     if plan.schedule == "1f1b_per_stage":

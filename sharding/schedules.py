@@ -177,6 +177,14 @@ def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
 PER_STAGE = ("1f1b_per_stage", "zero_bubble")  # the schedules whose stages each run their own work per slot
 
 
+def balanced_zero_bubble(plan: PipelinePlan, layers: int) -> bool:
+    """Whether a zero-bubble pipeline runs each B in two halves (B1, B2): recomputing (its B is
+    then a forward and an input gradient) and when each stage's `layers` (0: not known) halve,
+    so that a slot holds about one forward's work. Keeping residuals it does not pay: measured
+    on the deviceless H100 `llama_8b` (PERFORMANCE.md, "Pipelines"), 2% slower and 15 GiB more."""
+    return plan.schedule == "zero_bubble" and plan.remat == "full" and layers > 0 and layers % (2 * plan.stages) == 0
+
+
 def balanced_slots(plan: PipelinePlan, layers: int) -> bool:
     """Whether the per-stage 1F1B runs `balanced` slots: when it keeps residuals (its backward
     is then two forwards' work) and each stage's `layers` (0: not known) halve."""

@@ -25,7 +25,7 @@ from lm.model.config import ModelConfig
 from lm.model.flops import flops_per_token, split_backward_flops
 from lm.program.steps import setup
 from sharding import ShardingError
-from sharding.pipeline_zero_bubble import RINGS, B, F, W, op_arrays
+from sharding.pipeline_zero_bubble import KIND, RINGS, op_arrays
 from sharding.schedule_report import report
 from sharding.schedules import PipelinePlan
 from sharding.zero_bubble import held_until_w, schedule_zero_bubble
@@ -35,18 +35,20 @@ ZB = dict(pipeline__schedule="zero_bubble")
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 8), (4, 32), (8, 20)])
 @pytest.mark.parametrize("keep_residuals", [False, True], ids=["recompute", "residuals"])
-def test_each_op_reads_the_ring_slot_its_producer_filled(stages, microbatches, keep_residuals):
-    table = schedule_zero_bubble(stages, microbatches)
+@pytest.mark.parametrize("balanced", [False, True], ids=["whole", "balanced"])
+def test_each_op_reads_the_ring_slot_its_producer_filled(stages, microbatches, keep_residuals, balanced):
+    table = schedule_zero_bubble(stages, microbatches, balanced)
     arrays, depths = op_arrays(table, keep_residuals)
     at = {(op.kind, op.microbatch, s): t for t, row in enumerate(table) for s, op in enumerate(row) if op is not None}
-    kinds = {"F": F, "B": B, "W": W}
     for (kind, m, s), t in at.items():
-        assert arrays["kind"][t, s] == kinds[kind] and arrays["microbatch"][t, s] == m
-    # (ring, where it is put: (op, stage offset, slot offset), who reads it last)
-    flows = [("taps", ("B", 0, 0), "B", "W"), ("cotangents", ("B", +1, 1), "B", "B")]
-    flows += [("residuals", ("F", 0, 0), "F", "B")] if keep_residuals else []
-    flows += [("inbox", ("F", -1, 1), "F", "F" if keep_residuals else "B")]
-    for ring, (maker, ds, dt), _, reader in flows:
+        assert arrays["kind"][t, s] == KIND[kind] and arrays["microbatch"][t, s] == m
+    first_b, last_b = ("B1", "B2") if balanced else ("B", "B")
+    # (ring, who puts it and where: (op, stage offset, slot offset), who reads it last)
+    flows = [("taps", (first_b, 0, 0), "W"), ("cotangents", (last_b, +1, 1), first_b)]
+    flows += [("residuals", ("F", 0, 0), last_b)] if keep_residuals else []
+    flows += [("halfway", ("F", 0, 0), "B1")] if balanced and not keep_residuals else []
+    flows += [("inbox", ("F", -1, 1), "F" if keep_residuals else last_b)]
+    for ring, (maker, ds, dt), reader in flows:
         for m in range(microbatches):
             for s in range(stages):
                 if ring == "inbox" and s == 0:  # stage 0 embeds again
@@ -58,6 +60,10 @@ def test_each_op_reads_the_ring_slot_its_producer_filled(stages, microbatches, k
                 read_at = at[(reader, m, s)]
                 assert slot >= 0 and arrays[f"{ring}_get"][read_at, s] == slot, (ring, m, s)
                 assert slot not in arrays[f"{ring}_put"][put_at + 1:read_at + 1, s], (ring, m, s)  # untouched meanwhile
+                if ring == "taps" and balanced:  # B2 fills the earlier half's taps of the slot B1 took
+                    assert arrays["taps_put_earlier"][at[("B2", m, s)], s] == slot
+    if balanced:  # B2 takes B1's cotangent from the slot before, on the device
+        assert all(at[("B2", m, s)] == at[("B1", m, s)] + 1 for m in range(microbatches) for s in range(stages))
     # Kept from F to W: at most S microbatches per stage (1F1B's stage 0), B's taps among them.
     assert max(held_until_w(table)) <= stages
     assert depths["taps"] <= stages and depths["cotangents"] <= 2
@@ -85,7 +91,8 @@ def test_zero_bubble_trains_like_one_device(one_device_deep, mesh, extra):  # no
     # gradient is near 0 (seen: one element of 8192 off by 1.2e-5 after 5 steps; 1F1B: 7e-6).
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5), params, ref_params)
     branches = {len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)}
-    assert 4 in branches  # each stage its own op: nothing, F, B or W
+    balanced = 4 // mesh["stage"] % 2 == 0 and extra.get("pipeline__remat", "full") == "full"  # recomputing 2 layers per stage: B in halves
+    assert (6 if balanced else 4) in branches  # each stage its own op: nothing, F, B or W (B1, B2)
     assert "collective-permute" in hlo and not constant_collectives(hlo) and not full_vocabulary_buffers(hlo)
 
 
@@ -142,3 +149,13 @@ def test_split_backward_flops_add_up_to_the_layers_training_flops():
     f = split_backward_flops(model, 64)
     assert f["F"] + f["B"] + f["W"] == pytest.approx(flops_per_token(model, 64) - 6 * model.embed_dim * model.vocab_size)
     assert f["B"] > f["W"] and f["F"] > f["W"]  # attention: its backward is all in B
+
+
+def test_balanced_halves_when_recomputing_even_layers_per_stage():
+    """Recomputing with an even number of layers per stage, B runs in two halves (each about one
+    forward's work): the slots the one program runs cost less, the table's own bubble the same."""
+    costs = {"F": 1, "B": 1, "W": 1}
+    whole, balanced = (report(PipelinePlan(4, 8, 1, "full", "zero_bubble"), layers, costs) for layers in (4, 8))
+    assert (whole["schedule"], balanced["schedule"]) == ("zero_bubble", "balanced zero_bubble")
+    assert balanced["bubble"] == pytest.approx(whole["bubble"]) and balanced["slot_bubble"] < whole["slot_bubble"]
+    assert report(PipelinePlan(4, 8, 1, "none", "zero_bubble"), 8, costs)["schedule"] == "zero_bubble"  # keeping residuals: whole
