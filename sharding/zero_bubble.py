@@ -201,13 +201,18 @@ def costed_bubble(table: Sequence[Sequence[Op | None]], cost: dict[str, float]) 
     return 1 - sum(busy) / (stages * max(free))
 
 
-def slotted_bubble(table: Sequence[Sequence[Op | None]], cost: dict[str, float]) -> float:
+def slotted_bubble(table: Sequence[Sequence[Op | None]], cost: dict[str, float], costliest_everywhere: bool = False) -> float:
     """Idle time over all time when the stages run the table slot by slot in step, each slot as
     long as its longest op (`sharding.pipeline_zero_bubble`: one SPMD program, a `shard_map` per
-    slot): what the program pays where `costed_bubble` lets each stage run ahead."""
+    slot): what the program pays where `costed_bubble` lets each stage run ahead. With
+    `costliest_everywhere`, every slot as long as the costliest kind of op in the table: the
+    bound the kernel model gives (a conditional's costliest branch, as if it ran every time)
+    and the planner prices the per-stage 1F1B by."""
     cost = {"B1": cost.get("B", 0) / 2, "B2": cost.get("B", 0) / 2, **cost}
     busy = sum(cost[op.kind] for row in table for op in row if op is not None)
-    total = sum(max((cost[op.kind] for op in row if op is not None), default=0.0) for row in table)
+    longest = max(cost[op.kind] for row in table for op in row if op is not None)
+    total = len(table) * longest if costliest_everywhere else sum(
+        max((cost[op.kind] for op in row if op is not None), default=0.0) for row in table)
     return 1 - busy / (len(table[0]) * total)
 
 

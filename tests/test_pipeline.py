@@ -432,10 +432,12 @@ def test_1f1b_keeping_residuals_skips_the_recompute_and_stays_flat_in_the_microb
     assert measure(16, "none")[0] <= 1.1 * kept_bytes
 
 
-def test_1f1b_runs_its_backward_at_the_float16_loss_scale():
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_1f1b_runs_its_backward_at_the_float16_loss_scale(schedule):
     """The loss scale seeds the pipeline's own backward: an overflowing scale (step 2's, injected)
     makes float16 cotangents infinite there and the step is skipped, as on one device; scaling
-    float32 gradients after the fact would have hidden it."""
+    float32 gradients after the fact would have hidden it. (The zero-bubble pipeline's B and W
+    alike.)"""
     from lm.program.steps import Faults
 
     def run(mesh, devices=None, **kw):
@@ -450,7 +452,7 @@ def test_1f1b_runs_its_backward_at_the_float16_loss_scale():
         return [(float(m["loss_scale"]), int(m["skipped_steps"])) for m in out], np.array([m["loss"] for m in out])
 
     ref_scales, ref_losses = run({}, jax.devices()[:1])
-    scales, losses = run({"data": -1, "stage": 2}, pipeline__schedule="1f1b")
+    scales, losses = run({"data": -1, "stage": 2}, pipeline__schedule=schedule)
     assert scales == ref_scales == [(1024, 0), (1024, 1), (512, 1), (512, 1), (512, 1), (1024, 1)]
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-3)
 

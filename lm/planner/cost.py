@@ -153,7 +153,9 @@ class Cost(Memory):
             return 0.0
         costs = tuple(split_backward_flops(self.run.model, self.run.seq_len, lay.remat).items()) if lay.schedule == "zero_bubble" else ()
         pipelined = pipeline_report(lay.plan, self.run.model.num_layers, costs)
-        return pipelined.get("slot_bubble", pipelined["bubble"])  # what the program pays, slot by slot
+        # Zero-bubble slots each as long as the costliest op, as the per-stage 1F1B's are priced
+        # (below) and the kernel model bounds them: the one program's slots last their longest op.
+        return pipelined.get("slot_bound_bubble", pipelined["bubble"])
 
     @cached_property
     def step_time(self) -> dict:
