@@ -26,6 +26,7 @@ Context parallelism is refused too (its collectives would sit in one stage's bra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -146,7 +147,6 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     pieces = [lambda t: t] if not balanced else [lambda t: jax.tree.map(lambda a: a[:half], t), lambda t: jax.tree.map(lambda a: a[half:], t)]
     pullbacks = [Pullbacks() for _ in pieces]
     per_stage, whole = PartitionSpec("stage"), PartitionSpec()
-    state_axes = ("stages", *x_axes)
     f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
 
     def forward_saving(j, chunk, chunk_probes, x, stage):
@@ -263,40 +263,51 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         staged = jax.shard_map(stage_work, **in_mesh, axis_names={"stage"}, check_vma=False,
                                in_specs=(per_stage,) * 5 + (whole, whole), out_specs=per_stage)
 
-        def slot(c, row):
-            """Stage 0's embedding, every stage's half, the head and loss if the last stage ran a
-            forward, the embedding's gradient if stage 0 ran a backward: outside the `shard_map`,
-            so the vocabulary stays split over `stage` (as in the lockstep pipelines), and the
-            conditions are the same on every device (the ends' columns of the table)."""
-            first, last = row["first"], row["last"]
-            tokens = in_m[first["microbatch"]]
-            embedded, embed_pull = jax.vjp(lambda ep: embed_fn(ep, tokens).astype(x_like.dtype), embed_params)
-            state, y, dx, sums = staged(c["state"], c["sums"], params, probes, {k: v for k, v in row.items() if k not in ("first", "last")},
-                                        embedded, c["seed_dy"])
-            y, dx = (constrain(a, state_axes, "pipeline stage outputs") for a in (y, dx))
-
-            # The sums pass through the conditions (a branch that made fresh zeros would leave
-            # them unplaced, which XLA refuses inside a manual `data`: sharding.per_replica).
-            add = lambda total, d: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, d)  # noqa: E731
-            mb_placed = lambda x_mb: constrain(x_mb, x_axes, "pipeline microbatch")  # noqa: E731
-
-            def head(loss, dloss, seed_dy):
-                mb_loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[last["microbatch"]]), loss_params, y[-1])
-                d_mb, dy = pull((seed / m).astype(mb_loss.dtype))
-                return loss + mb_loss.astype(jnp.float32) / m, add(dloss, d_mb), mb_placed(dy.astype(x_like.dtype))
-
-            no_head = lambda loss, dloss, seed_dy: (loss, dloss, mb_placed(seed_dy))  # noqa: E731
-            loss, dloss, seed_dy = jax.lax.cond(last["half"] == FORWARD, head, no_head, c["loss"], c["dloss"], c["seed_dy"])
-            gives_dx = (first["half"] == BACKWARD) | (first["half"] == EARLIER)  # stage 0's input cotangent
-            dembed = jax.lax.cond(gives_dx, lambda total: add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
-            return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": loss, "dloss": dloss, "dembed": dembed}, None
-
-        c = {"state": state, "sums": sums, "seed_dy": jnp.zeros(x_like.shape, x_like.dtype), "loss": jnp.zeros((), jnp.float32),
-             "dloss": f32(loss_params), "dembed": f32(embed_params)}
-        c, _ = jax.lax.scan(slot, c, jax.tree.map(jnp.asarray, with_ends(arrays)))
-        like = lambda tree, ref: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, ref)  # noqa: E731
-        dparams, stats = c["sums"]
-        stats = None if probes is None else like(stats, probes)
-        return c["loss"], (like(dparams, params), stats, like(c["dembed"], embed_params), like(c["dloss"], loss_params))
+        return run_slots(staged, arrays, state, sums, column="half", head_on=(FORWARD,), dx_on=(BACKWARD, EARLIER), params=params,
+                         probes=probes, embed_fn=embed_fn, embed_params=embed_params, in_m=in_m, t_m=t_m, loss_fn=loss_fn,
+                         loss_params=loss_params, seed=seed, x_like=x_like, x_axes=x_axes)
 
     return owning_backward(run, (params, probes, embed_params, loss_params), seed, (inputs, targets), statistics=(1,))
+
+
+def run_slots(staged: Callable, arrays: dict, state, sums, *, column: str, head_on: Sequence[int], dx_on: Sequence[int], params, probes,
+              embed_fn: Callable, embed_params, in_m, t_m, loss_fn: Callable, loss_params, seed, x_like, x_axes: Sequence[str | None]):
+    """A per-stage pipeline's slots (`staged`: every stage's work in one slot, the `shard_map`),
+    with its ends around them: stage 0's embedding, the head and loss when the last stage's
+    `column` is one of `head_on` (a forward), the embedding's gradient when stage 0's is one of
+    `dx_on` (its backward's last part): outside the `shard_map`, so the vocabulary stays split
+    over `stage` (as in the lockstep pipelines), under conditions the same on every device (the
+    ends' columns of the table). The loss and every gradient, as `owning_backward` takes them."""
+    m, state_axes = in_m.shape[0], ("stages", *x_axes)
+    # The sums pass through the conditions (a branch that made fresh zeros would leave them
+    # unplaced, which XLA refuses inside a manual `data`: sharding.per_replica).
+    add = lambda total, d: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, d)  # noqa: E731
+    mb_placed = lambda x_mb: constrain(x_mb, x_axes, "pipeline microbatch")  # noqa: E731
+    f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
+    among = lambda value, kinds: functools.reduce(jnp.logical_or, [value == k for k in kinds])  # noqa: E731
+
+    def slot(c, row):
+        first, last = row["first"], row["last"]
+        tokens = in_m[first["microbatch"]]
+        embedded, embed_pull = jax.vjp(lambda ep: embed_fn(ep, tokens).astype(x_like.dtype), embed_params)
+        state, y, dx, sums = staged(c["state"], c["sums"], params, probes, {k: v for k, v in row.items() if k not in ("first", "last")},
+                                    embedded, c["seed_dy"])
+        y, dx = (constrain(a, state_axes, "pipeline stage outputs") for a in (y, dx))
+
+        def head(loss, dloss, seed_dy):
+            mb_loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[last["microbatch"]]), loss_params, y[-1])
+            d_mb, dy = pull((seed / m).astype(mb_loss.dtype))
+            return loss + mb_loss.astype(jnp.float32) / m, add(dloss, d_mb), mb_placed(dy.astype(x_like.dtype))
+
+        no_head = lambda loss, dloss, seed_dy: (loss, dloss, mb_placed(seed_dy))  # noqa: E731
+        loss, dloss, seed_dy = jax.lax.cond(among(last[column], head_on), head, no_head, c["loss"], c["dloss"], c["seed_dy"])
+        dembed = jax.lax.cond(among(first[column], dx_on), lambda total: add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
+        return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": loss, "dloss": dloss, "dembed": dembed}, None
+
+    c = {"state": state, "sums": sums, "seed_dy": jnp.zeros(x_like.shape, x_like.dtype), "loss": jnp.zeros((), jnp.float32),
+         "dloss": f32(loss_params), "dembed": f32(embed_params)}
+    c, _ = jax.lax.scan(slot, c, jax.tree.map(jnp.asarray, with_ends(arrays)))
+    like = lambda tree, ref: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, ref)  # noqa: E731
+    dparams, stats = c["sums"]
+    stats = None if probes is None else like(stats, probes)
+    return c["loss"], (like(dparams, params), stats, like(c["dembed"], embed_params), like(c["dloss"], loss_params))

@@ -28,9 +28,9 @@ from jax.sharding import PartitionSpec
 
 from sharding.constraints import active_mesh, constrain, constrain_leading, manual_axes
 from sharding.mesh import ShardingError
-from sharding.pipeline import owning_backward, split_microbatches, with_ends
+from sharding.pipeline import owning_backward, split_microbatches
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_per_stage import _Rings
+from sharding.pipeline_per_stage import _Rings, run_slots
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan, balanced_zero_bubble, check
 from sharding.zero_bubble import Op, is_balanced, schedule_zero_bubble
@@ -118,13 +118,11 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
     balanced = balanced_zero_bubble(plan, layers)
     arrays, depths = op_arrays(schedule_zero_bubble(s, m, balanced), keep_residuals)
     per_stage, whole = PartitionSpec("stage"), PartitionSpec()
-    state_axes = ("stages", *x_axes)
     # The chunk's layers as its pieces: all of them, or (balanced) its earlier and its later half,
     # sub-chunks 2s and 2s + 1 of the model (as in `sharding.pipeline_per_stage`).
     half = layers // s // 2
     pieces = [lambda t: t] if not balanced else [lambda t: jax.tree.map(lambda a: a[:half], t), lambda t: jax.tree.map(lambda a: a[half:], t)]
     pullbacks = [Pullbacks() for _ in pieces]
-    f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
 
     def split(j, own, x, stage):
         """Piece j's forward with its backward in two (`split_vjp`), as `plan.remat` keeps it."""
@@ -277,36 +275,8 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
         staged = jax.shard_map(stage_work, **in_mesh, axis_names={"stage"}, check_vma=False,
                                in_specs=(per_stage,) * 5 + (whole, whole), out_specs=per_stage)
 
-        def slot(c, row):
-            """Stage 0's embedding, every stage's op, the head and loss if the last stage ran an
-            F, the embedding's gradient if stage 0 ran a B (outside the `shard_map`: see
-            `sharding.pipeline_per_stage`)."""
-            first, last = row["first"], row["last"]
-            tokens = in_m[first["microbatch"]]
-            embedded, embed_pull = jax.vjp(lambda ep: embed_fn(ep, tokens).astype(x_like.dtype), embed_params)
-            state, y, dx, sums = staged(c["state"], c["sums"], params, probes, {k: v for k, v in row.items() if k not in ("first", "last")},
-                                        embedded, c["seed_dy"])
-            y, dx = (constrain(a, state_axes, "pipeline stage outputs") for a in (y, dx))
-            add = lambda total, d: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, d)  # noqa: E731
-            mb_placed = lambda x_mb: constrain(x_mb, x_axes, "pipeline microbatch")  # noqa: E731
-
-            def head(loss, dloss, seed_dy):
-                mb_loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[last["microbatch"]]), loss_params, y[-1])
-                d_mb, dy = pull((seed / m).astype(mb_loss.dtype))
-                return loss + mb_loss.astype(jnp.float32) / m, add(dloss, d_mb), mb_placed(dy.astype(x_like.dtype))
-
-            no_head = lambda loss, dloss, seed_dy: (loss, dloss, mb_placed(seed_dy))  # noqa: E731
-            loss, dloss, seed_dy = jax.lax.cond(last["kind"] == F, head, no_head, c["loss"], c["dloss"], c["seed_dy"])
-            gives_dx = (first["kind"] == B) | (first["kind"] == B2)  # stage 0's input cotangent
-            dembed = jax.lax.cond(gives_dx, lambda total: add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
-            return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": loss, "dloss": dloss, "dembed": dembed}, None
-
-        c = {"state": state, "sums": sums, "seed_dy": jnp.zeros(x_like.shape, x_like.dtype), "loss": jnp.zeros((), jnp.float32),
-             "dloss": f32(loss_params), "dembed": f32(embed_params)}
-        c, _ = jax.lax.scan(slot, c, jax.tree.map(jnp.asarray, with_ends(arrays)))
-        like = lambda tree, ref: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, ref)  # noqa: E731
-        dparams, stats = c["sums"]
-        stats = None if probes is None else like(stats, probes)
-        return c["loss"], (like(dparams, params), stats, like(c["dembed"], embed_params), like(c["dloss"], loss_params))
+        return run_slots(staged, arrays, state, sums, column="kind", head_on=(F,), dx_on=(B, B2), params=params, probes=probes,
+                         embed_fn=embed_fn, embed_params=embed_params, in_m=in_m, t_m=t_m, loss_fn=loss_fn, loss_params=loss_params,
+                         seed=seed, x_like=x_like, x_axes=x_axes)
 
     return owning_backward(run, (params, probes, embed_params, loss_params), seed, (inputs, targets), statistics=(1,))

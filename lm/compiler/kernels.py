@@ -15,23 +15,16 @@ half, backward 2.5x forward); other kernels count one FLOP per result element. T
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import NamedTuple
 
-from lm.compiler.hlo import COLLECTIVES, buffer_bytes, buffers, computations
+from lm.compiler.hlo import buffer_bytes, buffers
+from lm.compiler.hlo_module import CONTROL, NO_KERNEL, ROW_KERNELS, Instruction, Module, backend_config, config_value, dims_of
 
-_LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-# Instructions that launch no kernel of their own; loops and branches run their computations'.
-NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "add-dependency",
-             "opt-barrier", "partition-id", "replica-id"}
-CONTROL = {"while", "conditional", "call"}
 # Workspace buffers of library calls: scratch, not data the kernel streams.
 _WORKSPACE = {"s8", "u8"}
-# meshlm's kernels over an expert buffer's rows (lm.model.grouped_gemm, lm.model.swiglu_rows),
-# named in a Pallas call's op_name, and the rows they are expected to hold (the scope around them).
-ROW_KERNELS = re.compile(r'op_name="[^"]*/(grouped_gemm_rows|grouped_gemm_weight_grad|swiglu_rows)/')
+# The rows meshlm's kernels over an expert buffer (`ROW_KERNELS`) are expected to hold (the scope around them).
 TILE_TABLE_ARRAYS = 5  # the rows kernel's first operands: lm.model.grouped_gemm_kernels.Tiles' per-tile arrays and count
 _EXPECTED_ROWS = re.compile(r'op_name="[^"]*/expected_rows_(\d+)/')
 # FLOPs a GPU does in the time it moves one HBM byte (H100: about 990 TFLOP/s over 3.35 TB/s): how a
@@ -49,136 +42,21 @@ class Kernel(NamedTuple):
     computation: str
 
 
-class Instruction(NamedTuple):
-    name: str
-    type: str
-    op: str
-    rest: str
-
-    @property
-    def operands(self) -> list[str]:
-        return re.findall(r"%([\w.\-]+)", self.rest.split(")")[0])
-
-    @property
-    def called(self) -> list[str]:
-        return re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", self.rest)
-
-
-def kind(op: str, rest: str, fused_ops: set[str] = frozenset()) -> str:
-    """The kind of work one optimized-HLO instruction does, from its opcode and attributes (and,
-    for a fusion, the opcodes of the computation it calls)."""
-    target = re.search(r'custom_call_target="([^"]+)"', rest)
-    if op == "custom-call" and target:
-        name = target.group(1)
-        if name.startswith("mosaic_gpu") and (row_kernel := ROW_KERNELS.search(rest)):
-            return "elementwise" if row_kernel.group(1) == "swiglu_rows" else "grouped_gemm"
-        return "gemm" if "matmul" in name or "gemm" in name else "attention" if "fmha" in name else "custom-call"
-    if op == "dot":
-        return "gemm"
-    if op in ("fusion", "fusion-start"):
-        if "dot" in fused_ops or "convolution" in fused_ops:
-            return "gemm"
-        if fused_ops and fused_ops <= {"transpose", "copy", "bitcast", "parameter", "convert"} and "transpose" in fused_ops:
-            return "transpose"
-        fusion_kind = re.search(r"kind=k(\w+)", rest)
-        return {"Loop": "elementwise", "Input": "reduction", "Output": "elementwise"}.get(fusion_kind.group(1) if fusion_kind else "", "fusion")
-    if op.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
-        return "collective"
-    if op in ("copy", "copy-start", "copy-done", "transpose"):
-        return "copy"
-    if op in ("dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "pad", "gather", "scatter"):
-        return "slicing"
-    return "other"
-
-
-class Module:
-    """An optimized HLO module's computations, instructions and result types."""
-
-    def __init__(self, hlo: str):
-        self.bodies: dict[str, list[Instruction]] = {}
-        self.entry = ""
-        for name, header, body in computations(hlo):
-            self.bodies[name] = [Instruction(*m.groups()) for m in map(_LINE.match, body) if m]
-            if header.startswith("ENTRY"):
-                self.entry = name
-        self.types = {i.name: i.type for rows in self.bodies.values() for i in rows}
-        self._ops: dict[str, set[str]] = {}
-
-    def opcodes(self, computation: str, seen: frozenset = frozenset()) -> set[str]:
-        """The opcodes a computation holds, those of the computations it calls folded in."""
-        if computation not in self._ops:
-            rows = self.bodies.get(computation, [])
-            ops = {i.op for i in rows}
-            for i in rows:
-                for callee in set(i.called) - seen - {computation}:
-                    ops |= self.opcodes(callee, seen | {computation})
-            self._ops[computation] = ops
-        return self._ops[computation]
-
-    def kind(self, i: Instruction, fp8_apart: bool = True) -> str:
-        fused = self.opcodes(i.called[0]) if i.op in ("fusion", "fusion-start") and i.called else set()
-        k = kind(i.op, i.rest, fused)
-        return "gemm_fp8" if fp8_apart and k == "gemm" and self.fp8_gemm(i) else k
-
-    def fp8_gemm(self, i: Instruction) -> bool:
-        if i.op == "custom-call":
-            return "$f8" in i.rest or any(self.types.get(o, "").startswith("f8") for o in i.operands[:2])
-        dot = self.dot_of(i)
-        return dot is not None and any(self.types.get(o, "").lstrip("(").startswith("f8") for o in dot.operands[:2])
-
-    def dot_of(self, i: Instruction) -> Instruction | None:
-        for callee in i.called:
-            for row in self.bodies.get(callee, []):
-                if row.op == "dot":
-                    return row
-                if row.called and (found := self.dot_of(row)):
-                    return found
-        return None
-
-
-def _dims(type_: str) -> tuple[int, ...]:
-    """The shape of a type's (first) array."""
-    found = buffers(type_)
-    return found[0][1] if found else ()
-
-
-def backend_config(rest: str) -> dict:
-    """An instruction's `backend_config` JSON (its spacing and key order differ between XLA
-    versions), {} where it has none."""
-    at = rest.find("backend_config=")
-    if at < 0:
-        return {}
-    try:
-        return json.JSONDecoder().raw_decode(rest[at + len("backend_config="):])[0]
-    except ValueError:
-        return {}
-
-
-def _find(config: dict, key: str):
-    """The first value under `key` anywhere in a nested backend config."""
-    if key in config:
-        return config[key]
-    for value in config.values():
-        if isinstance(value, dict) and (found := _find(value, key)) is not None:
-            return found
-    return None
-
-
 def gemm_flops(module: Module, i: Instruction) -> float:
     """2 x result elements x contracted size, of a cuBLAS call or a fusion around a dot."""
     if i.op == "custom-call":
-        numbers = _find(backend_config(i.rest), "dot_dimension_numbers") or {}
-        lhs = _dims(module.types.get(i.operands[0], ""))
+        numbers = config_value(backend_config(i.rest), "dot_dimension_numbers") or {}
+        lhs = dims_of(module.types.get(i.operands[0], ""))
         contracted = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
-        result = _dims(i.type)
+        result = dims_of(i.type)
     else:
         dot = module.dot_of(i)
         if dot is None:
             return 0.0
         numbers = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.rest)
-        lhs = _dims(module.types.get(dot.operands[0], ""))
+        lhs = dims_of(module.types.get(dot.operands[0], ""))
         contracted = [int(d) for d in numbers.group(1).split(",") if d] if numbers else []
-        result = _dims(dot.type)
+        result = dims_of(dot.type)
     k = math.prod(lhs[d] for d in contracted if d < len(lhs)) if lhs else 0
     return 2.0 * math.prod(result) * k
 
@@ -188,16 +66,16 @@ def attention_flops(module: Module, i: Instruction) -> float:
     if "Backward" in i.rest:  # (dq, dk, dv, ...): the gradients have the inputs' shapes
         q, k = (dims for _, dims in buffers(i.type)[:2])
     else:
-        q, k = (_dims(module.types.get(o, "")) for o in i.operands[:2])
+        q, k = (dims_of(module.types.get(o, "")) for o in i.operands[:2])
     if len(q) != 4 or len(k) != 4:
         return 0.0
     config = backend_config(i.rest)
-    numbers = _find(config, "bmm1_dot_dimension_numbers") or {}
+    numbers = config_value(config, "bmm1_dot_dimension_numbers") or {}
     batch, contracted = numbers.get("lhs_batch_dimensions", ["0", "1"]), numbers.get("lhs_contracting_dimensions", ["3"])
     b_dim, h_dim, d_dim = int(batch[0]), int(batch[1]), int(contracted[0])
     s_dim = ({0, 1, 2, 3} - {b_dim, h_dim, d_dim}).pop()
     forward = 4.0 * q[b_dim] * q[h_dim] * q[s_dim] * k[s_dim] * q[d_dim]
-    if _find(config, "mask_type") == "CAUSAL":
+    if config_value(config, "mask_type") == "CAUSAL":
         forward /= 2
     return 2.5 * forward if "Backward" in i.rest else forward
 
@@ -215,7 +93,7 @@ def row_kernel_cost(module: Module, i: Instruction) -> tuple[float, float]:
         rows = min(int(expected.group(1)), arrays[0][1][0]) if expected else arrays[0][1][0]
         elements = sum(rows * math.prod(dims[1:]) for _, dims in arrays)
         return float(elements), elements * sum(buffer_bytes(f"{arrays[0][0]}[1]"))
-    result = _dims(i.type)
+    result = dims_of(i.type)
     if kernel == "grouped_gemm_rows":  # after the tile table's 5 arrays, (rows, weights) pairs summed
         pairs = [buffers(module.types.get(o, ""))[0] for o in i.operands[TILE_TABLE_ARRAYS:]]
         (dtype, lhs), n = pairs[0], result[1]

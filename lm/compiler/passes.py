@@ -30,6 +30,7 @@ import re
 
 from lm.compiler import kernels
 from lm.compiler.hlo import buffers
+from lm.compiler.hlo_module import Module
 
 BACKWARD = "transpose(jvp"
 _FP8 = re.compile(r"\bf8e\w+\[")
@@ -41,7 +42,7 @@ def _fp8(types: str) -> bool:
     return bool(_FP8.search(types))
 
 
-def _reduces(module: kernels.Module, computation: str, with_max: bool, seen: frozenset = frozenset()) -> bool:
+def _reduces(module: Module, computation: str, with_max: bool, seen: frozenset = frozenset()) -> bool:
     """Whether `computation` (or one it calls) reduces: at all, or `with_max` with `maximum`."""
     for row in module.bodies.get(computation, []):
         if row.op in ("reduce", "reduce-window") and (fn := _TO_APPLY.search(row.rest)):
@@ -55,7 +56,7 @@ def _reduces(module: kernels.Module, computation: str, with_max: bool, seen: fro
 
 
 def count(hlo: str) -> dict:
-    module = kernels.Module(hlo)
+    module = Module(hlo)
     rows = {(c, r.name): r for c, body in module.bodies.items() for r in body}
     out = {"quantising": {"forward": 0, "backward": 0}, "both_layouts": 0, "amax_reductions": {"forward": 0, "backward": 0},
            "fp8_transposes": 0, "reduction_fusions": 0, "transpose_bytes": 0.0, "hbm_bytes": 0.0, "pass_bytes": 0.0,

@@ -21,11 +21,11 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from lm.compiler.kernels import NO_KERNEL, Module
+from lm.compiler.hlo_module import NO_KERNEL, Module
 
 
 def instruction_kinds(hlo: str) -> dict[str, str]:
-    """{instruction name: kind} for every instruction of the module (`lm.compiler.kernels.kind`)."""
+    """{instruction name: kind} for every instruction of the module (`lm.compiler.hlo_module.kind`)."""
     module = Module(hlo)
     return {i.name: module.kind(i, fp8_apart=False) for rows in module.bodies.values() for i in rows}
 
