@@ -19,7 +19,8 @@ _CHOICES = {
     "model.norm": ("rmsnorm", "layernorm"),
     "model.position": ("rope", "learned"),
     "model.mlp": ("swiglu", "gelu"),
-    "model.rope_scaling": ("none", "linear", "llama3"),
+    "model.rope_scaling": ("none", "linear", "llama3", "yarn"),
+    "model.router_score": ("softmax", "sigmoid"),
     "model.remat": REMAT,
     "model.attention": ("auto", "cudnn", "xla", "einsum"),
     "model.grouped_gemm": GROUPED_GEMMS,
@@ -42,13 +43,14 @@ _POSITIVE = (
     "checkpoint.keep", "data.vocab_size",
     "precision.fp8_history", "precision.loss_scale_initial", "precision.loss_scale_growth_interval",
     "precision.loss_scale_min", "optim.lr", "optim.eps", "model.rope_theta", "model.norm_eps",
-    "model.rope_factor", "model.rope_original_max_len",
+    "model.rope_factor", "model.rope_original_max_len", "model.router_groups", "model.router_groups_chosen", "model.router_scale",
+    "model.qk_nope_head_dim", "model.qk_rope_head_dim", "model.v_head_dim",
 )
 _NOT_NEGATIVE = (
     "optim.weight_decay", "optim.clip_norm", "optim.warmup_steps", "optim.decay_steps", "model.head_dim",
     "model.vocab_size", "model.max_positions", "model.sliding_window", "model.num_experts", "model.expert_mlp_dim",
     "model.shared_experts", "model.expert_capacity_factor", "model.router_aux_loss_coef", "model.router_z_loss_coef",
-    "model.expert_bias_rate",
+    "model.expert_bias_rate", "model.kv_lora_rank", "model.q_lora_rank", "model.rope_mscale", "model.rope_mscale_all_dim",
     "pipeline.microbatches", "precision.fp8_margin", "data.prefetch", "train.seed", "data.workers", "eval.limit",
 )
 # [low, high) intervals
@@ -103,6 +105,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"model.embed_dim={m.embed_dim} is not divisible by model.num_heads={m.num_heads}; "
             "set model.head_dim explicitly"
         )
+    if m.kv_lora_rank and (m.position != "rope" or m.qk_rope_head_dim % 2):
+        raise UserError(f"model.kv_lora_rank={m.kv_lora_rank} (latent attention) needs model.position=rope and an even "
+                        f"model.qk_rope_head_dim, got {m.position} and {m.qk_rope_head_dim}")
     if m.position == "rope" and head_dim(c) % 2:
         raise UserError(f"RoPE needs an even head_dim, got {head_dim(c)}")
     if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:

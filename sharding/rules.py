@@ -39,6 +39,8 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     # repeated whole on each (no stage holds a full-vocabulary logits buffer).
     ("vocab", ("stage", "tensor")),
     ("head_dim", None),
+    ("q_lora", None),  # multi-head latent attention's low-rank query and key-value latents: narrow, kept whole
+    ("kv_lora", None),
     ("experts", "expert"),  # a mixture of experts' expert weights, each shard holding its own experts
     ("layers", "stage"),  # stacked layer weights: split into pipeline stages (no-op when stage=1)
     ("stages", "stage"),  # the stage axis of pipeline buffers

@@ -29,6 +29,12 @@ FAMILIES = {
     "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
+    # Multi-head latent attention with a low-rank query, 8 experts in 4 groups (2 chosen), a shared
+    # expert, the first layer dense.
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5),
 }
 
 
@@ -39,7 +45,7 @@ def make_hf_model(directory: Path, family: str, std: float = 0.5, seed: int = 0,
     import transformers
 
     kind = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
-            "qwen3_moe": "Qwen3MoeConfig", "gpt2": "GPT2Config"}[family]
+            "qwen3_moe": "Qwen3MoeConfig", "gpt2": "GPT2Config", "deepseek_v3": "DeepseekV3Config"}[family]
     # A copy: transformers writes into the rope settings it is given.
     config = getattr(transformers, kind)(vocab_size=VOCAB, **copy.deepcopy({**FAMILIES[family], **overrides}))
     torch.manual_seed(seed)
@@ -51,6 +57,9 @@ def make_hf_model(directory: Path, family: str, std: float = 0.5, seed: int = 0,
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, std)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's selection bias: made to matter
+                buffer.normal_(0.0, 0.3)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer:

@@ -40,8 +40,15 @@ CASES = {
     "qwen3-moe-unnormalised": ("qwen3_moe", dict(norm_topk_prob=False)),
     "qwen3-moe-dense-first": ("qwen3_moe", dict(mlp_only_layers=[0])),
     "gpt2": ("gpt2", {}),
+    "deepseek-v3": ("deepseek_v3", {}),
+    # Full-rank queries (DeepSeek-V2-Lite's shape), rotary rows already in halves, YaRN with both mscales, every layer sparse.
+    "deepseek-v3-yarn": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, first_k_dense_replace=0, max_position_embeddings=32,
+                                            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8, mscale=1.0,
+                                                              mscale_all_dim=0.8, beta_fast=32, beta_slow=1))),
 }
 STD = 0.4  # logits reach |12..18|: far from uniform
+DEEPSEEK = {"model_type": "deepseek_v3", "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
 def _parity(ref, ours):
@@ -117,6 +124,19 @@ def test_the_other_top_k_normalisation_fails_the_parity_check(hf_dirs, case):
     assert err > 1e-1
 
 
+@pytest.mark.parametrize("change", [{"model.router_groups": 1}, {"model.router_scale": 1.0}, {"model.rope_interleave": False}, "no_bias"])
+def test_each_deepseek_routing_and_rotary_setting_fails_the_parity_check_when_dropped(hf_dirs, change):
+    """Negative controls: routing without the group limit, the routed scaling or the selection
+    bias, or rotary rows left interleaved, each moves the logits."""
+    path, model = hf_dirs["deepseek-v3"]
+    layout, params = imported(path, **({} if change == "no_bias" else change))
+    if change == "no_bias":
+        params = _permuted(params, "blocks/mlp/router_bias", lambda b: b * 0)
+    err, _ = _parity(hf_logits(model, TOKENS), meshlm_logits(layout, params, TOKENS))
+    print(f"{change}: max |logit difference| {err:.2e}")
+    assert err > 1e-1
+
+
 @pytest.mark.parametrize("case", ["mixtral", "qwen3-moe"])
 def test_load_balancing_loss_equals_transformers(hf_dirs, case):
     """transformers' aux_loss (output_router_logits) from meshlm's routing statistics of the same
@@ -168,7 +188,7 @@ def _state_dict(directory):
 
 
 @pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "llama3-rope", "qwen3-qk-norm", "mixtral", "qwen3-moe",
-                                  "qwen3-moe-dense-first"])
+                                  "qwen3-moe-dense-first", "deepseek-v3", "deepseek-v3-yarn"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hf_meshlm_hf_round_trip_is_bit_identical(tmp_path, case, dtype):
     family, kw = CASES[case]
@@ -214,7 +234,8 @@ def _abstract(workdir):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), restored["params"])
 
 
-@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "qwen3-qk-norm", "mixtral", "qwen3-moe-dense-first"])
+@pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "qwen3-qk-norm", "mixtral", "qwen3-moe-dense-first",
+                                  "deepseek-v3", "deepseek-v3-yarn"])
 def test_greedy_generation_matches_transformers(hf_dirs, tmp_path, case):
     path, model = hf_dirs[case]
     hf_checkpoint.import_hf(path, tmp_path / "run", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])
@@ -414,11 +435,15 @@ def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_vers
 @pytest.mark.parametrize(
     "change, fragment",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters.rope_type='yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters.rope_type='dynamic'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "original_max_position_embeddings": 8, "attention_factor": 2.0}},
+         "rope_parameters.attention_factor=2.0"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-        ({"model_type": "deepseek_v3", "kv_lora_rank": 512}, "kv_lora_rank=512"),
+        ({"model_type": "deepseek_v2", "topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
+        ({**DEEPSEEK, "scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ({**DEEPSEEK, "quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config='bitsandbytes'"),
         ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
         ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]},
          "mlp_only_layers=[1]"),

@@ -19,14 +19,17 @@ from __future__ import annotations
 from lm.config import UserError
 from lm.model.config import ModelConfig
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
 FAMILIES = (*LLAMA_LIKE, "gpt2")
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel",
+    "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "gpt2": "GPT2LMHeadModel",
 }
 # Families meshlm knows but cannot represent: the field that says why.
-UNSUPPORTED = {"deepseek_v2": "kv_lora_rank", "deepseek_v3": "kv_lora_rank"}
+UNSUPPORTED = {"deepseek_v2": "topk_method"}
+# DeepSeek-V3's loss-free balancing on import: how fast the routers' selection bias moves toward an
+# even load while training (the paper's bias update speed); 0 freezes it.
+DEEPSEEK_BIAS_RATE = 0.001
 
 
 def _unsupported(field: str, value, why: str) -> UserError:
@@ -44,7 +47,7 @@ def family(hf: dict) -> str:
     kind = hf.get("model_type")
     if kind in UNSUPPORTED:
         field = UNSUPPORTED[kind]
-        raise _unsupported(field, hf.get(field), "multi-head latent attention is not modelled")
+        raise _unsupported(field, hf.get(field), "DeepSeek-V2's softmax routing over device groups is not modelled; DeepSeek-V3's is")
     if kind not in FAMILIES:
         raise UserError(f"config.json: model_type={kind!r} is not supported; meshlm imports {', '.join(FAMILIES)}")
     return kind
@@ -72,7 +75,24 @@ def _rope_keys(hf: dict) -> dict:
             "model.rope_high_freq_factor": float(params["high_freq_factor"]),
             "model.rope_original_max_len": int(params["original_max_position_embeddings"]),
         }
-    raise _unsupported(f"{field}.rope_type", kind, "meshlm scales RoPE as default, linear or llama3")
+    if kind == "yarn":
+        for unset in ("attention_factor",):
+            if params.get(unset) is not None:
+                raise _unsupported(f"{field}.{unset}", params[unset], "YaRN's attention factor is derived from its mscales")
+        if params.get("truncate", True) is not True:
+            raise _unsupported(f"{field}.truncate", params["truncate"], "YaRN's ramp bounds are rounded outwards")
+        original = int(params["original_max_position_embeddings"])
+        return {
+            **keys,
+            "model.rope_scaling": "yarn",
+            "model.rope_factor": float(params.get("factor") or hf["max_position_embeddings"] / original),
+            "model.rope_original_max_len": original,
+            "model.rope_beta_fast": float(params.get("beta_fast") or 32),
+            "model.rope_beta_slow": float(params.get("beta_slow") or 1),
+            "model.rope_mscale": float(params.get("mscale") or 0),
+            "model.rope_mscale_all_dim": float(params.get("mscale_all_dim") or 0),
+        }
+    raise _unsupported(f"{field}.rope_type", kind, "meshlm scales RoPE as default, linear, llama3 or yarn")
 
 
 def model_keys(hf: dict) -> dict:
@@ -129,6 +149,10 @@ def _model_keys(hf: dict, kind: str) -> dict:
         if layer_types != {"full_attention"}:
             raise _unsupported("layer_types", sorted(layer_types), "every layer must use full attention")
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if kind == "deepseek_v3":
+        _require(hf, "attention_bias", (False,), False, "no attention biases in a DeepSeek-V3 block")
+        if hf.get("quantization_config"):
+            raise _unsupported("quantization_config", hf["quantization_config"].get("quant_method"), "import a bfloat16 or float32 checkpoint")
     return {
         "model.num_layers": hf["num_hidden_layers"],
         "model.embed_dim": d,
@@ -149,6 +173,23 @@ def _model_keys(hf: dict, kind: str) -> dict:
         "model.qk_norm": kind in ("qwen3", "qwen3_moe"),
         **_rope_keys(hf),
         **_expert_keys(hf, kind),
+        **_latent_keys(hf, kind),
+    }
+
+
+def _latent_keys(hf: dict, kind: str) -> dict:
+    """Multi-head latent attention's `model.*` keys of a DeepSeek-V3 config ({} otherwise)."""
+    if kind != "deepseek_v3":
+        return {"model.kv_lora_rank": 0}
+    return {
+        "model.kv_lora_rank": hf["kv_lora_rank"],
+        "model.q_lora_rank": hf.get("q_lora_rank") or 0,
+        "model.qk_nope_head_dim": hf["qk_nope_head_dim"],
+        "model.qk_rope_head_dim": hf["qk_rope_head_dim"],
+        "model.v_head_dim": hf["v_head_dim"],
+        "model.head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+        "model.num_kv_heads": hf["num_attention_heads"],
+        "model.rope_interleave": bool(hf.get("rope_interleave", True)),
     }
 
 
@@ -164,6 +205,26 @@ def _expert_keys(hf: dict, kind: str) -> dict:
             raise _unsupported("mlp_only_layers", dense, "only the first layers may be dense (model.moe_layers='from:K')")
         width, renormalize = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False))
         moe_layers = f"from:{len(dense)}" if dense else "all"
+    elif kind == "deepseek_v3":
+        _require(hf, "scoring_func", ("sigmoid",), "sigmoid", "DeepSeek-V3's router scores are sigmoids")
+        _require(hf, "topk_method", ("noaux_tc",), "noaux_tc", "DeepSeek-V3's router chooses by group, with the selection bias")
+        dense = hf.get("first_k_dense_replace") or 0
+        if dense >= hf["num_hidden_layers"] or hf.get("moe_layer_freq", 1) != 1:
+            raise _unsupported("first_k_dense_replace", dense, "the first layers dense, every later one a mixture of experts")
+        return {
+            "model.num_experts": hf["n_routed_experts"],
+            "model.experts_per_token": hf["num_experts_per_tok"],
+            "model.expert_mlp_dim": hf["moe_intermediate_size"],
+            "model.moe_layers": f"from:{dense}" if dense else "all",
+            "model.shared_experts": hf.get("n_shared_experts") or 0,
+            "model.expert_bias_rate": DEEPSEEK_BIAS_RATE,
+            "model.router_renormalize": bool(hf.get("norm_topk_prob", True)),
+            "model.router_aux_loss_coef": 0.0,  # balanced by the selection bias instead (loss-free)
+            "model.router_score": "sigmoid",
+            "model.router_groups": hf.get("n_group") or 1,
+            "model.router_groups_chosen": hf.get("topk_group") or 1,
+            "model.router_scale": float(hf.get("routed_scaling_factor", 1.0)),
+        }
     else:
         return {"model.num_experts": 0, "model.expert_bias_rate": 0.0}
     return {
@@ -175,6 +236,10 @@ def _expert_keys(hf: dict, kind: str) -> dict:
         "model.expert_bias_rate": 0.0,
         "model.router_renormalize": renormalize,
         "model.router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+        "model.router_score": "softmax",
+        "model.router_groups": 1,
+        "model.router_groups_chosen": 1,
+        "model.router_scale": 1.0,
     }
 
 
@@ -183,7 +248,12 @@ def family_of(cfg: ModelConfig) -> str:
     if cfg.position == "learned":
         if cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.use_bias and cfg.num_kv_heads == cfg.num_heads and cfg.num_heads * cfg.head_dim == cfg.embed_dim:
             return "gpt2"
-    elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.shared_experts and not cfg.expert_bias_rate:
+    elif cfg.latent_attention:
+        if cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.qkv_bias and not cfg.qk_norm and not cfg.sliding_window \
+                and cfg.position == "rope" and (not cfg.moe or cfg.router_score == "sigmoid"):
+            return "deepseek_v3"
+    elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.shared_experts and not cfg.expert_bias_rate \
+            and cfg.router_score == "softmax" and cfg.router_groups == 1 and cfg.router_scale == 1.0:
         if cfg.moe and not cfg.qkv_bias:
             if cfg.qk_norm and not cfg.sliding_window:
                 return "qwen3_moe"
@@ -201,7 +271,7 @@ def family_of(cfg: ModelConfig) -> str:
         f"this model (norm={cfg.norm}, position={cfg.position}, mlp={cfg.mlp}, use_bias={cfg.use_bias}, qkv_bias={cfg.qkv_bias}, "
         f"qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}, num_experts={cfg.num_experts}, shared_experts={cfg.shared_experts}, "
         f"router_renormalize={cfg.router_renormalize}, expert_bias_rate={cfg.expert_bias_rate}) has no exact Hugging Face equivalent; export supports Llama-, Mistral-, "
-        "Qwen2-, Qwen3-, Mixtral-, Qwen3-MoE- and GPT-2-shaped models"
+        "Qwen2-, Qwen3-, Mixtral-, Qwen3-MoE-, DeepSeek-V3- and GPT-2-shaped models"
     )
 
 
@@ -259,6 +329,22 @@ def hf_config(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
             num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_width, norm_topk_prob=cfg.router_renormalize,
             decoder_sparse_step=1, mlp_only_layers=list(range(cfg.dense_layers)), router_aux_loss_coef=cfg.router_aux_loss_coef,
         )
+    if kind == "deepseek_v3":
+        out.pop("num_local_experts", None)
+        out.update(
+            attention_bias=False, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None, qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim, rope_interleave=cfg.rope_interleave,
+            num_key_value_heads=cfg.num_heads, num_nextn_predict_layers=0,  # meshlm trains no multi-token prediction modules yet
+        )
+        if cfg.moe:
+            out.update(
+                n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_width,
+                first_k_dense_replace=cfg.dense_layers, n_shared_experts=cfg.shared_experts, norm_topk_prob=cfg.router_renormalize,
+                n_group=cfg.router_groups, topk_group=cfg.router_groups_chosen, routed_scaling_factor=cfg.router_scale,
+            )
+        else:
+            out.update(first_k_dense_replace=cfg.num_layers, n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
+                       moe_intermediate_size=cfg.mlp_dim, n_shared_experts=0)
     rope = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling}
     if cfg.rope_scaling != "none":
         rope["factor"] = cfg.rope_factor
@@ -267,6 +353,9 @@ def hf_config(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
             low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor,
             original_max_position_embeddings=cfg.rope_original_max_len,
         )
+    if cfg.rope_scaling == "yarn":
+        rope.update(original_max_position_embeddings=cfg.rope_original_max_len, beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+                    **{k: v for k, v in (("mscale", cfg.rope_mscale), ("mscale_all_dim", cfg.rope_mscale_all_dim)) if v})
     if major >= 5:
         out["rope_parameters"] = {**rope, "rope_theta": cfg.rope_theta}
     else:

@@ -112,11 +112,16 @@ def _layer_links(cfg: ModelConfig, kind: str, stack: str, first: int, count: int
     out = [
         same("attn_norm/scale", layer + "input_layernorm.weight"),
         same("mlp_norm/scale", layer + "post_attention_layernorm.weight"),
-        link("attn/wq", layer + "self_attn.q_proj.weight", *columns(d, h, k)),
-        link("attn/wk", layer + "self_attn.k_proj.weight", *columns(d, g, k)),
-        link("attn/wv", layer + "self_attn.v_proj.weight", *columns(d, g, k)),
-        link("attn/wo", layer + "self_attn.o_proj.weight", *rows(h, k, d)),
     ]
+    if cfg.latent_attention:
+        out += _latent_links(cfg, stack, first, count)
+    else:
+        out += [
+            link("attn/wq", layer + "self_attn.q_proj.weight", *columns(d, h, k)),
+            link("attn/wk", layer + "self_attn.k_proj.weight", *columns(d, g, k)),
+            link("attn/wv", layer + "self_attn.v_proj.weight", *columns(d, g, k)),
+            link("attn/wo", layer + "self_attn.o_proj.weight", *rows(h, k, d)),
+        ]
     if not cfg.moe:
         out += [
             link("mlp/w_gate", layer + "mlp.gate_proj.weight", *columns(d, cfg.mlp_dim)),
@@ -133,11 +138,64 @@ def _layer_links(cfg: ModelConfig, kind: str, stack: str, first: int, count: int
             link("mlp/w_in", expert % names[1], *columns(d, f), per_expert=True),
             link("mlp/w_out", expert % names[2], *rows(f, d), per_expert=True),
         ]
+        if kind == "deepseek_v3":
+            shared, width = prefix + "shared_experts.%s.weight", cfg.shared_experts * f
+            out.append(same("mlp/router_bias", prefix + "gate.e_score_correction_bias"))
+            if cfg.shared_experts:
+                out += [
+                    link("mlp/shared/w_gate", shared % "gate_proj", *columns(d, width)),
+                    link("mlp/shared/w_in", shared % "up_proj", *columns(d, width)),
+                    link("mlp/shared/w_out", shared % "down_proj", *rows(width, d)),
+                ]
     if cfg.qk_norm:
         out += [same("attn/q_norm", layer + "self_attn.q_norm.weight"), same("attn/k_norm", layer + "self_attn.k_norm.weight")]
     if cfg.qkv_bias:
         for name, heads in (("q", h), ("k", g), ("v", g)):
             out.append(link(f"attn/b{name}", layer + f"self_attn.{name}_proj.bias", lambda b, n=heads: (b.reshape(n, k),), lambda x: x.reshape(-1)))
+    return out
+
+
+def _latent_links(cfg: ModelConfig, stack: str, first: int, count: int) -> list[Link]:
+    """DeepSeek-V3's multi-head latent attention tensors of a layer. Their rotary rows are in
+    interleaved pairs where `rope_interleave` says so: put in rotate-half order on import (evens
+    first, then odds), back on export."""
+    d, h, nope, rot, v, r = cfg.embed_dim, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    order = np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2)]) if cfg.rope_interleave else np.arange(rot)
+    back = np.argsort(order)
+    attn = "model.layers.{i}.self_attn."
+
+    def link(ours, theirs, to_ours, to_theirs):
+        return Link(tuple(stack + "attn/" + o for o in ours), attn + theirs, to_ours, to_theirs, False, first, count)
+
+    def query(rank):  # (h * (nope + rot), rank) -> (rank, h, nope + rot), each head's rotary part reordered
+        def to_ours(w):
+            q = w.T.reshape(rank, h, nope + rot)
+            return (np.concatenate([q[..., :nope], q[..., nope:][..., order]], axis=-1),)
+
+        def to_theirs(q):
+            return np.concatenate([q[..., :nope], q[..., nope:][..., back]], axis=-1).reshape(rank, -1).T
+
+        return to_ours, to_theirs
+
+    def latent(w):  # (r + rot, d) -> the latent's (d, r) and the rotary key's (d, rot), reordered
+        return w[:r].T, w[r:][order].T
+
+    def key_value(w):  # (h * (nope + v), r) -> (r, h, nope), (r, h, v)
+        kv = w.T.reshape(r, h, nope + v)
+        return kv[..., :nope], kv[..., nope:]
+
+    same = lambda ours, theirs: link((ours,), theirs, lambda w: (w,), lambda x: x)  # noqa: E731
+    out = [
+        link(("wkv_a", "wk_rope"), "kv_a_proj_with_mqa.weight", latent, lambda c, k: np.concatenate([c.T, k.T[back]])),
+        same("kv_norm", "kv_a_layernorm.weight"),
+        link(("wk_b", "wv_b"), "kv_b_proj.weight", key_value, lambda k, v: np.concatenate([k, v], axis=-1).reshape(r, -1).T),
+        link(("wo",), "o_proj.weight", *_rows(h, v, d)),
+    ]
+    if cfg.q_lora_rank:
+        out += [link(("wq_a",), "q_a_proj.weight", *_columns(d, cfg.q_lora_rank)), same("q_norm", "q_a_layernorm.weight"),
+                link(("wq_b",), "q_b_proj.weight", *query(cfg.q_lora_rank))]
+    else:
+        out.append(link(("wq",), "q_proj.weight", *query(d)))
     return out
 
 

@@ -150,9 +150,11 @@ def batched_as_one(kernel):
     return attend
 
 
-def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0, decoding: bool = False) -> jax.Array:
+def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0, decoding: bool = False,
+              scale: float | None = None) -> jax.Array:
     """Softmax attention with grouped-query heads; `mask_bts` None means causal (within a sliding
-    `window` of keys when it is > 0); `decoding`: the queries continue a KV cache.
+    `window` of keys when it is > 0); `decoding`: the queries continue a KV cache. Logits are
+    scaled by `scale` (None: 1 / sqrt(head dim)); values may be narrower than queries and keys.
 
     On GPU this is `jax.nn.dot_product_attention` (cuDNN flash attention where it applies, see
     `attention_kernel`). On CPU the same maths is written out: XLA:CPU fuses the library
@@ -166,7 +168,7 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
         def fused(q_bthk, k_bsgk, v_bsgk, *mask_bts):
             mask = mask_bts[0][:, None] if mask_bts else None
             return jax.nn.dot_product_attention(
-                q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=mask is None, local_window_size=local, implementation=kernel
+                q_bthk, k_bsgk, v_bsgk, mask=mask, scale=scale, is_causal=mask is None, local_window_size=local, implementation=kernel
             )
 
         args = (q_bthk, k_bsgk, v_bsgk, *([] if mask_bts is None else [mask_bts]))
@@ -181,11 +183,11 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
         return sharding.per_shard(fused, (queries, keys, keys, ("batch", "length", "kv_length"))[: len(args)], queries)(*args)
     b, t, h, k = q_bthk.shape
     g = k_bsgk.shape[2]
-    q = (q_bthk * jnp.asarray(k**-0.5, q_bthk.dtype)).reshape(b, t, g, h // g, k)
+    q = (q_bthk * jnp.asarray(k**-0.5 if scale is None else scale, q_bthk.dtype)).reshape(b, t, g, h // g, k)
     logits = policy.matmul("btgrk,bsgk->bgrts", q, k_bsgk, out_dtype=jnp.float32, weight=False)
     if mask_bts is None:
         mask_bts = causal_mask(jnp.arange(t)[None], jnp.arange(k_bsgk.shape[1])[None], window)
     logits = jnp.where(mask_bts[:, None, None], logits, jnp.finfo(jnp.float32).min)
     probs = softmax(logits)
     out = policy.matmul("bgrts,bsgk->btgrk", probs, v_bsgk, weight=False)
-    return out.reshape(b, t, h, k)
+    return out.reshape(b, t, h, v_bsgk.shape[-1])

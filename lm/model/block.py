@@ -16,6 +16,7 @@ from lm.model.layers import (
     gather_length,
     gathered_gradient,
 )
+from lm.model.latent_attention import LatentAttention
 from lm.model.moe import MoeMlp
 from lm.model.precision import Policy
 from sharding import constrain
@@ -26,7 +27,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, policy: Policy, rngs: nnx.Rngs):
         self.attn_norm = Norm(cfg, policy)
-        self.attn = Attention(cfg, policy, rngs)
+        self.attn = (LatentAttention if cfg.latent_attention else Attention)(cfg, policy, rngs)
         self.mlp_norm = Norm(cfg, policy)
         if cfg.moe:
             shared = None

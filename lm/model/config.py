@@ -33,6 +33,24 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # YaRN (`rope_scaling='yarn'`, with rope_factor and rope_original_max_len): the ramp's bounds
+    # in turns over the original context, and the temperatures' multipliers (0: unset).
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    # Multi-head latent attention (DeepSeek-V2 / V3) when kv_lora_rank > 0: keys and values from
+    # one compressed latent per token, queries through a rank-q_lora_rank path (0: full rank),
+    # each head's query and key a non-rotary part and a rotary part shared by the heads (head_dim
+    # and num_kv_heads unused). lm.model.latent_attention says how.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # The checkpoint's rotary features in interleaved pairs (DeepSeek's `rope_interleave`): meshlm
+    # rotates halves, so conversion permutes the rotary weight rows (the maths is the same).
+    rope_interleave: bool = False
     sliding_window: int = 0  # > 0: each query attends to its latest this many keys, itself included (Mistral)
     norm_eps: float = 1e-5
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
@@ -46,6 +64,13 @@ class ModelConfig:
     shared_experts: int = 0
     moe_layers: str = "all"
     router_renormalize: bool = True  # the selected experts' weights sum to 1 (Mixtral; Qwen3's norm_topk_prob)
+    # DeepSeek-V3's router: scores sigmoid (not softmax); experts chosen within the
+    # `router_groups_chosen` best of `router_groups` groups (a group scored by its best two); the
+    # chosen weights times `router_scale` (routed_scaling_factor).
+    router_score: str = "softmax"
+    router_groups: int = 1
+    router_groups_chosen: int = 1
+    router_scale: float = 1.0
     # 0: dropless (tokens sorted by expert, one grouped matmul); > 0: each expert takes at most
     # factor x its even share of a device's tokens, the rest dropped (counted).
     expert_capacity_factor: float = 0.0
@@ -71,6 +96,19 @@ class ModelConfig:
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def latent_attention(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Each head's query and key width."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.latent_attention else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.latent_attention else self.head_dim
 
     @property
     def expert_width(self) -> int:
@@ -127,6 +165,10 @@ def moe_problem(m, expert_ways: int, stages: int = 1) -> str | None:
                 "the rest mixtures of experts, 0 < K < model.num_layers)")
     if m.moe_layers != "all" and stages > 1:
         return f"model.moe_layers={m.moe_layers!r} mixes dense and sparse layers, which a pipeline (mesh.stage={stages}) cannot stage alike; use mesh.stage=1 or moe_layers='all'"
+    if m.router_groups > 1 and (m.num_experts % m.router_groups or not m.router_groups_chosen <= m.router_groups
+                                or m.experts_per_token > m.router_groups_chosen * (m.num_experts // m.router_groups)):
+        return (f"model.router_groups={m.router_groups} must divide model.num_experts={m.num_experts}, with model.router_groups_chosen="
+                f"{m.router_groups_chosen} of them (at most router_groups) holding at least model.experts_per_token={m.experts_per_token} experts")
     if m.mlp != "swiglu" or m.use_bias:
         return "a mixture of experts' experts are SwiGLU without biases: set model.mlp=swiglu and model.use_bias=False"
     return None

@@ -7,7 +7,8 @@ FLOPs per trained token, the convention used for MFU (`flops_per_token`):
   * attention scores (Q K^T) and the weighted sum (A V) each cost 2 * T * heads * head_dim
     FLOPs per token forward for a full T x T attention; causal attention halves that (each
     query sees T/2 keys on average), so forward is 2 * T * heads * head_dim per layer and
-    training, at 3x forward, is 6 * layers * T * heads * head_dim;
+    training, at 3x forward, is 6 * layers * T * heads * head_dim (latent attention: the query-key
+    and value widths differ, each counted for its product);
   * embedding lookups, norms, activations, softmax and the optimizer are not counted.
 """
 
@@ -23,6 +24,10 @@ def matmul_params(cfg: ModelConfig) -> int:
     """The matmul weights a token goes through (a mixture of experts: its active ones)."""
     d, h, g, k, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     attention = d * h * k + 2 * d * g * k + h * k * d
+    if cfg.latent_attention:  # queries (low-rank or not), the latent and rotary key, the up-projections, the output
+        query = d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim if cfg.q_lora_rank else d * h * cfg.qk_head_dim
+        latent = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        attention = query + latent + h * cfg.v_head_dim * d
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
     sparse = 3 * d * cfg.expert_width * (cfg.experts_per_token + cfg.shared_experts) + d * cfg.num_experts if cfg.moe else 0
     return cfg.num_layers * attention + cfg.dense_layers * mlp + cfg.sparse_layers * sparse + d * cfg.vocab_size
@@ -30,8 +35,13 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token; see the module docstring."""
-    attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
-    return 6.0 * matmul_params(cfg) + attention
+    return 6.0 * matmul_params(cfg) + 3 * attention_flops(cfg, seq_len)
+
+
+def attention_flops(cfg: ModelConfig, seq_len: int) -> float:
+    """Causal attention's forward FLOPs per token: the scores over queries and keys and the
+    weighted sum over values, each 2 * T * heads * width, halved for causality."""
+    return 1.0 * cfg.num_layers * seq_len * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
 
 
 def param_count(params) -> int:
@@ -45,6 +55,6 @@ def split_backward_flops(cfg: ModelConfig, seq_len: int, remat: str = "none") ->
     twice that in B (its backward has no weights); under the layers' `remat` full, B also runs
     each layer's forward again. The head is not in the pipeline's stages."""
     layer_matmuls = matmul_params(cfg) - cfg.embed_dim * cfg.vocab_size
-    attention = 2.0 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+    attention = attention_flops(cfg, seq_len)
     forward = 2.0 * layer_matmuls + attention
     return {"F": forward, "B": 2.0 * layer_matmuls + 2 * attention + forward * (remat == "full"), "W": 2.0 * layer_matmuls}

@@ -10,17 +10,16 @@ dim, f mlp hidden, v vocab.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 import sharding
 from lm.model.attention import attention, causal_mask
 from lm.model.config import ModelConfig
 from lm.model.precision import Policy
+from lm.model.rope import rope, rope_frequencies
 from sharding import constrain
 from sharding.remat import name_qkv
 
@@ -116,34 +115,6 @@ def _add_bias_bwd(bias, dy):
 
 
 add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
-
-
-def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """The rotary angular frequencies [head_dim / 2] in float32, scaled as `cfg.rope_scaling` says
-    (computed as Hugging Face `transformers` does, so imported models match it to the last bit)."""
-    dim = cfg.head_dim
-    freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-    if cfg.rope_scaling == "linear":
-        return (freq / cfg.rope_factor).astype(np.float32)
-    if cfg.rope_scaling == "llama3":
-        factor, low, high, old_len = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_len
-        wavelen = 2 * math.pi / freq
-        scaled = np.where(wavelen > old_len / low, freq / factor, freq)  # long wavelengths: slowed down
-        smooth = (old_len / wavelen - low) / (high - low)
-        ramp = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        return np.where(medium, ramp, scaled).astype(np.float32)
-    return freq.astype(np.float32)
-
-
-def rope(x_bthk: jax.Array, positions_bt: jax.Array, freq_k: np.ndarray) -> jax.Array:
-    """Rotary position embedding in the rotate-half form (the first half of each head's features
-    pairs with the second half, as in `transformers`: no row permutation of imported q / k
-    weights), computed in float32."""
-    angle = positions_bt[..., None, None].astype(jnp.float32) * freq_k  # b t 1 k/2
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
-    x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
 
 
 class Attention(nnx.Module):

@@ -61,6 +61,12 @@ class RouterBias(nnx.Param):
     gradient reaches; the step moves it toward an even load (`updated_router_bias`)."""
 
 
+def has_router_bias(cfg: ModelConfig) -> bool:
+    """Whether the router has a selection bias: moved by the step (`expert_bias_rate` > 0), or a
+    sigmoid router's (DeepSeek-V3's checkpoints carry one, `e_score_correction_bias`)."""
+    return cfg.expert_bias_rate > 0 or cfg.router_score == "sigmoid"
+
+
 class RouterStats(Probe):
     """A zero input whose gradient is its layer's routing statistics: loads, mean router
     probabilities, then STAT_FIELDS."""
@@ -70,21 +76,34 @@ class RouterStats(Probe):
 class Routing:
     ids_nk: jax.Array  # chosen experts, best first
     weights_nk: jax.Array  # float32
-    probs_ne: jax.Array  # float32 softmax over every expert
+    probs_ne: jax.Array  # float32 router probabilities over every expert (sigmoid scores: normalised to sum to 1)
 
 
-def route(logits_ne: jax.Array, k: int, renormalize: bool, bias_e: jax.Array | None = None) -> Routing:
-    """Top-k of the softmax of float32 router logits (chosen by softmax + `bias_e` where given);
+def route(logits_ne: jax.Array, k: int, renormalize: bool, bias_e: jax.Array | None = None, score: str = "softmax",
+          groups: int = 1, groups_chosen: int = 1, scale: float = 1.0) -> Routing:
+    """Top-k of the float32 router logits' scores, softmax or (DeepSeek-V3) `sigmoid`, chosen by
+    score + `bias_e` where given (the weights are the scores themselves); with `groups` > 1, only
+    among the experts of the `groups_chosen` groups whose best two choosing scores sum highest.
     `renormalize`: the chosen weights divided by their sum (Mixtral's softmax over the chosen
-    logits; Qwen3-MoE's `norm_topk_prob`)."""
-    probs = jax.nn.softmax(logits_ne.astype(F32), axis=-1)
-    if bias_e is None:
-        weights, ids = jax.lax.top_k(probs, k)
-    else:
-        _, ids = jax.lax.top_k(probs + jax.lax.stop_gradient(bias_e.astype(F32)), k)
-        weights = jnp.take_along_axis(probs, ids, axis=-1)
+    logits; Qwen3-MoE's and DeepSeek's `norm_topk_prob`); then times `scale` (DeepSeek's
+    `routed_scaling_factor`)."""
+    logits_ne = logits_ne.astype(F32)
+    scores = jax.nn.sigmoid(logits_ne) if score == "sigmoid" else jax.nn.softmax(logits_ne, axis=-1)
+    choosing = scores if bias_e is None else scores + jax.lax.stop_gradient(bias_e.astype(F32))
+    if groups > 1:
+        n, e = choosing.shape
+        grouped = choosing.reshape(n, groups, e // groups)
+        best_two = jax.lax.top_k(grouped, 2)[0].sum(-1)  # n groups
+        _, chosen = jax.lax.top_k(best_two, groups_chosen)
+        in_chosen = jnp.zeros((n, groups), bool).at[jnp.arange(n)[:, None], chosen].set(True)
+        choosing = jnp.where(jnp.repeat(in_chosen, e // groups, axis=1), choosing, -jnp.inf)
+    _, ids = jax.lax.top_k(choosing, k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
     if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if score == "sigmoid" else 0.0))
+    if scale != 1.0:
+        weights = weights * scale
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True) if score == "sigmoid" else scores
     return Routing(ids, weights, probs)
 
 
@@ -182,7 +201,7 @@ class MoeMlp(nnx.Module):
         self.w_gate = _param(rngs.params(), (e, d, f), ("experts", "embed", "mlp"), 0.02, dt)
         self.w_out = _param(rngs.params(), (e, f, d), ("experts", "mlp", "embed"), out_std, dt)
         self.shared = shared_mlp  # the always-on experts, one MLP of their summed width, or None
-        if cfg.expert_bias_rate > 0:
+        if has_router_bias(cfg):
             self.router_bias = RouterBias(jnp.zeros(e, F32), out_sharding=(None,), eager_sharding=False)
         self.stats = RouterStats(jnp.zeros(2 * e + len(STAT_FIELDS), F32), out_sharding=(None,), eager_sharding=False)
 
@@ -195,8 +214,9 @@ class MoeMlp(nnx.Module):
         b, t, _ = x_btd.shape
         logits_bte = sharding.constrain(self.router_logits(x_btd), ("batch", "length", None), "router logits")
         logits_ne = logits_bte.reshape(b * t, -1)
-        bias = self.router_bias[...] if cfg.expert_bias_rate > 0 else None
-        routing = route(logits_ne, cfg.experts_per_token, cfg.router_renormalize, bias)
+        bias = self.router_bias[...] if has_router_bias(cfg) else None
+        routing = route(logits_ne, cfg.experts_per_token, cfg.router_renormalize, bias, cfg.router_score, cfg.router_groups,
+                        cfg.router_groups_chosen, cfg.router_scale)
         load_e, prob_e, aux, z = balancing_losses(logits_ne, routing, cfg.num_experts)
         k = cfg.experts_per_token
         y, dropped = apply_experts(

@@ -19,6 +19,7 @@ from lm.model import attention, moe
 from lm.model.block import Block
 from lm.model.config import ModelConfig
 from lm.model.fp8 import Probe, fp8_suspended
+from lm.model.latent_attention import init_latent_cache
 from lm.model.layers import (
     RESIDUAL_AXES,
     Embedding,
@@ -63,8 +64,11 @@ class Transformer(nnx.Module):
             self.head = _param(rngs.params(), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), 0.02, dt)
 
     def init_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
-        """An empty KV cache for `length` positions: {'k', 'v'} of shape [n, b, s, g, k]."""
+        """An empty KV cache for `length` positions: {'k', 'v'} of shape [n, b, s, g, k] (latent
+        attention: `lm.model.latent_attention.init_latent_cache`)."""
         c, dtype = self.cfg, self.policy.compute_dtype
+        if c.latent_attention:
+            return init_latent_cache(c, batch, length, dtype)
         shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 

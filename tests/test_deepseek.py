@@ -1,0 +1,91 @@
+"""The DeepSeek-V3 family's own parts: multi-head latent attention (`lm.model.latent_attention`)
+and the sigmoid, group-limited router (`lm.model.moe.route`): routing by hand, the absorbed
+decoding against the expanded forward, and training sharded as on one device. (Checkpoints in
+and out: test_hf.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import VOCAB, run_steps, small_config
+
+from lm.model import moe
+from lm.program.steps import setup
+
+# 8 heads of latent attention (low-rank queries), 8 experts in 4 groups with 2 chosen, a shared expert.
+LATENT = dict(model__kv_lora_rank=16, model__q_lora_rank=24, model__qk_nope_head_dim=16, model__qk_rope_head_dim=8, model__v_head_dim=12)
+ROUTING = dict(model__num_experts=8, model__experts_per_token=2, model__expert_mlp_dim=32, model__shared_experts=1, model__router_score="sigmoid",
+               model__router_groups=4, model__router_groups_chosen=2, model__router_scale=2.5, model__expert_bias_rate=0.01,
+               model__router_aux_loss_coef=0.0)
+DEEPSEEK = {**LATENT, **ROUTING}
+
+
+def test_group_limited_sigmoid_routing_by_hand():
+    """Groups are scored by their best two choosing scores (score + bias); experts are chosen only
+    within the best groups; the weights are the scores (no bias), normalised, then scaled."""
+    logits = jnp.asarray([[3.0, -4.0, 2.0, 1.8, 0.0, 0.5, -1.0, -2.0]])  # groups {0,1} {2,3} {4,5} {6,7}
+    bias = jnp.asarray([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9])
+    s = np.asarray(jax.nn.sigmoid(logits[0]))  # .953 .018 .881 .858 .5 .622 .269 .119
+    # Groups by their best two (expert 7 with its bias: 1.019): {0,1} .971, {2,3} 1.739, {4,5} 1.122, {6,7} 1.288.
+    # Within {2,3} and {6,7}: 7 (1.019) and 2 (.881). Expert 0 (.953), second best alone, is out.
+    routing = moe.route(logits, 2, True, bias, "sigmoid", groups=4, groups_chosen=2, scale=2.5)
+    assert routing.ids_nk[0].tolist() == [7, 2]
+    np.testing.assert_allclose(routing.weights_nk[0], 2.5 * np.asarray([s[7], s[2]]) / (s[7] + s[2]), rtol=1e-6)
+    ungrouped = moe.route(logits, 2, True, bias, "sigmoid")
+    assert ungrouped.ids_nk[0].tolist() == [7, 0]  # the negative control: without the group limit expert 0 is in
+
+
+def test_the_selection_bias_chooses_but_never_weights():
+    logits = jnp.asarray([[1.0, 0.0, -1.0, -2.0]])
+    plain = moe.route(logits, 1, False, None, "sigmoid")
+    biased = moe.route(logits, 1, False, jnp.asarray([0.0, 0.0, 0.0, 5.0]), "sigmoid")
+    assert plain.ids_nk.tolist() == [[0]] and biased.ids_nk.tolist() == [[3]]
+    np.testing.assert_allclose(biased.weights_nk[0, 0], jax.nn.sigmoid(-2.0), rtol=1e-6)
+
+
+def test_absorbed_decoding_equals_the_expanded_forward():
+    """Token by token through the latent cache (the absorbed form) against one forward over the
+    whole sequence (keys and values expanded per head): the same logits."""
+    program = setup(small_config({}, **LATENT), VOCAB, jax.devices()[:1])
+    model = program.abstract_model.model(program.init_state(0).params)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 12)).astype(np.int32)
+    whole = np.asarray(model(tokens)[0])
+    cache = model.init_cache(2, 12)
+    assert set(cache) == {"latent", "k_rope"} and cache["latent"].shape[-1] + cache["k_rope"].shape[-1] == 16 + 8
+    steps = []
+    for i in range(12):
+        logits, cache = model(tokens[:, i : i + 1], cache=cache, cache_index=i)
+        steps.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, rtol=1e-4, atol=1e-4)
+    assert np.abs(whole).max() > 0.1
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return run_steps(small_config({}, **DEEPSEEK), jax.devices()[:1])
+
+
+@pytest.mark.parametrize(
+    "mesh, options",
+    [({"expert": 2, "fsdp": 2, "tensor": 2}, {}), ({"context": 2, "tensor": 2, "data": 2}, {"sharding__sequence_parallel": True}),
+     # The bias moves by the sign of (1/E - load): a load at exactly 1/E summed in another order flips it, so frozen here.
+     ({"expert": 4, "data": 2}, {"train__grad_accum": 2, "model__expert_bias_rate": 0.0})],
+    ids=["expert2-fsdp2-tensor2", "context2-tensor2-data2-sp", "expert4-data2-accum2"],
+)
+def test_deepseek_trains_sharded_as_on_one_device(one_device, mesh, options):
+    losses, params = run_steps(small_config(mesh, **{**DEEPSEEK, **options}))
+    ref_losses, ref_params = one_device if "model__expert_bias_rate" not in options else run_steps(
+        small_config({}, **{**DEEPSEEK, **options, "train__grad_accum": 1}), jax.devices()[:1])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert losses[-1] != losses[0]  # the parameters did move
+    # The selection bias moved (loss-free balancing), alike everywhere.
+    assert np.abs(params["blocks"]["mlp"]["router_bias"]).max() > 0 or "model__expert_bias_rate" in options
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_latent_attention_pipelines_as_on_one_device(schedule):
+    ref_losses, ref_params = run_steps(small_config({}, **LATENT, train__grad_accum=2), jax.devices()[:1])
+    losses, params = run_steps(small_config({"stage": 2, "data": 2, "tensor": 2}, **LATENT, pipeline__schedule=schedule))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5), params, ref_params)
