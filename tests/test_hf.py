@@ -209,6 +209,51 @@ def test_hf_meshlm_hf_round_trip_is_bit_identical(tmp_path, case, dtype):
         assert (tmp_path / "out" / name).exists()
 
 
+def test_a_float8_block_scaled_checkpoint_imports_dequantised(tmp_path):
+    """DeepSeek-V3's released form: every projection weight float8 e4m3 with one scale per block
+    (16 x 16 here, ragged at the edges; 128 x 128 in the release), `weight_scale_inv` beside it.
+    The import equals transformers on the weights dequantised by hand."""
+    import ml_dtypes
+    from safetensors.torch import save_file
+
+    make_hf_model(tmp_path / "hf", "deepseek_v3", std=STD)
+    block, quantised, dequantised = 16, {}, {}
+    for name, w in _state_dict(tmp_path / "hf").items():
+        if not (name.endswith("proj.weight") or "mqa" in name) or "layers" not in name:
+            quantised[name] = torch.from_numpy(w)
+            continue
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        padded = np.pad(w, ((0, rows * block - w.shape[0]), (0, cols * block - w.shape[1])))
+        amax = np.abs(padded.reshape(rows, block, cols, block)).max(axis=(1, 3))
+        scale = (amax / 448.0).astype(np.float32)
+        scales = np.repeat(np.repeat(scale, block, 0), block, 1)[: w.shape[0], : w.shape[1]]
+        q = (w / scales).astype(ml_dtypes.float8_e4m3fn)
+        quantised[name] = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+        quantised[name + "_scale_inv"] = torch.from_numpy(scale)
+        dequantised[name] = torch.from_numpy(q.astype(np.float32) * scales)
+    save_file(quantised, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    # The reference: transformers loading the dequantised weights (its live experts are fused, so through a directory).
+    shutil.copytree(tmp_path / "hf", tmp_path / "dense")
+    save_file({**{k: v for k, v in quantised.items() if k not in dequantised and not k.endswith("_scale_inv")}, **dequantised},
+              tmp_path / "dense" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "dense" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "quantization_config"}))
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dense", attn_implementation="eager").eval()
+    layout, params = imported(tmp_path / "hf")
+    err, same_argmax = _parity(hf_logits(model, TOKENS), meshlm_logits(layout, params, TOKENS))
+    assert err <= 1e-4 and same_argmax
+    # Exported dense: transformers loads it as an ordinary checkpoint.
+    hf_checkpoint.import_hf(tmp_path / "hf", tmp_path / "run", lm_config.default_config(), {}, jax.devices()[:1])
+    hf_checkpoint.export_hf(tmp_path / "run", tmp_path / "out")
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    back = _state_dict(tmp_path / "out")
+    np.testing.assert_array_equal(back["model.layers.1.self_attn.o_proj.weight"], dequantised["model.layers.1.self_attn.o_proj.weight"].numpy())
+
+
 def test_meshlm_hf_meshlm_round_trip_is_bit_identical(tmp_path, small_corpus):
     from lm.program.checkpoint import Checkpointer
     from lm.training.loop import train

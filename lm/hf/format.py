@@ -151,8 +151,10 @@ def _model_keys(hf: dict, kind: str) -> dict:
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     if kind == "deepseek_v3":
         _require(hf, "attention_bias", (False,), False, "no attention biases in a DeepSeek-V3 block")
-        if hf.get("quantization_config"):
-            raise _unsupported("quantization_config", hf["quantization_config"].get("quant_method"), "import a bfloat16 or float32 checkpoint")
+        quantized = hf.get("quantization_config") or {}
+        if quantized and (quantized.get("quant_method"), quantized.get("fmt", "e4m3"), len(quantized.get("weight_block_size") or [])) != ("fp8", "e4m3", 2):
+            raise _unsupported("quantization_config", quantized.get("quant_method"), "float8 e4m3 weights with 2-D block scales are "
+                               "dequantised on import; other quantisations are not read")
     return {
         "model.num_layers": hf["num_hidden_layers"],
         "model.embed_dim": d,
@@ -291,7 +293,7 @@ def hf_config(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
     own config.json, keeping its token ids and other settings) when it is of the same family."""
     kind = family_of(cfg)
     out = dict(base) if base and base.get("model_type") == kind else {}
-    for stale in ("rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype"):
+    for stale in ("rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "dtype", "quantization_config"):
         out.pop(stale, None)
     major = _transformers_major()
     out.update(model_type=kind, architectures=[ARCHITECTURES[kind]], vocab_size=cfg.used_vocab, tie_word_embeddings=cfg.tie_embeddings)

@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -59,8 +60,48 @@ class Reader:
             return tuple(f.get_slice(name).get_shape())
 
     def read(self, name: str) -> np.ndarray:
+        """The tensor as numpy holds it; a float8 weight with a block-scale companion
+        (`<name>_scale_inv`, DeepSeek-V3's released form) dequantised to float32."""
         with self._open(self.weight_map[name]) as f:
-            return f.get_tensor(name)
+            dtype = f.get_slice(name).get_dtype()
+            if dtype not in FLOAT8:
+                return f.get_tensor(name)
+        weight = self._raw(name, FLOAT8[dtype])
+        if f"{name}_scale_inv" not in self:
+            raise UserError(f"{self.directory}: tensor {name} is {dtype} without a {name}_scale_inv beside it; meshlm imports "
+                            "float8 weights with DeepSeek-V3's block scales only")
+        return block_dequantised(weight, self.read(f"{name}_scale_inv"), self._block_size(), name)
+
+    def _block_size(self) -> tuple[int, int]:
+        """The float8 weights' scale blocks, from config.json's `quantization_config`."""
+        try:
+            block = json.loads((self.directory / "config.json").read_text())["quantization_config"]["weight_block_size"]
+            rows, cols = (int(b) for b in block)
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UserError(f"{self.directory}/config.json names no quantization_config.weight_block_size [rows, columns] for its "
+                            "float8 weights") from None
+        return rows, cols
+
+    def _raw(self, name: str, dtype) -> np.ndarray:
+        """A tensor numpy's safetensors reader cannot type (float8), read from the file's bytes."""
+        path = self.directory / self.weight_map[name]
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            entry = json.loads(f.read(length))[name]
+        start, stop = entry["data_offsets"]
+        raw = np.fromfile(path, dtype=np.uint8, count=stop - start, offset=8 + length + start)
+        return raw.view(dtype).reshape(entry["shape"])
+
+
+def block_dequantised(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], name: str = "") -> np.ndarray:
+    """A float8 weight [out, in] times its per-block scales [ceil(out / b0), ceil(in / b1)] (each
+    `block` b0 x b1 of weights shares one; DeepSeek's `weight_scale_inv` multiplies), in float32."""
+    (rows, cols), (b0, b1) = weight.shape, block
+    if scale_inv.shape != (-(-rows // b0), -(-cols // b1)):
+        raise UserError(f"{name}_scale_inv has shape {scale_inv.shape}; a {weight.shape} weight in {b0} x {b1} blocks has "
+                        f"{(-(-rows // b0), -(-cols // b1))}")
+    scales = np.repeat(np.repeat(scale_inv.astype(np.float32), b0, axis=0), b1, axis=1)[:rows, :cols]
+    return weight.astype(np.float32) * scales
 
 
 class Writer:
@@ -137,6 +178,7 @@ class Writer:
 
 
 _DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 def parse_size(text: str) -> int:
