@@ -21,6 +21,7 @@ _CHOICES = {
     "model.mlp": ("swiglu", "gelu"),
     "model.rope_scaling": ("none", "linear", "llama3", "yarn"),
     "model.router_score": ("softmax", "sigmoid"),
+    "model.router_aux_loss_per": ("batch", "sequence"),
     "model.remat": REMAT,
     "model.attention": ("auto", "cudnn", "xla", "einsum"),
     "model.grouped_gemm": GROUPED_GEMMS,

@@ -16,7 +16,7 @@ from lm.program.steps import setup
 LATENT = dict(model__kv_lora_rank=16, model__q_lora_rank=24, model__qk_nope_head_dim=16, model__qk_rope_head_dim=8, model__v_head_dim=12)
 ROUTING = dict(model__num_experts=8, model__experts_per_token=2, model__expert_mlp_dim=32, model__shared_experts=1, model__router_score="sigmoid",
                model__router_groups=4, model__router_groups_chosen=2, model__router_scale=2.5, model__expert_bias_rate=0.01,
-               model__router_aux_loss_coef=0.0)
+               model__router_aux_loss_coef=0.01, model__router_aux_loss_per="sequence")
 DEEPSEEK = {**LATENT, **ROUTING}
 
 
@@ -41,6 +41,23 @@ def test_the_selection_bias_chooses_but_never_weights():
     biased = moe.route(logits, 1, False, jnp.asarray([0.0, 0.0, 0.0, 5.0]), "sigmoid")
     assert plain.ids_nk.tolist() == [[0]] and biased.ids_nk.tolist() == [[3]]
     np.testing.assert_allclose(biased.weights_nk[0, 0], jax.nn.sigmoid(-2.0), rtol=1e-6)
+
+
+def test_sequence_wise_balance_loss_by_hand():
+    """DeepSeek-V3's (eq. 17-20): per sequence, (E / k) x sum over experts of (its share of the
+    sequence's tokens' choices x k) x (its mean normalised score), averaged over the sequences."""
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2 * 5, 4))  # 2 sequences of 5 tokens, 4 experts
+    routing = moe.route(logits, 2, True, None, "sigmoid")
+    _, _, aux, _ = moe.balancing_losses(logits, routing, 4, sequences=2)
+    ids, s = np.asarray(routing.ids_nk).reshape(2, 5, 2), np.asarray(jax.nn.sigmoid(logits)).reshape(2, 5, 4)
+    by_hand = []
+    for seq in range(2):
+        f = [4 / (2 * 5) * np.sum(ids[seq] == e) for e in range(4)]
+        p = (s[seq] / s[seq].sum(-1, keepdims=True)).mean(0)
+        by_hand.append(np.sum(np.asarray(f) * p))
+    np.testing.assert_allclose(aux, np.mean(by_hand), rtol=1e-6)
+    _, _, whole, _ = moe.balancing_losses(logits, routing, 4)
+    assert abs(float(whole) / 2 - float(aux)) > 1e-4  # per sequence is not the batch's
 
 
 def test_absorbed_decoding_equals_the_expanded_forward():

@@ -222,6 +222,7 @@ def _expert_keys(hf: dict, kind: str) -> dict:
             "model.expert_bias_rate": DEEPSEEK_BIAS_RATE,
             "model.router_renormalize": bool(hf.get("norm_topk_prob", True)),
             "model.router_aux_loss_coef": 0.0,  # balanced by the selection bias instead (loss-free)
+            "model.router_aux_loss_per": "sequence",  # DeepSeek-V3's complementary loss, where a coefficient is set
             "model.router_score": "sigmoid",
             "model.router_groups": hf.get("n_group") or 1,
             "model.router_groups_chosen": hf.get("topk_group") or 1,
@@ -238,6 +239,7 @@ def _expert_keys(hf: dict, kind: str) -> dict:
         "model.expert_bias_rate": 0.0,
         "model.router_renormalize": renormalize,
         "model.router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+        "model.router_aux_loss_per": "batch",
         "model.router_score": "softmax",
         "model.router_groups": 1,
         "model.router_groups_chosen": 1,

@@ -75,6 +75,8 @@ class ModelConfig:
     # factor x its even share of a device's tokens, the rest dropped (counted).
     expert_capacity_factor: float = 0.0
     router_aux_loss_coef: float = 0.01  # Switch / Mixtral load-balancing loss
+    # Over the layer's tokens at once (`batch`), or DeepSeek-V3's per `sequence`, averaged (lm.model.moe.balancing_losses).
+    router_aux_loss_per: str = "batch"
     router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss
     # > 0: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the selection scores,
     # moved by this much each step toward an even load (a parameter no gradient reaches).

@@ -107,14 +107,25 @@ def route(logits_ne: jax.Array, k: int, renormalize: bool, bias_e: jax.Array | N
     return Routing(ids, weights, probs)
 
 
-def balancing_losses(logits_ne: jax.Array, routing: Routing, num_experts: int):
-    """(load per expert [e], mean router probability per expert [e], Switch load-balancing loss,
-    router z-loss) of one layer's routing."""
+def balancing_losses(logits_ne: jax.Array, routing: Routing, num_experts: int, sequences: int = 0):
+    """(load per expert [e], mean router probability per expert [e], load-balancing loss, router
+    z-loss) of one layer's routing. The balancing loss is Switch's over all the tokens, or with
+    `sequences` (the tokens being that many sequences in order) DeepSeek-V3's sequence-wise one:
+    per sequence, sum over experts of (E / k) x (fraction of its tokens sent there) x (its mean
+    normalised score), averaged over the sequences."""
     counts_e = jnp.zeros(num_experts, F32).at[routing.ids_nk.reshape(-1)].add(1.0)
     load_e = counts_e / routing.ids_nk.size
     tokens_e = counts_e / routing.ids_nk.shape[0]  # fraction of tokens sent to each (sums to k)
     prob_e = jnp.mean(routing.probs_ne, axis=0)
-    aux = num_experts * jnp.sum(jax.lax.stop_gradient(tokens_e) * prob_e)
+    if sequences:
+        n, k = routing.ids_nk.shape
+        ids_sm = routing.ids_nk.reshape(sequences, -1)
+        counts_se = jnp.zeros((sequences, num_experts), F32).at[jnp.arange(sequences)[:, None], ids_sm].add(1.0)
+        prob_se = jnp.mean(routing.probs_ne.reshape(sequences, n // sequences, num_experts), axis=1)
+        share_se = jax.lax.stop_gradient(counts_se / (n // sequences))
+        aux = num_experts / k * jnp.mean(jnp.sum(share_se * prob_se, axis=-1))
+    else:
+        aux = num_experts * jnp.sum(jax.lax.stop_gradient(tokens_e) * prob_e)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_ne.astype(F32), axis=-1)))
     return load_e, prob_e, aux, z
 
@@ -217,7 +228,7 @@ class MoeMlp(nnx.Module):
         bias = self.router_bias[...] if has_router_bias(cfg) else None
         routing = route(logits_ne, cfg.experts_per_token, cfg.router_renormalize, bias, cfg.router_score, cfg.router_groups,
                         cfg.router_groups_chosen, cfg.router_scale)
-        load_e, prob_e, aux, z = balancing_losses(logits_ne, routing, cfg.num_experts)
+        load_e, prob_e, aux, z = balancing_losses(logits_ne, routing, cfg.num_experts, b if cfg.router_aux_loss_per == "sequence" else 0)
         k = cfg.experts_per_token
         y, dropped = apply_experts(
             x_btd, routing.ids_nk.reshape(b, t, k), routing.weights_nk.reshape(b, t, k),
