@@ -143,6 +143,20 @@ def test_attention_runs_cudnn_fused_attention_forward_and_backward(h100s):
 
 
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
+def test_latent_attention_runs_cudnn_with_values_narrower_than_queries(h100s):
+    """Multi-head latent attention's 24-wide queries and keys, 16-wide values: cuDNN's fused
+    attention forward and backward on Hopper (jax.nn's checks want them equal; the cuDNN call
+    beneath takes them), each layer's once."""
+    latent = dict(model__kv_lora_rank=32, model__q_lora_rank=32, model__qk_nope_head_dim=16, model__qk_rope_head_dim=8, model__v_head_dim=16,
+                  model__num_heads=4, model__num_kv_heads=4)
+    text = compiled(h100s, {"fsdp": 8}, **latent)
+    calls = hlo.custom_calls(text)
+    assert calls["__cudnn$fmhaSoftmax"] == 2 and calls["__cudnn$fmhaSoftmaxBackward"] == 2
+    forward = next(line for line in text.splitlines() if 'fmhaSoftmax"' in line)
+    assert re.search(r"= \(bf16\[\d+,4,\d+,16\]", forward) and re.search(r"\{bf16\[\d+,\d+,4,24\]\S*, bf16\[\d+,\d+,4,24\]", forward)
+
+
+@pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
 def test_remat_dots_keeps_flash_attention_so_its_forward_runs_once_a_layer(h100s):
     """cuDNN attention is no dot_general: `dots` saves its results by name, so the backward does
     not run each layer's attention forward again; `dots_no_batch` and `full` recompute it."""
@@ -161,14 +175,17 @@ def test_attention_falls_back_where_cudnn_cannot_take_the_call(h100s):
     with activate(mesh):  # what the model sees inside a program compiled for H100s
         assert attention_kernel("auto", q(jax.numpy.bfloat16)) == ("cudnn" if cudnn_available() else "xla")
         assert attention_kernel("auto", q(jax.numpy.float32)) == "xla"  # cuDNN takes bf16 / fp16
-        assert attention_kernel("auto", q(jax.numpy.bfloat16, k=256)) == "xla"  # head dim over 128
+        # Hopper takes head dims up to 256, and values narrower than queries and keys (latent attention).
+        assert attention_kernel("auto", q(jax.numpy.bfloat16, k=256)) == ("cudnn" if cudnn_available() else "xla")
+        assert attention_kernel("auto", q(jax.numpy.bfloat16, k=272)) == "xla"  # head dim over 256
+        assert attention_kernel("auto", q(jax.numpy.bfloat16, k=192), value_dim=128) == ("cudnn" if cudnn_available() else "xla")
         assert attention_kernel("auto", q(jax.numpy.bfloat16), decoding=True) == "xla"  # a decoding mask
         # Asked for by name where it cannot run: what is missing, in one line (cuDNN itself first).
         if cudnn_available():
             with pytest.raises(UserError, match=r"cudnn needs bfloat16 or float16 inputs \(precision.compute_dtype gives float32\)"):
                 attention_kernel("cudnn", q(jax.numpy.float32))
-            with pytest.raises(UserError, match="cudnn needs a head dim that is a multiple of 8 up to 128 .the model's is 256"):
-                attention_kernel("cudnn", q(jax.numpy.bfloat16, k=256))
+            with pytest.raises(UserError, match="cudnn needs a head dim that is a multiple of 8 up to 256 on this GPU .the model's is 272"):
+                attention_kernel("cudnn", q(jax.numpy.bfloat16, k=272))
             assert attention_kernel("cudnn", q(jax.numpy.bfloat16), decoding=True) == "xla"
         else:
             with pytest.raises(UserError, match="cudnn needs cuDNN installed"):

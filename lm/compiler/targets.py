@@ -104,7 +104,29 @@ def devices(name: str, count: int, hosts: int = 1) -> list:
     )
     found = list(topology.devices)
     _COMPILE_ONLY_TARGET.update(dict.fromkeys(found, name))
+    _cudnn_checks_against(found[0])
     return found
+
+
+def _cudnn_checks_against(device) -> None:
+    """JAX checks what cuDNN attention may run (head dims up to 256, value heads narrower than
+    query heads: multi-head latent attention) against the compute capability of its default
+    backend's GPU, which a deviceless compile lacks (its backend is the CPU): it then refuses
+    what the target's GPU runs. Here the check asks the compile-only `device` instead."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    except ImportError:
+        return
+    original = getattr(cudnn_attention, "check_compute_capability", None)
+    if original is None or getattr(original, "compile_only_device", None) is not None:
+        return
+    have = tuple(int(x) for x in str(device.compute_capability).split("."))
+
+    def check_compute_capability(capability: str) -> bool:
+        return original(capability) or have >= tuple(int(x) for x in capability.split("."))
+
+    check_compute_capability.compile_only_device = device
+    cudnn_attention.check_compute_capability = check_compute_capability
 
 
 # Compiler options for programs compiled for NVIDIA GPUs (passed per jit, never process-wide).

@@ -38,26 +38,45 @@ def cudnn_available() -> bool:
     return True
 
 
-def cudnn_missing(platform: str, dtype, head_dim: int) -> str | None:
+def _hopper_or_later() -> bool:
+    """Whether the device in force (a compile-only one included) is an NVIDIA GPU of compute
+    capability 9.0 or later."""
+    capability = getattr(sharding.device(), "compute_capability", None)
+    return bool(capability) and tuple(int(x) for x in str(capability).split(".")[:2]) >= (9, 0)
+
+
+def _cudnn_version() -> int:
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo.check_cudnn_version()
+
+
+def cudnn_missing(platform: str, dtype, head_dim: int, value_dim: int | None = None) -> str | None:
     """What cuDNN's fused attention needs that a program for `platform` with `dtype` queries of
-    `head_dim` lacks (the first such need, as a phrase), or None when it can run there."""
+    `head_dim` (values of `value_dim`, None: the same) lacks (the first such need, as a phrase),
+    or None when it can run there. Hopper and later take head dims up to 256 and narrower values
+    (multi-head latent attention, cuDNN 9.10 on)."""
+    hopper = platform == "gpu" and _hopper_or_later()
+    widest = 256 if hopper else 128
     needs = {
         f"a GPU target (this program is for {platform})": platform == "gpu",
         "cuDNN installed": platform != "gpu" or cudnn_available(),
         f"bfloat16 or float16 inputs (precision.compute_dtype gives {jnp.dtype(dtype)})": dtype in (jnp.bfloat16, jnp.float16),
-        f"a head dim that is a multiple of 8 up to 128 (the model's is {head_dim})": head_dim % 8 == 0 and head_dim <= 128,
+        f"a head dim that is a multiple of 8 up to {widest} on this GPU (the model's is {head_dim})": head_dim % 8 == 0 and head_dim <= widest,
+        f"a Hopper GPU and cuDNN 9.10 for values ({value_dim}) narrower than queries and keys ({head_dim})":
+            value_dim in (None, head_dim) or (hopper and cudnn_available() and _cudnn_version() >= 91000),
     }
     return next((need for need, met in needs.items() if not met), None)
 
 
-def check_cudnn(platform: str, dtype, head_dim: int) -> None:
+def check_cudnn(platform: str, dtype, head_dim: int, value_dim: int | None = None) -> None:
     """The UserError for `model.attention=cudnn` where cuDNN cannot run."""
-    missing = cudnn_missing(platform, dtype, head_dim)
+    missing = cudnn_missing(platform, dtype, head_dim, value_dim)
     if missing:
         raise UserError(f"model.attention=cudnn needs {missing}; use model.attention=auto (cuDNN where it can run) or xla")
 
 
-def attention_kernel(requested: str, q_bthk: jax.Array, decoding: bool = False) -> str:
+def attention_kernel(requested: str, q_bthk: jax.Array, decoding: bool = False, value_dim: int | None = None) -> str:
     """Which attention runs: `einsum` (written out, the CPU default), `xla` (XLA's own fused
     attention) or `cudnn` (cuDNN flash attention). `auto` takes cuDNN when compiling for a GPU
     and it can take the call (`cudnn_missing`: cuDNN loadable here, bf16 / float16 inputs, a
@@ -68,13 +87,13 @@ def attention_kernel(requested: str, q_bthk: jax.Array, decoding: bool = False) 
     decoding takes `auto`'s choice."""
     backend = sharding.platform()  # the compile target's, not necessarily this machine's
     if requested == "cudnn" and not decoding:
-        check_cudnn(backend, q_bthk.dtype, q_bthk.shape[-1])
+        check_cudnn(backend, q_bthk.dtype, q_bthk.shape[-1], value_dim)
         return requested
     if requested not in ("auto", "cudnn"):
         return requested
     if backend == "cpu":
         return "einsum"
-    return "xla" if decoding or cudnn_missing(backend, q_bthk.dtype, q_bthk.shape[-1]) else "cudnn"
+    return "xla" if decoding or cudnn_missing(backend, q_bthk.dtype, q_bthk.shape[-1], value_dim) else "cudnn"
 
 
 @jax.custom_jvp
@@ -150,6 +169,19 @@ def batched_as_one(kernel):
     return attend
 
 
+def cudnn_narrow_values(q_bthk, k_bsgk, v_bsgk, mask, scale, local) -> jax.Array:
+    """cuDNN flash attention with values narrower than queries and keys (multi-head latent
+    attention: 192 and 128). jax.nn.dot_product_attention checks the widths equal, though the
+    cuDNN call beneath it takes them unequal on Hopper (cuDNN 9.10 on), so that call is made
+    here directly (`jax._src.cudnn`: checked by `cudnn_missing`)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+    return cudnn_attention(q_bthk, k_bsgk, v_bsgk, mask=mask, scale=q_bthk.shape[-1] ** -0.5 if scale is None else scale,
+                           mask_type=MaskType.CAUSAL if mask is None else MaskType.NO_MASK,
+                           sliding_window_length=None if local is None else local[0] + 1)
+
+
 def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "auto", window: int = 0, decoding: bool = False,
               scale: float | None = None) -> jax.Array:
     """Softmax attention with grouped-query heads; `mask_bts` None means causal (within a sliding
@@ -161,12 +193,17 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
     version's softmax backward into a slow reduction, and the einsums here run on the policy's
     matmul (bf16 units).
     """
-    kernel = attention_kernel(kernel, q_bthk, decoding)
+    kernel = attention_kernel(kernel, q_bthk, decoding, v_bsgk.shape[-1])
+    narrow_values = v_bsgk.shape[-1] != q_bthk.shape[-1]
+    if kernel == "xla" and narrow_values:  # jax.nn's attention takes values as wide as keys only
+        kernel = "einsum"
     if kernel != "einsum":
         local = (window - 1, 0) if window and mask_bts is None else None
 
         def fused(q_bthk, k_bsgk, v_bsgk, *mask_bts):
             mask = mask_bts[0][:, None] if mask_bts else None
+            if narrow_values:
+                return cudnn_narrow_values(q_bthk, k_bsgk, v_bsgk, mask, scale, local)
             return jax.nn.dot_product_attention(
                 q_bthk, k_bsgk, v_bsgk, mask=mask, scale=scale, is_causal=mask is None, local_window_size=local, implementation=kernel
             )

@@ -114,3 +114,12 @@ def init_latent_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> dict[
     """An empty cache for `length` positions: {'latent' [n, b, s, r], 'k_rope' [n, b, s, k]}."""
     return {"latent": jnp.zeros((cfg.num_layers, batch, length, cfg.kv_lora_rank), dtype),
             "k_rope": jnp.zeros((cfg.num_layers, batch, length, cfg.qk_rope_head_dim), dtype)}
+
+
+def cache_values_per_layer(cfg: ModelConfig) -> tuple[int, int]:
+    """(values a decoding cache keeps per token and layer, what keys and values per head would):
+    latent attention's latent and rotary key against its expanded heads; grouped-query attention's
+    keys and values of its kv heads (both figures alike)."""
+    if cfg.latent_attention:
+        return cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    return 2 * cfg.num_kv_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim

@@ -12,6 +12,7 @@ from lm import GPU_MEMORY_FRACTION
 from lm.compiler import hlo, kernels, passes, steptime, targets
 from lm.data import corpus as lm_data
 from lm.model.flops import flops_per_token, split_backward_flops
+from lm.model.latent_attention import cache_values_per_layer
 from lm.program.steps import placed, setup
 from sharding import report
 from sharding.schedule_report import report as pipeline_report
@@ -38,6 +39,10 @@ def step_report(config, devices=None, compile_step: bool = True, save_hlo: str |
         },
     }
     summary["per_device"]["total_state_bytes"] = sum(summary["per_device"].values())
+    kept, per_head = cache_values_per_layer(program.spec.model)
+    itemsize = np.dtype(program.spec.policy.compute_dtype).itemsize
+    summary["decode_cache"] = {"values_per_token_layer": kept, "bytes_per_token": kept * itemsize * program.spec.model.num_layers,
+                               "as_heads_values_per_token_layer": per_head}
     summary["pipeline"] = pipeline_report(program.spec.pipeline, program.spec.model.num_layers,
                                           split_backward_flops(program.spec.model, config.train.seq_len, program.spec.model.remat))
     if compile_step:
@@ -118,6 +123,11 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
         "per device:",
         *(f"  {name.removesuffix('_bytes'):<18} {fmt(b)}" for name, b in per_device.items()),
     ]
+    cache = summary["decode_cache"]
+    lines.append(f"decode cache per token: {cache['values_per_token_layer']:,} values a layer, {fmt(cache['bytes_per_token'])} over the layers"
+                 + (f" (keys and values per head would be {cache['as_heads_values_per_token_layer']:,}: "
+                    f"{cache['as_heads_values_per_token_layer'] / cache['values_per_token_layer']:.0f}x)"
+                    if cache["as_heads_values_per_token_layer"] != cache["values_per_token_layer"] else ""))
     pipe = summary["pipeline"]
     if pipe["schedule"] != "none":
         lines.append(f"pipeline: {pipe['schedule']}, bubble {pipe['bubble']:.3f}, {pipe['stash_depth']} microbatches' {pipe['stash']} kept per stage")

@@ -342,5 +342,6 @@ def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), obse
     if spec.policy.fp8 and all(mesh.shape[axis] == 1 for axis in ("fsdp", "tensor", "context")):
         spec = dataclasses.replace(spec, policy=dataclasses.replace(spec.policy, pin_weight_layouts=True))
     if spec.model.attention == "cudnn":  # before a run directory is written, not at the first trace
-        check_cudnn(mesh.devices.flat[0].platform, spec.policy.compute_dtype, spec.model.head_dim)
+        with sharding.activate(mesh, ()):  # the mesh's GPU decides what cuDNN takes
+            check_cudnn(mesh.devices.flat[0].platform, spec.policy.compute_dtype, spec.model.qk_head_dim, spec.model.value_head_dim)
     return Program(spec, mesh, faults)
