@@ -39,6 +39,8 @@ CASES = {
     "qwen3-moe": ("qwen3_moe", {}),
     "qwen3-moe-unnormalised": ("qwen3_moe", dict(norm_topk_prob=False)),
     "qwen3-moe-dense-first": ("qwen3_moe", dict(mlp_only_layers=[0])),
+    "qwen3-moe-every-2": ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2)),  # dense, sparse, dense, sparse: one scan
+    "qwen3-moe-dense-middle": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),  # sparse, dense, sparse: three runs
     "gpt2": ("gpt2", {}),
     "deepseek-v3": ("deepseek_v3", {}),
     # Full-rank queries (DeepSeek-V2-Lite's shape), rotary rows already in halves, YaRN with both mscales, every layer sparse.
@@ -188,7 +190,7 @@ def _state_dict(directory):
 
 
 @pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "llama3-rope", "qwen3-qk-norm", "mixtral", "qwen3-moe",
-                                  "qwen3-moe-dense-first", "deepseek-v3", "deepseek-v3-yarn"])
+                                  "qwen3-moe-dense-first", "qwen3-moe-every-2", "qwen3-moe-dense-middle", "deepseek-v3", "deepseek-v3-yarn"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_hf_meshlm_hf_round_trip_is_bit_identical(tmp_path, case, dtype):
     family, kw = CASES[case]
@@ -280,7 +282,7 @@ def _abstract(workdir):
 
 
 @pytest.mark.parametrize("case", ["llama-gqa2-tied", "qwen2-qkv-bias", "mistral-window", "gpt2", "qwen3-qk-norm", "mixtral", "qwen3-moe-dense-first",
-                                  "deepseek-v3", "deepseek-v3-yarn"])
+                                  "qwen3-moe-every-2", "qwen3-moe-dense-middle", "deepseek-v3", "deepseek-v3-yarn"])
 def test_greedy_generation_matches_transformers(hf_dirs, tmp_path, case):
     path, model = hf_dirs[case]
     hf_checkpoint.import_hf(path, tmp_path / "run", lm_config.default_config(), {"model.attention": "einsum"}, jax.devices()[:1])
@@ -490,8 +492,8 @@ def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_vers
         ({**DEEPSEEK, "scoring_func": "softmax"}, "scoring_func='softmax'"),
         ({**DEEPSEEK, "quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config='bitsandbytes'"),
         ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
-        ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1]},
-         "mlp_only_layers=[1]"),
+        ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0, 1]},
+         "mlp_only_layers=[0, 1]"),
     ],
 )
 def test_configs_meshlm_cannot_represent_are_refused(change, fragment):

@@ -125,6 +125,30 @@ def test_a_dense_first_layer_and_shared_experts_train_expert_parallel_as_on_one_
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
+def test_sparse_layers_anywhere_name_their_layers_and_run_as_few_scans():
+    from lm.model.config import sparse_layer_ids
+    from lm.model.transformer import layer_segments
+
+    assert sparse_layer_ids("from:3", 6) == (3, 4, 5) and sparse_layer_ids("every:2", 6) == (1, 3, 5) and sparse_layer_ids("dense:0,4", 6) == (1, 2, 3, 5)
+    kinds = lambda ids, n: ["sparse" if i in ids else "dense" for i in range(n)]  # noqa: E731
+    # Interleaved over 48 layers (Qwen3-MoE's decoder_sparse_step=2, Llama 4's interleave): one scan of 24 (dense, sparse) repeats.
+    assert layer_segments(kinds(sparse_layer_ids("every:2", 48), 48)) == [(0, 48, ("dense", "sparse"))]
+    # DeepSeek-V3's first 3 dense: two runs; a dense layer in the middle: three.
+    assert layer_segments(kinds(sparse_layer_ids("from:3", 61), 61)) == [(0, 3, ("dense",)), (3, 61, ("sparse",))]
+    assert layer_segments(kinds(sparse_layer_ids("dense:1", 3), 3)) == [(0, 1, ("sparse",)), (1, 2, ("dense",)), (2, 3, ("sparse",))]
+
+
+@pytest.mark.parametrize("pattern", ["every:2", "dense:1"])
+def test_interleaved_dense_and_sparse_layers_train_expert_parallel_as_on_one_device(pattern):
+    """Layers 1 and 3 sparse (one scan over two (dense, sparse) repeats), or layer 1 dense among
+    sparse ones (three runs), on {expert 4, data 2}: the same losses and parameters as one device."""
+    extra = dict(MOE, model__moe_layers=pattern, model__num_layers=4, model__scan_layers=True)
+    ref_losses, ref_params = run_steps(small_config({}, **extra), jax.devices()[:1])
+    losses, params = run_steps(small_config({"expert": 4, "data": 2}, **extra))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_expert_parallel_pipeline_matches_one_device_accumulating_alike(schedule):
     """The balancing losses are taken per microbatch (as Megatron does), so the reference
@@ -158,8 +182,12 @@ def test_expert_parallel_program_exchanges_tokens_and_no_device_holds_every_expe
         (["--config.model.experts_per_token=9"], "model.experts_per_token=9 must be between 1 and model.num_experts=8"),
         (["--config.model.expert_capacity_factor=-1"], "model.expert_capacity_factor must be zero or positive"),
         (["--config.model.num_experts=0", "--config.mesh.expert=2", "--config.mesh.data=4"], "the model is dense (model.num_experts=0)"),
+        (["--config.model.moe_layers=every:two"], "model.moe_layers='every:two' is not 'all', 'from:K'"),
+        (["--config.model.moe_layers=dense:0,1,2,3"], "model.moe_layers='dense:0,1,2,3' leaves none of the 4 layers a mixture of experts"),
+        (["--config.model.moe_layers=every:2", "--config.mesh.stage=2", "--config.mesh.data=1"], "mixes dense and sparse layers, which a pipeline"),
     ],
-    ids=["experts-not-divisible", "too-many-per-token", "negative-capacity", "expert-axis-dense-model"],
+    ids=["experts-not-divisible", "too-many-per-token", "negative-capacity", "expert-axis-dense-model", "moe-layers-unreadable", "moe-layers-none",
+         "moe-layers-pipelined"],
 )
 def test_bad_moe_input_is_one_line(tmp_path, capsys, extra, fragment):
     result = run_cli(capsys, lm_train.main, "--config=configs/moe_tiny.py", f"--workdir={tmp_path / 'run'}", *extra)

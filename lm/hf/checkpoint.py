@@ -139,13 +139,11 @@ def load_params(reader: Reader, layout: AbstractModel) -> dict:
 
     def device_slice(path: str, index: tuple) -> np.ndarray:
         link, j = owner[path]
-        first = link.first_layer  # the stack's layer i is the model's first + i
         if link.per_expert:  # [layers, experts, ...]: one tensor per layer and expert
-            layers, experts = range(shapes[path][0])[index[0]], range(shapes[path][1])[index[1]]
-            return np.stack([np.stack([np.asarray(converted(link, (first + i, e))[j][index[2:]], dtype) for e in experts]) for i in layers])
-        if link.stacked:
-            layers = range(shapes[path][0])[index[0]]
-            return np.stack([np.asarray(converted(link, first + i)[j][index[1:]], dtype) for i in layers])
+            layers, experts = link.layer_ids[index[0]], range(shapes[path][1])[index[1]]
+            return np.stack([np.stack([np.asarray(converted(link, (i, e))[j][index[2:]], dtype) for e in experts]) for i in layers])
+        if link.stacked:  # the stack's entry k is the model's layer link.layer_ids[k]
+            return np.stack([np.asarray(converted(link, i)[j][index[1:]], dtype) for i in link.layer_ids[index[0]]])
         return np.asarray(converted(link, None)[j][index], dtype)
 
     shardings = _flat(layout.param_shardings)
@@ -165,7 +163,7 @@ def _tensors(cfg):
     """(link, layer or (layer, expert)) of every checkpoint tensor of `cfg`'s family, in the order
     they are written."""
     def places(link):
-        layers = range(link.first_layer, link.first_layer + (link.layers or cfg.num_layers))
+        layers = link.layer_ids
         if link.per_expert:
             return [(i, e) for i in layers for e in range(cfg.num_experts)]
         return layers if link.stacked else [None]
@@ -183,7 +181,7 @@ def save_params(params: dict, cfg, writer: Writer | None, dtype) -> None:
     process only contributes its shards)."""
     flat = _flat(params)
     for link, layer in _tensors(cfg):
-        where = layer if layer is None else (layer[0] - link.first_layer, layer[1]) if link.per_expert else layer - link.first_layer
+        where = layer if layer is None else (link.layer_ids.index(layer[0]), layer[1]) if link.per_expert else link.layer_ids.index(layer)
         parts = [_fetch(flat[p] if where is None else flat[p][where]) for p in link.ours]  # the stack's layer (and expert)
         if writer is not None:
             writer.add(tensors.tensor_name(link, layer), link.to_theirs(*parts).astype(dtype))

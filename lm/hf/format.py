@@ -201,12 +201,12 @@ def _expert_keys(hf: dict, kind: str) -> dict:
         _require(hf, "router_jitter_noise", (0, 0.0, None), 0.0, "no noise on the router's logits")
         width, renormalize, moe_layers = hf["intermediate_size"], True, "all"
     elif kind == "qwen3_moe":
-        _require(hf, "decoder_sparse_step", (1,), 1, "every layer from the first sparse one a mixture of experts")
-        dense = list(hf.get("mlp_only_layers") or [])
-        if dense != list(range(len(dense))) or len(dense) >= hf["num_hidden_layers"]:
-            raise _unsupported("mlp_only_layers", dense, "only the first layers may be dense (model.moe_layers='from:K')")
+        n, step, only = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or [])
+        dense = [i for i in range(n) if i in only or (i + 1) % step]  # transformers' rule for a sparse layer, negated
+        if len(dense) >= n:
+            raise _unsupported("mlp_only_layers", sorted(only), "at least one layer must be a mixture of experts")
         width, renormalize = hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False))
-        moe_layers = f"from:{len(dense)}" if dense else "all"
+        moe_layers = moe_layers_spec(dense, n)
     elif kind == "deepseek_v3":
         _require(hf, "scoring_func", ("sigmoid",), "sigmoid", "DeepSeek-V3's router scores are sigmoids")
         _require(hf, "topk_method", ("noaux_tc",), "noaux_tc", "DeepSeek-V3's router chooses by group, with the selection bias")
@@ -247,6 +247,19 @@ def _expert_keys(hf: dict, kind: str) -> dict:
     }
 
 
+def moe_layers_spec(dense: list[int], num_layers: int) -> str:
+    """The `model.moe_layers` value whose dense layers are `dense` (model indices), in its
+    shortest form."""
+    if not dense:
+        return "all"
+    if dense == list(range(len(dense))):
+        return f"from:{len(dense)}"
+    for step in range(2, num_layers + 1):
+        if dense == [i for i in range(num_layers) if (i + 1) % step]:
+            return f"every:{step}"
+    return "dense:" + ",".join(map(str, dense))
+
+
 def family_of(cfg: ModelConfig) -> str:
     """The `transformers` family that represents a meshlm model exactly, or a UserError."""
     if cfg.position == "learned":
@@ -254,14 +267,14 @@ def family_of(cfg: ModelConfig) -> str:
             return "gpt2"
     elif cfg.latent_attention:
         if cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.qkv_bias and not cfg.qk_norm and not cfg.sliding_window \
-                and cfg.position == "rope" and (not cfg.moe or cfg.router_score == "sigmoid"):
+                and cfg.position == "rope" and (not cfg.moe or cfg.router_score == "sigmoid" and cfg.dense_layer_ids == tuple(range(cfg.dense_layers))):
             return "deepseek_v3"
     elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.shared_experts and not cfg.expert_bias_rate \
             and cfg.router_score == "softmax" and cfg.router_groups == 1 and cfg.router_scale == 1.0:
         if cfg.moe and not cfg.qkv_bias:
             if cfg.qk_norm and not cfg.sliding_window:
                 return "qwen3_moe"
-            if not cfg.qk_norm and cfg.router_renormalize and not cfg.dense_layers:
+            if not cfg.qk_norm and cfg.router_renormalize and not cfg.dense_layers:  # Mixtral: every layer sparse
                 return "mixtral"
         elif cfg.qk_norm:
             if not cfg.qkv_bias and not cfg.sliding_window:
@@ -331,7 +344,7 @@ def hf_config(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
         out.update(
             attention_bias=False, use_sliding_window=False, sliding_window=None, num_experts=cfg.num_experts,
             num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_width, norm_topk_prob=cfg.router_renormalize,
-            decoder_sparse_step=1, mlp_only_layers=list(range(cfg.dense_layers)), router_aux_loss_coef=cfg.router_aux_loss_coef,
+            decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layer_ids), router_aux_loss_coef=cfg.router_aux_loss_coef,
         )
     if kind == "deepseek_v3":
         out.pop("num_local_experts", None)

@@ -26,9 +26,8 @@ class Link:
     to_ours: Callable[[np.ndarray], tuple[np.ndarray, ...]]
     to_theirs: Callable[..., np.ndarray]
     per_expert: bool = False  # ours are [layers, experts, ...]; theirs has a `{j}` for the expert too
-    # Of a stack: the model's first layer it holds, and how many (the `{i}` is the model's index).
-    first_layer: int = 0
-    layers: int = 0
+    # Of a stack: the model's layer each of its entries holds (the `{i}` is the model's index).
+    layer_ids: tuple[int, ...] = ()
 
     @property
     def stacked(self) -> bool:
@@ -90,23 +89,24 @@ def links(cfg: ModelConfig) -> list[Link]:
             _same("blocks/mlp/w_out", layer + "mlp.c_proj.weight"),
             _same("blocks/mlp/b_out", layer + "mlp.c_proj.bias"),
         ]
+        out = [dataclasses.replace(link, layer_ids=tuple(range(cfg.num_layers))) if link.stacked else link for link in out]
         return out if cfg.tie_embeddings else [*out, head]
     out = [embedding("model.embed_tokens.weight"), _same("final_norm/scale", "model.norm.weight")]
-    if cfg.moe and cfg.dense_layers:  # a dense stack first (Qwen3-MoE's mlp_only_layers)
-        out += _layer_links(dataclasses.replace(cfg, num_experts=0), kind, "dense_blocks/", 0, cfg.dense_layers)
-    out += _layer_links(cfg, kind, "blocks/", cfg.dense_layers if cfg.moe else 0, cfg.sparse_layers if cfg.moe else cfg.num_layers)
+    if cfg.moe and cfg.dense_layers:  # a stack of the dense layers (DeepSeek's first, Qwen3-MoE's mlp_only_layers)
+        out += _layer_links(dataclasses.replace(cfg, num_experts=0), kind, "dense_blocks/", cfg.dense_layer_ids)
+    out += _layer_links(cfg, kind, "blocks/", cfg.sparse_layer_ids if cfg.moe else tuple(range(cfg.num_layers)))
     return out if cfg.tie_embeddings else [*out, head]
 
 
-def _layer_links(cfg: ModelConfig, kind: str, stack: str, first: int, count: int) -> list[Link]:
-    """The Llama-like per-layer tensors of the model's layers `first` .. `first + count`, held
-    by the stacked parameters under `stack`."""
+def _layer_links(cfg: ModelConfig, kind: str, stack: str, layer_ids: tuple[int, ...]) -> list[Link]:
+    """The Llama-like per-layer tensors of the model's layers `layer_ids`, held in that order by
+    the stacked parameters under `stack`."""
     d, h, g, k = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     columns, rows = _columns, _rows
     layer = "model.layers.{i}."
 
     def link(ours, theirs, to_ours, to_theirs, per_expert=False):
-        return Link((stack + ours,), theirs, to_ours, to_theirs, per_expert, first, count)
+        return Link((stack + ours,), theirs, to_ours, to_theirs, per_expert, layer_ids)
 
     same = lambda ours, theirs: link(ours, theirs, lambda w: (w,), lambda x: x)  # noqa: E731
     out = [
@@ -114,7 +114,7 @@ def _layer_links(cfg: ModelConfig, kind: str, stack: str, first: int, count: int
         same("mlp_norm/scale", layer + "post_attention_layernorm.weight"),
     ]
     if cfg.latent_attention:
-        out += _latent_links(cfg, stack, first, count)
+        out += _latent_links(cfg, stack, layer_ids)
     else:
         out += [
             link("attn/wq", layer + "self_attn.q_proj.weight", *columns(d, h, k)),
@@ -155,7 +155,7 @@ def _layer_links(cfg: ModelConfig, kind: str, stack: str, first: int, count: int
     return out
 
 
-def _latent_links(cfg: ModelConfig, stack: str, first: int, count: int) -> list[Link]:
+def _latent_links(cfg: ModelConfig, stack: str, layer_ids: tuple[int, ...]) -> list[Link]:
     """DeepSeek-V3's multi-head latent attention tensors of a layer. Their rotary rows are in
     interleaved pairs where `rope_interleave` says so: put in rotate-half order on import (evens
     first, then odds), back on export."""
@@ -165,7 +165,7 @@ def _latent_links(cfg: ModelConfig, stack: str, first: int, count: int) -> list[
     attn = "model.layers.{i}.self_attn."
 
     def link(ours, theirs, to_ours, to_theirs):
-        return Link(tuple(stack + "attn/" + o for o in ours), attn + theirs, to_ours, to_theirs, False, first, count)
+        return Link(tuple(stack + "attn/" + o for o in ours), attn + theirs, to_ours, to_theirs, False, layer_ids)
 
     def query(rank):  # (h * (nope + rot), rank) -> (rank, h, nope + rot), each head's rotary part reordered
         def to_ours(w):

@@ -57,7 +57,7 @@ class ModelConfig:
     # A mixture of experts (0: a dense MLP): each token's MLP is `experts_per_token` of `num_experts`
     # SwiGLU experts of width `expert_mlp_dim` (0: mlp_dim), chosen by a float32 router, plus
     # `shared_experts` always-on ones (DeepSeek / Qwen2-MoE), in the layers `moe_layers` names
-    # ('all', or 'from:K': the first K dense, as DeepSeek-V3). lm.model.moe says how.
+    # (MOE_LAYERS: 'all', 'from:K' as DeepSeek-V3, 'every:N', 'dense:i,j'). lm.model.moe says how.
     num_experts: int = 0
     experts_per_token: int = 2
     expert_mlp_dim: int = 0
@@ -117,15 +117,23 @@ class ModelConfig:
         return self.expert_mlp_dim or self.mlp_dim
 
     @property
+    def sparse_layer_ids(self) -> tuple[int, ...]:
+        """The layers (model indices) that are a mixture of experts (none in a dense model)."""
+        return sparse_layer_ids(self.moe_layers, self.num_layers) if self.moe else ()
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        sparse = set(self.sparse_layer_ids)
+        return tuple(i for i in range(self.num_layers) if i not in sparse)
+
+    @property
     def dense_layers(self) -> int:
-        """How many layers, first, have a dense MLP: all of a dense model; `moe_layers='from:K'`, K."""
-        if not self.moe:
-            return self.num_layers
-        return int(self.moe_layers.removeprefix("from:")) if self.moe_layers.startswith("from:") else 0
+        """How many layers have a dense MLP: all of a dense model's."""
+        return len(self.dense_layer_ids)
 
     @property
     def sparse_layers(self) -> int:
-        """How many layers (the last ones) are a mixture of experts."""
+        """How many layers are a mixture of experts."""
         return self.num_layers - self.dense_layers
 
     @property
@@ -148,6 +156,30 @@ class ModelConfig:
         )
 
 
+MOE_LAYERS = ("'all', 'from:K' (the first K layers dense), 'every:N' (every N-th layer sparse: layers N-1, 2N-1, ..., as "
+              "Qwen3-MoE's decoder_sparse_step and Llama 4's interleave step) or 'dense:i,j,..' (those layers dense)")
+
+
+def sparse_layer_ids(spec: str, num_layers: int) -> tuple[int, ...]:
+    """The sparse layers `model.moe_layers` names among `num_layers` (MOE_LAYERS); ValueError
+    where it names none or is not of that form."""
+    kind, _, arg = spec.partition(":")
+    if spec == "all":
+        return tuple(range(num_layers))
+    numbers = [int(x) for x in arg.split(",")] if arg and all(x.strip().isdigit() for x in arg.split(",")) else None
+    if kind == "from" and numbers and len(numbers) == 1:
+        sparse = tuple(range(numbers[0], num_layers))
+    elif kind == "every" and numbers and len(numbers) == 1 and numbers[0] > 0:
+        sparse = tuple(i for i in range(num_layers) if (i + 1) % numbers[0] == 0)
+    elif kind == "dense" and numbers and all(i < num_layers for i in numbers):
+        sparse = tuple(i for i in range(num_layers) if i not in set(numbers))
+    else:
+        raise ValueError(f"model.moe_layers={spec!r} is not {MOE_LAYERS}")
+    if not sparse:
+        raise ValueError(f"model.moe_layers={spec!r} leaves none of the {num_layers} layers a mixture of experts")
+    return sparse
+
+
 def moe_problem(m, expert_ways: int, stages: int = 1) -> str | None:
     """What is wrong with the `model` group's mixture of experts on `expert_ways` expert devices
     and `stages` pipeline stages, in one line (None: nothing)."""
@@ -161,11 +193,11 @@ def moe_problem(m, expert_ways: int, stages: int = 1) -> str | None:
         return f"model.experts_per_token={m.experts_per_token} must be between 1 and model.num_experts={m.num_experts}"
     if expert_ways > 0 and m.num_experts % expert_ways:
         return f"model.num_experts={m.num_experts} is not divisible by mesh.expert={expert_ways}; each expert device holds an equal share"
-    first = m.moe_layers.removeprefix("from:")
-    if m.moe_layers != "all" and not (m.moe_layers.startswith("from:") and first.isdigit() and 0 < int(first) < m.num_layers):
-        return (f"model.moe_layers={m.moe_layers!r} is not 'all' or 'from:K' (the first K of the {m.num_layers} layers dense, "
-                "the rest mixtures of experts, 0 < K < model.num_layers)")
-    if m.moe_layers != "all" and stages > 1:
+    try:
+        sparse = sparse_layer_ids(m.moe_layers, m.num_layers)
+    except ValueError as e:
+        return str(e)
+    if len(sparse) < m.num_layers and stages > 1:
         return f"model.moe_layers={m.moe_layers!r} mixes dense and sparse layers, which a pipeline (mesh.stage={stages}) cannot stage alike; use mesh.stage=1 or moe_layers='all'"
     if m.router_groups > 1 and (m.num_experts % m.router_groups or not m.router_groups_chosen <= m.router_groups
                                 or m.experts_per_token > m.router_groups_chosen * (m.num_experts // m.router_groups)):

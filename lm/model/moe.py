@@ -183,15 +183,15 @@ def transformers_aux_loss(stats_lf, k: int) -> float:
     return float(experts * np.sum(tokens_e * prob_e))
 
 
-def metric_rows(stats_lf, first_layer: int = 0) -> dict[str, float | list[float]]:
+def metric_rows(stats_lf, layer_ids: tuple[int, ...] = ()) -> dict[str, float | list[float]]:
     """Metrics rows of the routing statistics [layers, 2 x experts + STAT_FIELDS] of the model's
-    layers `first_layer` ..: per layer its experts' loads as one list (Qwen3-30B-A3B would log
+    layers `layer_ids` (none given: 0 ..): per layer its experts' loads as one list (Qwen3-30B-A3B would log
     48 x 128 scalars otherwise), max / mean load and STAT_FIELDS as scalars; and the layers' means."""
     stats_lf = np.asarray(stats_lf, np.float64)
     experts = (stats_lf.shape[1] - len(STAT_FIELDS)) // 2
     stats_lf = np.concatenate([stats_lf[:, :experts], stats_lf[:, 2 * experts :]], axis=1)
     row = {}
-    for layer, stats in enumerate(stats_lf, start=first_layer):
+    for layer, stats in zip(layer_ids or range(len(stats_lf)), stats_lf):
         load = stats[:experts]
         row[f"moe/layer{layer}/load"] = [round(float(v), 6) for v in load]
         row[f"moe/layer{layer}/max_over_mean_load"] = float(load.max() * experts)

@@ -54,8 +54,8 @@ class Transformer(nnx.Module):
 
             return stacked_blocks(rngs.split(count))
 
-        # A mixture of experts with its first layers dense (`model.moe_layers='from:K'`): those in
-        # a stack of their own, run first.
+        # A mixture of experts with dense layers among its sparse ones (`model.moe_layers`): those
+        # in a stack of their own, each stack in model order (`layer_segments` runs them).
         if cfg.moe and cfg.dense_layers:
             self.dense_blocks = stacked(dataclasses.replace(cfg, num_experts=0), cfg.dense_layers)
         self.blocks = stacked(cfg, cfg.sparse_layers if cfg.moe else cfg.num_layers)
@@ -172,15 +172,66 @@ class Transformer(nnx.Module):
         if self.pipeline.stages > 1 and cache is None:
             stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
             return pipeline(stage, stacked, stacked_axes, x, RESIDUAL_AXES, self.pipeline, probes, probes_axes), None
-        stacks = [self.blocks] if not hasattr(self, "dense_blocks") else [self.dense_blocks, self.blocks]
-        first, caches = 0, []
-        for blocks in stacks:
-            graphdef, stacked = nnx.split(blocks)
-            size = jax.tree.leaves(stacked)[0].shape[0]
-            part = None if cache is None else jax.tree.map(lambda a: a[first : first + size], cache)
-            x, part = self._run_stack(graphdef, (stacked,), x, positions_bt, part, cache_index, segments_bt, first=first)
-            first, caches = first + size, [*caches, part]
+        cfg, fp8 = self.cfg, self.policy.fp8_layer_mask(self.cfg.num_layers)
+        # Each layer's stack: `blocks` (every layer of a dense model; a mixture of experts' sparse
+        # ones), `dense_blocks` (its dense ones).
+        stacks = {"blocks": nnx.split(self.blocks), **({"dense_blocks": nnx.split(self.dense_blocks)} if hasattr(self, "dense_blocks") else {})}
+        in_blocks = set(cfg.sparse_layer_ids) if cfg.moe else set(range(cfg.num_layers))
+        kinds = ["blocks" if i in in_blocks else "dense_blocks" for i in range(cfg.num_layers)]
+        ids = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in stacks}
+        caches = []
+        for start, stop, period in layer_segments(kinds, periodic=len(set(fp8)) == 1):
+            part = None if cache is None else jax.tree.map(lambda a: a[start:stop], cache)  # noqa: B023
+            if len(period) > 1:
+                x, part = self._run_periods(period, stacks, x, positions_bt, part, cache_index, segments_bt, in_fp8=fp8[0])
+            else:
+                graphdef, stacked = stacks[period[0]]
+                first = ids[period[0]].index(start)  # the run's place in its stack
+                run = jax.tree.map(lambda a: a[first : first + stop - start], stacked)  # noqa: B023
+                x, part = self._run_stack(graphdef, (run,), x, positions_bt, part, cache_index, segments_bt, first=start)
+            caches.append(part)
         return x, None if cache is None else jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
+
+    def _run_periods(self, period: tuple[str, ...], stacks: dict, x, positions_bt, cache, cache_index, segments_bt, in_fp8: bool):
+        """The whole model as repeats of `period` (its layers' stacks in order), one `lax.scan`
+        over the repeats (`model.moe_layers='every:N'`): each repeat takes its dense and its
+        sparse layers from the two stacks in turn."""
+        repeats = self.cfg.num_layers // len(period)
+
+        def per_repeat(tree, width):  # [repeats * width, ...] -> [repeats, width, ...]
+            return jax.tree.map(lambda a: a.reshape(repeats, width, *a.shape[1:]), tree)
+
+        params = {kind: per_repeat(stacked, period.count(kind)) for kind, (_, stacked) in stacks.items()}
+        caches = None if cache is None else per_repeat(cache, len(period))
+
+        def applied(graphdef):
+            def layer(x, params, layer_cache):
+                return nnx.merge(graphdef, params)(x, positions_bt, layer_cache, cache_index, segments_bt)
+
+            return remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
+
+        layers = {kind: applied(graphdef) for kind, (graphdef, _) in stacks.items()}
+
+        def one_repeat(x, params_caches):
+            params, caches = params_caches
+            taken, out = dict.fromkeys(params, 0), []
+            for j, kind in enumerate(period):
+                layer_params = jax.tree.map(lambda a: a[taken[kind]], params[kind])  # noqa: B023
+                taken[kind] += 1
+                x, layer_cache = layers[kind](x, layer_params, None if caches is None else jax.tree.map(lambda a: a[j], caches))  # noqa: B023
+                out.append(layer_cache)
+            return x, None if caches is None else jax.tree.map(lambda *a: jnp.stack(a), *out)
+
+        with fp8_suspended(self.policy.fp8 is not None and not in_fp8):
+            if self.cfg.scan_layers:
+                x, new = jax.lax.scan(one_repeat, x, (params, caches))
+            else:
+                new = []
+                for r in range(repeats):
+                    x, repeat_cache = one_repeat(x, jax.tree.map(lambda a: a[r], (params, caches)))  # noqa: B023
+                    new.append(repeat_cache)
+                new = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
+        return x, None if cache is None else jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), new)
 
     def _run_stack(self, graphdef, stacked: tuple, x, positions_bt, cache, cache_index, segments_bt=None, chunk=None, first=0):
         """The stacked layers (all of them, the model's layers `first` .., or pipeline chunk
@@ -232,6 +283,21 @@ class Transformer(nnx.Module):
             mask = mask[first : first + size]
         columns = [[mask[c * size + j] for c in range(len(mask) // size)] for j in range(size)]
         return [column[0] if len(set(column)) == 1 else jnp.asarray(column)[chunk] for column in columns]
+
+
+def layer_segments(kinds: list[str], periodic: bool = True) -> list[tuple[int, int, tuple[str, ...]]]:
+    """The model's layers (each's kind: its stack, as 'dense' / 'sparse') as segments to run in order:
+    (start, stop, period). A period of one kind: a run of equal layers, one scan; a longer period
+    (`periodic`, where the kinds alternate in more than two runs and repeat whole): the whole
+    model as one scan over its repeats. ['d', 'd', 's', 's'] -> two runs; ['d', 's'] x 24 -> one
+    scan over 24 repeats of ('d', 's')."""
+    n = len(kinds)
+    runs = [0] + [i for i in range(1, n) if kinds[i] != kinds[i - 1]] + [n]
+    if periodic and len(runs) > 3:
+        for p in range(2, n // 2 + 1):
+            if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
+                return [(0, n, tuple(kinds[:p]))]
+    return [(a, b, (kinds[a],)) for a, b in zip(runs[:-1], runs[1:])]
 
 
 def segment_positions(segments_bt: jax.Array) -> jax.Array:

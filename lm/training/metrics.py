@@ -97,9 +97,9 @@ def perplexity(loss: float) -> float:
 class StepRate:
     """Turns the metrics of the steps since the last log into one row: means, tokens/s, MFU."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float, first_moe_layer: int = 0):
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float, moe_layer_ids: tuple[int, ...] = ()):
         self.tokens_per_step, self.flops_per_token, self.peak_flops = tokens_per_step, flops_per_token, peak_flops
-        self.first_moe_layer = first_moe_layer  # the model's index of its first mixture-of-experts layer
+        self.moe_layer_ids = moe_layer_ids  # the model's index of each mixture-of-experts layer
         self.restart()
 
     def restart(self) -> None:
@@ -127,7 +127,7 @@ class StepRate:
             "step_time_s": step_time,
             "mfu": self.flops_per_token * self.tokens_per_step / step_time / self.peak_flops,
         } | ({"loss_scale": float(host_metrics[-1]["loss_scale"])} if "loss_scale" in host_metrics[-1] else {}) | (
-            moe.metric_rows(np.mean([m["moe"] for m in applied], axis=0), self.first_moe_layer) if "moe" in host_metrics[-1] else {}
+            moe.metric_rows(np.mean([m["moe"] for m in applied], axis=0), self.moe_layer_ids) if "moe" in host_metrics[-1] else {}
         )
 
 

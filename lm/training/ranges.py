@@ -49,7 +49,8 @@ def collect(config, workdir: Path, steps: int, devices=None) -> dict:
         state, metrics = trainer.train_step(state, trainer.global_batch(next(batches)))
         stats = jax.device_get(metrics["matmul_stats"])
         worst = stats if worst is None else jax.tree.map(np.fmax, worst, stats)
-    return {"step": step, "steps": steps, "rows": rows(worst)}
+    m = trainer.model_cfg
+    return {"step": step, "steps": steps, "rows": rows(worst, {"dense_blocks": m.dense_layer_ids, "blocks": m.sparse_layer_ids or tuple(range(m.num_layers))})}
 
 
 def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer: Program, fresh: TrainState, devices):
@@ -71,18 +72,17 @@ def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer: Program, fre
     return state, data_state, False
 
 
-def rows(stats: dict) -> list[dict]:
-    """One row per (layer, matmul, role) from the probes' statistics [layers, roles, stats]."""
+def rows(stats: dict, layer_ids: dict[str, tuple[int, ...]]) -> list[dict]:
+    """One row per (layer, matmul, role) from the probes' statistics [layers, roles, stats], each
+    stack's layers numbered as the model's (`layer_ids` per stack: a mixture of experts' dense
+    layers and sparse ones apart)."""
     out = []
-    # A dense stack first (a mixture of experts' dense layers): the other stack's layers follow it.
-    dense = jax.tree.leaves(stats.get("dense_blocks", {}))
-    first = {"dense_blocks": 0, "blocks": dense[0].shape[0] if dense else 0}
     for path, leaf in jax.tree_util.tree_flatten_with_path(stats)[0]:
         keys = [str(getattr(k, "key", k)) for k in path]
         # blocks/attn/wq_site/probe -> attn.wq
         name = ".".join(k.removesuffix("_site") for k in keys[1:-1])
         for index in range(leaf.shape[0]):
-            layer = first[keys[0]] + index
+            layer = layer_ids[keys[0]][index]
             for r, role in enumerate(ROLES):
                 stat = named_stats(leaf[index, r])
                 row = {"layer": layer, "tensor": f"{name}.{role}", "absmax": stat["absmax"], "nonfinite": stat["nonfinite"]}
