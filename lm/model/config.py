@@ -113,6 +113,25 @@ class ModelConfig:
         return self.v_head_dim if self.latent_attention else self.head_dim
 
     @property
+    def q_width(self) -> int:
+        """A token's queries, all heads."""
+        return self.num_heads * self.qk_head_dim
+
+    @property
+    def kv_width(self) -> float:
+        """The mean of a token's keys' and values' widths as attention takes them (grouped-query
+        heads; latent attention's expanded per head): 2 x this is what keys and values hold."""
+        if self.latent_attention:
+            return self.num_heads * (self.qk_head_dim + self.v_head_dim) / 2
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_gathered_width(self) -> int:
+        """What context parallelism gathers per token: keys and values, or latent attention's
+        latent and rotary key (expanded after the gather)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.latent_attention else 2 * self.num_kv_heads * self.head_dim
+
+    @property
     def expert_width(self) -> int:
         return self.expert_mlp_dim or self.mlp_dim
 

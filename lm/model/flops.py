@@ -20,14 +20,20 @@ import numpy as np
 from lm.model.config import ModelConfig
 
 
+def qkv_params(cfg: ModelConfig) -> int:
+    """A layer's weights from its input to the queries, keys and values: q / k / v, or latent
+    attention's query path, latent, rotary key and up-projections."""
+    d, h = cfg.embed_dim, cfg.num_heads
+    if cfg.latent_attention:
+        query = d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim if cfg.q_lora_rank else d * h * cfg.qk_head_dim
+        return query + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return d * (h + 2 * cfg.num_kv_heads) * cfg.head_dim
+
+
 def matmul_params(cfg: ModelConfig) -> int:
     """The matmul weights a token goes through (a mixture of experts: its active ones)."""
-    d, h, g, k, f = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    attention = d * h * k + 2 * d * g * k + h * k * d
-    if cfg.latent_attention:  # queries (low-rank or not), the latent and rotary key, the up-projections, the output
-        query = d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim if cfg.q_lora_rank else d * h * cfg.qk_head_dim
-        latent = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        attention = query + latent + h * cfg.v_head_dim * d
+    d, f = cfg.embed_dim, cfg.mlp_dim
+    attention = qkv_params(cfg) + cfg.num_heads * cfg.value_head_dim * d
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
     sparse = 3 * d * cfg.expert_width * (cfg.experts_per_token + cfg.shared_experts) + d * cfg.num_experts if cfg.moe else 0
     return cfg.num_layers * attention + cfg.dense_layers * mlp + cfg.sparse_layers * sparse + d * cfg.vocab_size

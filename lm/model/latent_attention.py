@@ -75,6 +75,10 @@ class LatentAttention(nnx.Module):
         q = constrain(name_qkv(q), ("batch", "length", "heads", "head_dim"), "queries")
         scale = softmax_scale(cfg, cfg.qk_head_dim)
         if cache is None:
+            # Under context parallelism the latent and rotary key are gathered (576 values a token
+            # in DeepSeek-V3), then expanded per head on each shard (40,960 gathered otherwise).
+            latent = constrain(latent, ("batch", "kv_length", "kv_lora"), "kv latent, whole")
+            k_rope = constrain(k_rope, ("batch", "kv_length", None, "head_dim"), "rotary key, whole")
             k_nope = self._matmul("btr,rhk->bthk", latent, "wk_b")
             v = name_qkv(self._matmul("btr,rhk->bthk", latent, "wv_b"))
             k = name_qkv(jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1))

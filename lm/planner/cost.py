@@ -19,7 +19,7 @@ from functools import cached_property
 from lm.compiler import steptime
 from lm.hardware.systems import System
 from lm.model import grouped_gemm
-from lm.model.flops import split_backward_flops
+from lm.model.flops import attention_flops, qkv_params, split_backward_flops
 from lm.planner.memory import Memory, pipeline_report
 from lm.planner.network import ring_seconds, send_bandwidth
 from lm.planner.parallelism import Parallelism
@@ -60,7 +60,7 @@ class Cost(Memory):
         # Causal: cuDNN skips the masked half. Under context parallelism the reordered sequence's
         # mask reaches cuDNN as a bias (lm.model.attention) and every (query, key) pair is computed:
         # twice the work.
-        attention = 2 * m.num_layers * run.seq_len * m.num_heads * m.head_dim * (2 if self.parallelism.context > 1 else 1)
+        attention = attention_flops(m, run.seq_len) * (2 if self.parallelism.context > 1 else 1)
         return 2 * run.layer_params * m.num_layers, attention
 
     def flops(self) -> dict:
@@ -68,7 +68,7 @@ class Cost(Memory):
         run, lay, m = self.run, self.parallelism, self.run.model
         tokens = run.batch * run.seq_len / lay.gpus
         block, attention = self._forward_flops()
-        qkv = 2 * m.num_layers * m.embed_dim * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
+        qkv = 2 * m.num_layers * qkv_params(m)
         recompute = {"none": 0.0, "dots": 0.0, "dots_no_batch": 0.0, "qkv_proj": block - qkv, "full": block}[lay.remat]
         recompute_attention = attention if lay.remat in ("full", "qkv_proj", "dots_no_batch") else 0.0
         if self._recomputes_ticks:  # each tick is recomputed whole in the backward
@@ -185,7 +185,7 @@ class Cost(Memory):
         tables = self._ring(fsdp_axes, volume["table_gather"]) + self._ring(fsdp_axes, volume["table_scatter"])
         fsdp = self.passes * (self.layers * max(0.0, fsdp_layer - per_layer_compute) + tables)
         tp_per_layer = volume["tensor_reductions"] * self._ring(("tensor",), volume["tensor"], "reduce")
-        kv = self.microbatch * run.seq_len * 2 * m.num_kv_heads * m.head_dim / lay.tensor * e
+        kv = self.microbatch * run.seq_len * m.kv_gathered_width / (1 if m.latent_attention else lay.tensor) * e
         cp_per_layer = 3 * self._ring(("context",), kv)
         # The gradients' all-reduce over the replicas; with ZeRO-1 a reduce-scatter and the new
         # parameters' all-gather: in a ring, the same bytes. Gradients already split over fsdp

@@ -99,7 +99,7 @@ class Memory:
         where the matmul is split; a mixture of experts' grouped matmuls keep none (their weight
         gradients come in B)."""
         m, e = self.run.model, self.run.compute_bytes
-        d, q, kv, f = m.embed_dim, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.mlp_dim
+        d, q, kv, f = m.embed_dim, m.q_width, m.kv_width, m.mlp_dim
         attention = (3 * d + q) + (q + 2 * kv + d)  # q, k, v, o: inputs, then output gradients
         up = 2 if m.mlp == "swiglu" else 1
         mlp = 0.0 if m.moe else (up * d + f) + (up * f + d)
@@ -114,7 +114,7 @@ class Memory:
         m, lay, e = self.run.model, self.parallelism, self.run.compute_bytes
         sequence_parallel = lay.sequence_parallel if sequence_parallel is None else sequence_parallel
         t, sp, cpu = lay.tensor, lay.tensor if sequence_parallel else 1, self.platform == "cpu"
-        d, q, kv, f = m.embed_dim, m.num_heads * m.head_dim / t, m.num_kv_heads * m.head_dim / t, m.mlp_dim / t
+        d, q, kv, f = m.embed_dim, m.q_width / t, m.kv_width / t, m.mlp_dim / t
         routed = 0.0  # a mixture of experts: each token's rows for its experts, copied as the grouped GEMMs take them
         if m.moe:  # the MLP a token goes through: its experts' widths (and the shared ones'), averaged over the layers
             sparse = m.sparse_layers / m.num_layers
@@ -125,7 +125,8 @@ class Memory:
         up = 2 if m.mlp == "swiglu" else 1
         residual = d * e / sp
         projections = (q + 2 * kv) * e
-        gathered_kv = 2 * kv * (lay.context - 1) * e  # the other context shards' keys and values
+        # The other context shards' keys and values (latent attention: their latents, expanded here).
+        gathered_kv = (2 * kv + (m.kv_gathered_width / t if m.latent_attention else 0)) * (lay.context - 1) * e
         scores = m.num_heads / t * self.run.seq_len * 4 if cpu else 0.0  # einsum attention only
         statistics = m.num_heads / t * 4  # flash attention's float32 softmax statistics, per query
         # The attention and MLP output projections are kept as their reduced results: split along
