@@ -457,6 +457,7 @@ def test_multi_process_import_and_export(tmp_path, hf_dirs):
 
 
 def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_version(monkeypatch):
+    from lm.hf import export_config
     from lm.hf import format as hf
     from lm.model.config import ModelConfig
 
@@ -469,12 +470,12 @@ def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_vers
     assert keys["model.rope_scaling"] == "llama3" and keys["model.rope_theta"] == 500000.0 and keys["model.rope_original_max_len"] == 8
     cfg = ModelConfig(vocab_size=384, real_vocab_size=VOCAB, max_len=128, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=4,
                       head_dim=16, mlp_dim=96, rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=8)
-    monkeypatch.setattr(hf, "_transformers_major", lambda: 4)
-    written = hf.hf_config(cfg, "float32")
+    monkeypatch.setattr(export_config, "_transformers_major", lambda: 4)
+    written = export_config.hf_config(cfg, "float32")
     assert written["rope_scaling"]["rope_type"] == "llama3" and written["rope_theta"] == 500000.0 and "rope_parameters" not in written
     assert written["torch_dtype"] == "float32"
-    monkeypatch.setattr(hf, "_transformers_major", lambda: 5)
-    written = hf.hf_config(cfg, "float32")
+    monkeypatch.setattr(export_config, "_transformers_major", lambda: 5)
+    written = export_config.hf_config(cfg, "float32")
     assert written["rope_parameters"] == {**LLAMA3, "rope_theta": 500000.0} and "rope_scaling" not in written
     assert hf.model_keys(written) == {**keys, "model.num_kv_heads": 4, "model.head_dim": 16, "model.norm_eps": 1e-5}
 

@@ -21,6 +21,7 @@ from lm import config as lm_config
 from lm import paths
 from lm.config import UserError
 from lm.data import tokenizer as lm_tokenizer
+from lm.hf import export_config
 from lm.hf import format as hf
 from lm.hf import tensors
 from lm.hf.safetensors_dir import Reader, Writer, parse_size
@@ -225,7 +226,7 @@ def export_hf(workdir: str | Path, out: str | Path, dtype: str | None = None, ma
         raise UserError(f"--dtype={dtype!r} is not one of float32, bfloat16, float16")
     kept = Path(workdir) / HF_CONFIG
     base = json.loads(kept.read_text()) if kept.is_file() else None
-    hf_config = hf.hf_config(cfg, dtype, base)  # a model without an HF equivalent fails here, before writing
+    hf_config = export_config.hf_config(cfg, dtype, base)  # a model without an HF equivalent fails here, before writing
     out = paths.new_output_dir(out, "--out")
     lead = jax.process_index() == 0
     if lead:
