@@ -186,7 +186,7 @@ def step_and_gradients(program):
         seen = []
         program._grads = lambda *args, **kwargs: seen.append(computed(*args, **kwargs)) or seen[-1]
         try:
-            return program._train_step(state, batch), seen[0][:2]
+            return program._train_step(state, batch), (seen[0][0]["loss"], seen[0][1])
         finally:
             del program._grads
 

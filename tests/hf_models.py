@@ -91,3 +91,39 @@ def meshlm_logits(layout, params, tokens_bt: np.ndarray) -> np.ndarray:
     with sharding.activate(layout.mesh, layout.rules):
         logits = jax.jit(lambda m, t: m(t)[0])(model, tokens_bt)
     return np.asarray(logits)[..., : layout.spec.model.used_vocab]
+
+
+def add_mtp_layers(directory: Path, depth: int = 1, std: float = 0.5, seed: int = 1) -> dict:
+    """DeepSeek-V3's multi-token prediction layers added to the checkpoint `make_hf_model` wrote
+    (`transformers` has no module for them and drops them): layers L .. L + depth - 1, each a
+    block like the last layer's (from a deeper random model), its norms and projection, and copies
+    of the embedding and head, in a second shard with an index. Returns the new tensors."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((directory / "config.json").read_text())
+    layers, d = config["num_hidden_layers"], config["hidden_size"]
+    make_hf_model(directory / "deeper", "deepseek_v3", std=std, seed=seed, tokenizer=False,
+                  num_hidden_layers=layers + depth, first_k_dense_replace=config["first_k_dense_replace"])
+    main = load_file(directory / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+    # (as saved, not the live model's fused experts)
+    added = {name: tensor for name, tensor in load_file(directory / "deeper" / "model.safetensors").items()
+             if any(name.startswith(f"model.layers.{i}.") for i in range(layers, layers + depth))}
+    for i in range(layers, layers + depth):
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            added[f"model.layers.{i}.{norm}.weight"] = 1 + 0.1 * torch.randn(d, generator=generator)
+        added[f"model.layers.{i}.eh_proj.weight"] = std * torch.randn(d, 2 * d, generator=generator)
+        added[f"model.layers.{i}.embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
+        added[f"model.layers.{i}.shared_head.head.weight"] = main["lm_head.weight"].clone()
+    import shutil
+
+    shutil.rmtree(directory / "deeper")
+    (directory / "model.safetensors").rename(directory / "model-00001-of-00002.safetensors")
+    save_file(added, directory / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    weight_map = {**dict.fromkeys(main, "model-00001-of-00002.safetensors"), **dict.fromkeys(added, "model-00002-of-00002.safetensors")}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": depth}))
+    return {k: v.numpy() for k, v in added.items()}

@@ -18,6 +18,7 @@ ROUTING = dict(model__num_experts=8, model__experts_per_token=2, model__expert_m
                model__router_groups=4, model__router_groups_chosen=2, model__router_scale=2.5, model__expert_bias_rate=0.01,
                model__router_aux_loss_coef=0.01, model__router_aux_loss_per="sequence")
 DEEPSEEK = {**LATENT, **ROUTING}
+MTP = dict(model__mtp_depth=1, model__mtp_loss_weight=0.3)
 
 
 def test_group_limited_sigmoid_routing_by_hand():
@@ -73,13 +74,13 @@ def test_absorbed_decoding_equals_the_expanded_forward():
     for i in range(12):
         logits, cache = model(tokens[:, i : i + 1], cache=cache, cache_index=i)
         steps.append(np.asarray(logits))
-    np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, rtol=1e-5, atol=1e-5)
     assert np.abs(whole).max() > 0.1
 
 
 @pytest.fixture(scope="module")
 def one_device():
-    return run_steps(small_config({}, **DEEPSEEK), jax.devices()[:1])
+    return run_steps(small_config({}, **DEEPSEEK, **MTP), jax.devices()[:1])
 
 
 @pytest.mark.parametrize(
@@ -90,13 +91,14 @@ def one_device():
     ids=["expert2-fsdp2-tensor2", "context2-tensor2-data2-sp", "expert4-data2-accum2"],
 )
 def test_deepseek_trains_sharded_as_on_one_device(one_device, mesh, options):
-    losses, params = run_steps(small_config(mesh, **{**DEEPSEEK, **options}))
+    losses, params = run_steps(small_config(mesh, **{**DEEPSEEK, **MTP, **options}))
     ref_losses, ref_params = one_device if "model__expert_bias_rate" not in options else run_steps(
-        small_config({}, **{**DEEPSEEK, **options, "train__grad_accum": 1}), jax.devices()[:1])
+        small_config({}, **{**DEEPSEEK, **MTP, **options, "train__grad_accum": 1}), jax.devices()[:1])
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert losses[-1] != losses[0]  # the parameters did move
-    # The selection bias moved (loss-free balancing), alike everywhere.
+    # The selection bias moved (loss-free balancing), alike everywhere; multi-token prediction's too.
     assert np.abs(params["blocks"]["mlp"]["router_bias"]).max() > 0 or "model__expert_bias_rate" in options
+    assert np.abs(params["mtp"]["block"]["mlp"]["router_bias"]).max() > 0 or "model__expert_bias_rate" in options
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
@@ -106,3 +108,77 @@ def test_latent_attention_pipelines_as_on_one_device(schedule):
     losses, params = run_steps(small_config({"stage": 2, "data": 2, "tensor": 2}, **LATENT, pipeline__schedule=schedule))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5), params, ref_params)
+
+
+def _rms(x, scale, eps):
+    return x / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + eps) * scale
+
+
+def _cross_entropy(logits, targets, valid):
+    logits = logits - logits.max(-1, keepdims=True)
+    nll = np.log(np.exp(logits).sum(-1)) - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    return float(np.sum(nll * valid) / np.sum(valid))
+
+
+@pytest.mark.parametrize("order", ["embedding-first", "hidden-first"])
+def test_multi_token_prediction_loss_equals_a_hand_computation(order):
+    """Two depths: depth d at position i embeds token i + d + 1 and predicts token i + d + 2, from
+    the previous depth's normalised output (the final norm's for d = 0): norms, the embedding and
+    hidden state concatenated in that order, `eh_proj`, the module's block, its norm, the shared
+    head; each depth's cross entropy over its positions inside the window, averaged, times the
+    weight, joins the model's. Concatenating the other way round (the negative control) differs."""
+    import sharding
+    from flax import nnx
+
+    c = small_config({}, **DEEPSEEK, model__mtp_depth=2, model__mtp_loss_weight=0.3)
+    program = setup(c, VOCAB, jax.devices()[:1])
+    params = program.init_state(0).params
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (c.train.batch_size, c.train.seq_len + 1)).astype(np.int32)
+    objective, losses = sharding.jit(program._loss, program.mesh, program.rules)(params, tokens)
+    cfg, t = program.model_cfg, c.train.seq_len
+    model, p = program.abstract_model.model(params), jax.device_get(params)
+    with sharding.activate(program.mesh, program.rules):
+        x = jax.jit(lambda m, tok: m._layers(m._embed(tok), None, None, 0)[0])(model, tokens[:, :-1])
+        h = _rms(np.asarray(x), p["final_norm"]["scale"], cfg.norm_eps)
+        by_hand = []
+        for d in range(2):
+            m = jax.tree.map(lambda a: a[d], p["mtp"])  # noqa: B023
+            ahead = np.pad(tokens, ((0, 0), (0, 3)))
+            e = _rms(p["embedding"][ahead[:, d + 1 : d + 1 + t]], m["enorm"]["scale"], cfg.norm_eps)
+            hn = _rms(h, m["hnorm"]["scale"], cfg.norm_eps)
+            both = np.concatenate([e, hn] if order == "embedding-first" else [hn, e], axis=-1)
+            graphdef, state = nnx.split(model.mtp.block)
+            block = jax.jit(lambda s, a: nnx.merge(graphdef, jax.tree.map(lambda v: v[d], s))(a)[0])  # noqa: B023
+            y = np.asarray(block(state, jnp.asarray(both @ m["eh_proj"])))
+            h = _rms(y, m["head_norm"]["scale"], cfg.norm_eps)
+            valid = (np.arange(t) + d + 2 <= t)[None].repeat(len(tokens), 0)
+            by_hand.append(_cross_entropy(h @ p["head"], ahead[:, d + 2 : d + 2 + t], valid))
+    mtp = np.mean(by_hand)
+    if order == "embedding-first":
+        assert float(losses["mtp_loss"]) == pytest.approx(mtp, rel=2e-5)
+        assert float(objective) == pytest.approx(float(losses["loss"]) + 0.3 * mtp, rel=2e-5)
+    else:
+        assert abs(float(losses["mtp_loss"]) - mtp) > 1e-3
+
+
+def test_multi_token_prediction_at_weight_zero_trains_as_without_it():
+    """Its modules exist (kept in checkpoints and exports) but are not run: the model's loss and
+    gradients bit for bit, and five steps of training alike (to 1e-6: the train step with the
+    modules' parameters in it is another XLA program, whose fusions round the optimizer's
+    arithmetic differently)."""
+    with_mtp = small_config({}, **DEEPSEEK, model__mtp_depth=1, model__mtp_loss_weight=0.0)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (with_mtp.train.batch_size, with_mtp.train.seq_len + 1)).astype(np.int32)
+    first = []
+    for c in (with_mtp, small_config({}, **DEEPSEEK)):
+        program = setup(c, VOCAB, jax.devices()[:1])
+        first.append(jax.device_get(program.grads(program.init_state(0).params, tokens)[:2]))
+    (losses_0, grads), (ref_losses_0, ref_grads) = first
+    assert losses_0 == ref_losses_0  # {'loss': ..}: no multi-token prediction loss when it is not run
+    assert np.abs(grads["mtp"]["eh_proj"]).max() == 0
+    jax.tree.map(np.testing.assert_array_equal, {k: v for k, v in grads.items() if k != "mtp"}, ref_grads)
+    losses, params = run_steps(with_mtp, jax.devices()[:1])
+    ref_losses, ref_params = run_steps(small_config({}, **DEEPSEEK), jax.devices()[:1])
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), {k: v for k, v in params.items() if k != "mtp"}, ref_params)
+    weighted, _ = run_steps(small_config({}, **DEEPSEEK, model__mtp_depth=1, model__mtp_loss_weight=0.3), jax.devices()[:1])
+    assert np.abs(weighted - ref_losses).max() > 1e-4  # the control: weighted, it does reach the model

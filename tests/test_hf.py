@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import assert_one_line_error, fast_config, run_cli, run_module
-from hf_models import VOCAB, hf_logits, imported, make_hf_model, meshlm_logits
+from hf_models import VOCAB, add_mtp_layers, hf_logits, imported, make_hf_model, meshlm_logits
 
 pytest.importorskip("transformers", reason="transformers (the test extra) is not installed")
 torch = pytest.importorskip("torch", reason="torch (the test extra; on Python 3.11 only: 3.12 has only CUDA builds) is not installed")
@@ -209,6 +209,41 @@ def test_hf_meshlm_hf_round_trip_is_bit_identical(tmp_path, case, dtype):
     assert str(model.dtype) == f"torch.{dtype}"
     for name in ("tokenizer.json", "generation_config.json"):
         assert (tmp_path / "out" / name).exists()
+
+
+def test_multi_token_prediction_layers_import_and_export_bit_identical(tmp_path, capsys):
+    """DeepSeek-V3's extra layer (`num_nextn_predict_layers`; `transformers` has no module for it
+    and drops it) becomes meshlm's multi-token prediction module and is exported back bit for bit,
+    the shared embedding and head written again into it; the model's logits still equal
+    transformers'. A checkpoint whose config names the layer but whose tensors lack it imports
+    without it, with a warning."""
+    model = make_hf_model(tmp_path / "hf", "deepseek_v3", std=STD)
+    added = add_mtp_layers(tmp_path / "hf", std=STD)
+    layout, params = imported(tmp_path / "hf")
+    assert layout.spec.model.mtp_depth == 1 and layout.spec.model.mtp_sparse
+    np.testing.assert_array_equal(params["mtp"]["eh_proj"][0], added["model.layers.3.eh_proj.weight"].T)  # rows: the embedding's half first
+    err, same_argmax = _parity(hf_logits(model, TOKENS), meshlm_logits(layout, params, TOKENS)[..., :VOCAB])
+    assert err <= 1e-4 and same_argmax
+    hf_checkpoint.import_hf(tmp_path / "hf", tmp_path / "run", lm_config.default_config(), {}, jax.devices()[:1])
+    hf_checkpoint.export_hf(tmp_path / "run", tmp_path / "out", dtype="float32", max_shard_size="30KB")
+    before, after = _state_dict(tmp_path / "hf"), _state_dict(tmp_path / "out")
+    assert sorted(before) == sorted(after) and "model.layers.3.shared_head.head.weight" in after
+    for name in before:
+        assert before[name].tobytes() == after[name].tobytes(), name
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    import transformers
+
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and {k.split(".")[2] for k in info["unexpected_keys"]} == {"3"}  # (it ignores layer 61 only)
+    # Its tensors dropped, as transformers' own save_pretrained would.
+    shutil.copytree(tmp_path / "hf", tmp_path / "dropped")
+    (tmp_path / "dropped" / "model-00002-of-00002.safetensors").unlink()
+    index = json.loads((tmp_path / "dropped" / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not v.startswith("model-00002")}
+    (tmp_path / "dropped" / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    layout, _ = imported(tmp_path / "dropped")
+    assert layout.spec.model.mtp_depth == 0 and "num_nextn_predict_layers" in capsys.readouterr().out
 
 
 def test_a_float8_block_scaled_checkpoint_imports_dequantised(tmp_path):

@@ -150,6 +150,18 @@ def test_interleaved_dense_and_sparse_layers_train_expert_parallel_as_on_one_dev
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_interleaved_dense_and_sparse_layers_pipeline_as_on_one_device(schedule):
+    """`every:2` over 4 layers on 2 stages (experts over 2 devices): each stage's chunk one
+    (dense, sparse) repeat, the two stacks split over `stage` alike; the same losses and
+    parameters as one device accumulating over as many microbatches."""
+    extra = dict(MOE, model__moe_layers="every:2", model__num_layers=4, model__router_aux_loss_coef=0.1)
+    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **extra), jax.devices()[:1])
+    losses, params = run_steps(small_config({"stage": 2, "expert": 2, "data": 2}, pipeline__schedule=schedule, **extra))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_expert_parallel_pipeline_matches_one_device_accumulating_alike(schedule):
     """The balancing losses are taken per microbatch (as Megatron does), so the reference
     accumulates over as many microbatches as the pipeline runs."""
@@ -184,10 +196,14 @@ def test_expert_parallel_program_exchanges_tokens_and_no_device_holds_every_expe
         (["--config.model.num_experts=0", "--config.mesh.expert=2", "--config.mesh.data=4"], "the model is dense (model.num_experts=0)"),
         (["--config.model.moe_layers=every:two"], "model.moe_layers='every:two' is not 'all', 'from:K'"),
         (["--config.model.moe_layers=dense:0,1,2,3"], "model.moe_layers='dense:0,1,2,3' leaves none of the 4 layers a mixture of experts"),
-        (["--config.model.moe_layers=every:2", "--config.mesh.stage=2", "--config.mesh.data=1"], "mixes dense and sparse layers, which a pipeline"),
+        (["--config.model.moe_layers=from:1", "--config.mesh.stage=2", "--config.mesh.data=1"], "each chunk of 2 layers holds whole repeats of the pattern (4 layers)"),
+        (["--config.model.moe_layers=every:2", "--config.mesh.stage=2", "--config.mesh.data=1", "--config.pipeline.schedule=zero_bubble"],
+         "and not under pipeline.schedule=zero_bubble"),
+        (["--config.model.mtp_depth=1", "--config.mesh.stage=2", "--config.mesh.data=1"], "model.mtp_depth=1 (multi-token prediction) does not run under a pipeline"),
+        (["--config.model.mtp_depth=-1"], "model.mtp_depth=-1 and model.mtp_loss_weight=0.1 must be >= 0"),
     ],
     ids=["experts-not-divisible", "too-many-per-token", "negative-capacity", "expert-axis-dense-model", "moe-layers-unreadable", "moe-layers-none",
-         "moe-layers-pipelined"],
+         "moe-layers-pipelined", "moe-layers-zero-bubble", "mtp-pipelined", "mtp-negative"],
 )
 def test_bad_moe_input_is_one_line(tmp_path, capsys, extra, fragment):
     result = run_cli(capsys, lm_train.main, "--config=configs/moe_tiny.py", f"--workdir={tmp_path / 'run'}", *extra)

@@ -49,10 +49,23 @@ def read_hf_config(hf_dir: str | Path, flag: str = "--hf") -> tuple[Path, dict]:
     return path, config
 
 
+def _model_keys(hf_dir: Path, hf_config: dict) -> dict:
+    """The checkpoint's architecture as `model.*` keys. Multi-token prediction layers its
+    config.json names but its tensors lack (fine-tunes often drop them, as `transformers` does)
+    are left out, with a warning."""
+    keys = hf.model_keys(hf_config)
+    depth, layers = keys.get("model.mtp_depth", 0), keys["model.num_layers"]
+    if depth and f"model.layers.{layers}.eh_proj.weight" not in Reader(hf_dir):
+        say(f"warning: {hf_dir}'s config.json names {depth} multi-token prediction layer(s) (num_nextn_predict_layers), but its "
+            f"tensors have none (model.layers.{layers}.*); imported without them (model.mtp_depth=0)")
+        keys["model.mtp_depth"] = 0
+    return keys
+
+
 def config_from_hf(base: ml_collections.ConfigDict, hf_dir: Path, hf_config: dict, overrides: dict | None = None) -> ml_collections.ConfigDict:
     """`base` with the checkpoint's architecture and tokenizer (then `overrides`), validated."""
     tokenizer = hf_dir / "tokenizer.json"
-    keys = {**hf.model_keys(hf_config), "data.tokenizer": str(tokenizer.absolute()) if tokenizer.is_file() else "none", "init.from_hf": None}
+    keys = {**_model_keys(hf_dir, hf_config), "data.tokenizer": str(tokenizer.absolute()) if tokenizer.is_file() else "none", "init.from_hf": None}
     return lm_config.apply_overrides(base, {**keys, **(overrides or {})})
 
 
@@ -64,7 +77,7 @@ def with_init_model(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     run = lm_config.load_run(source) if source.is_dir() and (source / "checkpoints").is_dir() else None
     if run is None:
         hf_dir, hf_config = read_hf_config(source, "--config.init.from_hf")
-        keys = hf.model_keys(hf_config)
+        keys = _model_keys(hf_dir, hf_config)
         tokenizer = hf_dir / "tokenizer.json"
         keys["data.tokenizer"] = str(tokenizer.absolute()) if tokenizer.is_file() else "none"
     else:
@@ -132,7 +145,7 @@ def load_params(reader: Reader, layout: AbstractModel) -> dict:
     cfg, dtype = layout.spec.model, layout.spec.policy.param_dtype
     shapes = {p: a.shape for p, a in _flat(layout.abstract_params).items()}
     check_tensors(reader, cfg, shapes)
-    owner = {path: (link, j) for link in tensors.links(cfg) for j, path in enumerate(link.ours)}
+    owner = {path: (link, j) for link in tensors.links(cfg) if not link.copy for j, path in enumerate(link.ours)}
 
     @functools.lru_cache(maxsize=1)  # the devices of one parameter ask for the same tensors in turn
     def converted(link: tensors.Link, layer: int | None) -> tuple[np.ndarray, ...]:
@@ -167,7 +180,7 @@ def _tensors(cfg):
         layers = link.layer_ids
         if link.per_expert:
             return [(i, e) for i in layers for e in range(cfg.num_experts)]
-        return layers if link.stacked else [None]
+        return layers or [None]
 
     return [(link, place) for link in tensors.links(cfg) for place in places(link)]
 
@@ -182,7 +195,7 @@ def save_params(params: dict, cfg, writer: Writer | None, dtype) -> None:
     process only contributes its shards)."""
     flat = _flat(params)
     for link, layer in _tensors(cfg):
-        where = layer if layer is None else (link.layer_ids.index(layer[0]), layer[1]) if link.per_expert else link.layer_ids.index(layer)
+        where = None if not link.stacked else (link.layer_ids.index(layer[0]), layer[1]) if link.per_expert else link.layer_ids.index(layer)
         parts = [_fetch(flat[p] if where is None else flat[p][where]) for p in link.ours]  # the stack's layer (and expert)
         if writer is not None:
             writer.add(tensors.tensor_name(link, layer), link.to_theirs(*parts).astype(dtype))

@@ -66,7 +66,7 @@ def hf_config(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
         out.update(
             attention_bias=False, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None, qk_nope_head_dim=cfg.qk_nope_head_dim,
             qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, head_dim=cfg.qk_rope_head_dim, rope_interleave=cfg.rope_interleave,
-            num_key_value_heads=cfg.num_heads, num_nextn_predict_layers=0,  # meshlm trains no multi-token prediction modules yet
+            num_key_value_heads=cfg.num_heads, num_nextn_predict_layers=cfg.mtp_depth,
         )
         if cfg.moe:
             out.update(

@@ -176,6 +176,7 @@ def _model_keys(hf: dict, kind: str) -> dict:
         **_rope_keys(hf),
         **_expert_keys(hf, kind),
         **_latent_keys(hf, kind),
+        "model.mtp_depth": int(hf.get("num_nextn_predict_layers") or 0) if kind == "deepseek_v3" else 0,
     }
 
 
@@ -266,10 +267,10 @@ def family_of(cfg: ModelConfig) -> str:
         if cfg.norm == "layernorm" and cfg.mlp == "gelu" and cfg.use_bias and cfg.num_kv_heads == cfg.num_heads and cfg.num_heads * cfg.head_dim == cfg.embed_dim:
             return "gpt2"
     elif cfg.latent_attention:
-        if cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.qkv_bias and not cfg.qk_norm and not cfg.sliding_window \
+        if (not cfg.mtp_depth or cfg.mtp_sparse) and cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.qkv_bias and not cfg.qk_norm and not cfg.sliding_window \
                 and cfg.position == "rope" and (not cfg.moe or cfg.router_score == "sigmoid" and cfg.dense_layer_ids == tuple(range(cfg.dense_layers))):
             return "deepseek_v3"
-    elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.shared_experts and not cfg.expert_bias_rate \
+    elif cfg.norm == "rmsnorm" and cfg.mlp == "swiglu" and not cfg.use_bias and not cfg.shared_experts and not cfg.expert_bias_rate and not cfg.mtp_depth \
             and cfg.router_score == "softmax" and cfg.router_groups == 1 and cfg.router_scale == 1.0:
         if cfg.moe and not cfg.qkv_bias:
             if cfg.qk_norm and not cfg.sliding_window:
@@ -287,6 +288,6 @@ def family_of(cfg: ModelConfig) -> str:
     raise UserError(
         f"this model (norm={cfg.norm}, position={cfg.position}, mlp={cfg.mlp}, use_bias={cfg.use_bias}, qkv_bias={cfg.qkv_bias}, "
         f"qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}, num_experts={cfg.num_experts}, shared_experts={cfg.shared_experts}, "
-        f"router_renormalize={cfg.router_renormalize}, expert_bias_rate={cfg.expert_bias_rate}) has no exact Hugging Face equivalent; export supports Llama-, Mistral-, "
+        f"router_renormalize={cfg.router_renormalize}, expert_bias_rate={cfg.expert_bias_rate}, mtp_depth={cfg.mtp_depth}) has no exact Hugging Face equivalent; export supports Llama-, Mistral-, "
         "Qwen2-, Qwen3-, Mixtral-, Qwen3-MoE-, DeepSeek-V3- and GPT-2-shaped models"
     )

@@ -28,10 +28,14 @@ class Link:
     per_expert: bool = False  # ours are [layers, experts, ...]; theirs has a `{j}` for the expert too
     # Of a stack: the model's layer each of its entries holds (the `{i}` is the model's index).
     layer_ids: tuple[int, ...] = ()
+    # A copy, in each of the layers `layer_ids`, of a parameter the model shares (DeepSeek's
+    # multi-token prediction layers store the embedding and head again): written on export, the
+    # model's own one read on import.
+    copy: bool = False
 
     @property
     def stacked(self) -> bool:
-        return self.ours[0].startswith(("blocks/", "dense_blocks/"))
+        return self.ours[0].startswith(("blocks/", "dense_blocks/", "mtp/")) and not self.copy
 
 
 def _same(path: str, name: str) -> Link:
@@ -95,7 +99,29 @@ def links(cfg: ModelConfig) -> list[Link]:
     if cfg.moe and cfg.dense_layers:  # a stack of the dense layers (DeepSeek's first, Qwen3-MoE's mlp_only_layers)
         out += _layer_links(dataclasses.replace(cfg, num_experts=0), kind, "dense_blocks/", cfg.dense_layer_ids)
     out += _layer_links(cfg, kind, "blocks/", cfg.sparse_layer_ids if cfg.moe else tuple(range(cfg.num_layers)))
-    return out if cfg.tie_embeddings else [*out, head]
+    out = out if cfg.tie_embeddings else [*out, head]
+    return [*out, *_mtp_links(cfg, kind, embedding, head)] if cfg.mtp_depth else out
+
+
+def _mtp_links(cfg: ModelConfig, kind: str, embedding, head: Link) -> list[Link]:
+    """DeepSeek-V3's multi-token prediction layers, numbered after the model's: a block like the
+    last layer's, its norms and projection, and copies of the shared embedding and head."""
+    ids, d = cfg.mtp_layer_ids, cfg.embed_dim
+    layer = "model.layers.{i}."
+
+    def link(ours, theirs, to_ours=lambda w: (w,), to_theirs=lambda x: x):
+        return Link(("mtp/" + ours,), layer + theirs, to_ours, to_theirs, layer_ids=ids)
+
+    shared_head = layer + "shared_head.head.weight"
+    return [
+        *_layer_links(cfg.mtp_block, kind, "mtp/block/", ids),
+        link("enorm/scale", "enorm.weight"),
+        link("hnorm/scale", "hnorm.weight"),
+        link("eh_proj", "eh_proj.weight", *_columns(2 * d, d)),
+        link("head_norm/scale", "shared_head.norm.weight"),
+        dataclasses.replace(embedding(layer + "embed_tokens.weight"), layer_ids=ids, copy=True),
+        dataclasses.replace(embedding(shared_head) if cfg.tie_embeddings else dataclasses.replace(head, theirs=shared_head), layer_ids=ids, copy=True),
+    ]
 
 
 def _layer_links(cfg: ModelConfig, kind: str, stack: str, layer_ids: tuple[int, ...]) -> list[Link]:
@@ -203,7 +229,7 @@ def tensor_name(link: Link, layer: int | tuple[int, int] | None) -> str:
     """The checkpoint name of `link`'s tensor of a layer, or of (layer, expert)."""
     if link.per_expert:
         return link.theirs.format(i=layer[0], j=layer[1])
-    return link.theirs.format(i=layer) if link.stacked else link.theirs
+    return link.theirs.format(i=layer) if link.layer_ids else link.theirs
 
 
 def expected_shapes(link: Link, our_shapes: dict[str, tuple]) -> tuple:

@@ -26,6 +26,18 @@ def causal_mask(q_positions_bt: jax.Array, k_positions_bs: jax.Array, window: in
     return mask & (k > q - window) if window else mask
 
 
+def training_mask(positions_bt: jax.Array | None, segments_bt: jax.Array | None, window: int = 0) -> jax.Array | None:
+    """[b, t, s] mask of a training forward whose keys are the whole sequence (gathered over
+    `context`): causal by position and, for packed documents, within each document only. None
+    when the tokens are in order from position 0 (the kernels' own causal mask is then enough)."""
+    if positions_bt is None:
+        return None
+    mask_bts = causal_mask(positions_bt, sharding.constrain(positions_bt, ("batch", "kv_length"), "key positions"), window)
+    if segments_bt is not None:
+        mask_bts &= segments_bt[:, :, None] == sharding.constrain(segments_bt, ("batch", "kv_length"), "key segments")[:, None, :]
+    return mask_bts
+
+
 @functools.cache
 def cudnn_available() -> bool:
     """Whether cuDNN's library can be loaded here (to run, or to compile for a GPU target)."""

@@ -81,6 +81,12 @@ class ModelConfig:
     # > 0: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the selection scores,
     # moved by this much each step toward an even load (a parameter no gradient reaches).
     expert_bias_rate: float = 0.0
+    # DeepSeek-V3's multi-token prediction (lm.model.multi_token): this many modules after the
+    # last layer, module d predicting the token d + 2 places ahead; their mean loss times
+    # `mtp_loss_weight` joins the training loss (weight 0: kept, imported and exported, but not run).
+    # Training only: generation and evaluation ignore them.
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.1
     # The dropless experts' grouped GEMM (lm.model.grouped_gemm): auto (Pallas kernels on GPUs
     # where dtype and widths allow, else XLA's ragged_dot) | xla | pallas.
     grouped_gemm: str = "auto"
@@ -141,6 +147,32 @@ class ModelConfig:
         return sparse_layer_ids(self.moe_layers, self.num_layers) if self.moe else ()
 
     @property
+    def mtp_layer_ids(self) -> tuple[int, ...]:
+        """Multi-token prediction's modules numbered after the model's layers (as DeepSeek's
+        checkpoints store them)."""
+        return tuple(range(self.num_layers, self.num_layers + self.mtp_depth))
+
+    @property
+    def mtp_trained(self) -> int:
+        """How many multi-token prediction modules training runs (none at weight 0)."""
+        return self.mtp_depth if self.mtp_loss_weight else 0
+
+    @property
+    def mtp_sparse(self) -> bool:
+        """Whether multi-token prediction's blocks are a mixture of experts: as the last layer is."""
+        return self.moe and self.num_layers - 1 in self.sparse_layer_ids
+
+    @property
+    def mtp_block(self) -> ModelConfig:
+        """Multi-token prediction's block: as the last layer is (a mixture of experts in DeepSeek-V3)."""
+        return self if self.mtp_sparse or not self.moe else dataclasses.replace(self, num_experts=0)
+
+    @property
+    def routed_layer_ids(self) -> tuple[int, ...]:
+        """Every layer with a router, in the order the routing statistics come (`moe.split_stats`)."""
+        return self.sparse_layer_ids + (self.mtp_layer_ids if self.mtp_sparse else ())
+
+    @property
     def dense_layer_ids(self) -> tuple[int, ...]:
         sparse = set(self.sparse_layer_ids)
         return tuple(i for i in range(self.num_layers) if i not in sparse)
@@ -199,9 +231,17 @@ def sparse_layer_ids(spec: str, num_layers: int) -> tuple[int, ...]:
     return sparse
 
 
-def moe_problem(m, expert_ways: int, stages: int = 1) -> str | None:
+def layer_period(sparse: tuple[int, ...], num_layers: int) -> int:
+    """The length of the shortest run of dense and sparse layers the model repeats whole
+    (`num_layers` when it repeats none shorter): 'every:2' -> 2, 'from:3' -> num_layers."""
+    kinds = [i in set(sparse) for i in range(num_layers)]
+    return next(p for p in range(1, num_layers + 1) if num_layers % p == 0 and all(kinds[i] == kinds[i % p] for i in range(num_layers)))
+
+
+def moe_problem(m, expert_ways: int, stages: int = 1, repeats: int = 1, schedule: str = "gpipe") -> str | None:
     """What is wrong with the `model` group's mixture of experts on `expert_ways` expert devices
-    and `stages` pipeline stages, in one line (None: nothing)."""
+    and `stages` pipeline stages (each `repeats` chunks, run by `schedule`), in one line (None:
+    nothing)."""
     if not m.num_experts:
         if expert_ways > 1:
             return f"mesh.expert={expert_ways} splits a mixture of experts' experts, but the model is dense (model.num_experts=0); set mesh.expert=1"
@@ -216,8 +256,11 @@ def moe_problem(m, expert_ways: int, stages: int = 1) -> str | None:
         sparse = sparse_layer_ids(m.moe_layers, m.num_layers)
     except ValueError as e:
         return str(e)
-    if len(sparse) < m.num_layers and stages > 1:
-        return f"model.moe_layers={m.moe_layers!r} mixes dense and sparse layers, which a pipeline (mesh.stage={stages}) cannot stage alike; use mesh.stage=1 or moe_layers='all'"
+    chunk = m.num_layers // max(1, stages * repeats)
+    if len(sparse) < m.num_layers and stages > 1 and (chunk % layer_period(sparse, m.num_layers) or schedule == "zero_bubble"):
+        return (f"model.moe_layers={m.moe_layers!r} mixes dense and sparse layers, which a pipeline (mesh.stage={stages}) stages alike only "
+                f"where each chunk of {chunk} layers holds whole repeats of the pattern ({layer_period(sparse, m.num_layers)} layers), "
+                "and not under pipeline.schedule=zero_bubble; use mesh.stage=1, or moe_layers='all' or 'every:N'")
     if m.router_groups > 1 and (m.num_experts % m.router_groups or not m.router_groups_chosen <= m.router_groups
                                 or m.experts_per_token > m.router_groups_chosen * (m.num_experts // m.router_groups)):
         return (f"model.router_groups={m.router_groups} must divide model.num_experts={m.num_experts}, with model.router_groups_chosen="

@@ -9,6 +9,8 @@ FLOPs per trained token, the convention used for MFU (`flops_per_token`):
     query sees T/2 keys on average), so forward is 2 * T * heads * head_dim per layer and
     training, at 3x forward, is 6 * layers * T * heads * head_dim (latent attention: the query-key
     and value widths differ, each counted for its product);
+  * multi-token prediction's modules (DeepSeek-V3) count as layers, with their projection and
+    the head again, as Megatron-Core counts them;
   * embedding lookups, norms, activations, softmax and the optimizer are not counted.
 """
 
@@ -31,12 +33,15 @@ def qkv_params(cfg: ModelConfig) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """The matmul weights a token goes through (a mixture of experts: its active ones)."""
+    """The matmul weights a token goes through (a mixture of experts: its active ones), with
+    the multi-token prediction modules training runs (each its projection, block and the head)."""
     d, f = cfg.embed_dim, cfg.mlp_dim
     attention = qkv_params(cfg) + cfg.num_heads * cfg.value_head_dim * d
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
     sparse = 3 * d * cfg.expert_width * (cfg.experts_per_token + cfg.shared_experts) + d * cfg.num_experts if cfg.moe else 0
-    return cfg.num_layers * attention + cfg.dense_layers * mlp + cfg.sparse_layers * sparse + d * cfg.vocab_size
+    head = d * cfg.vocab_size
+    mtp = cfg.mtp_trained * (2 * d * d + attention + (sparse if cfg.mtp_sparse else mlp) + head)
+    return cfg.num_layers * attention + cfg.dense_layers * mlp + cfg.sparse_layers * sparse + head + mtp
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -47,7 +52,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def attention_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Causal attention's forward FLOPs per token: the scores over queries and keys and the
     weighted sum over values, each 2 * T * heads * width, halved for causality."""
-    return 1.0 * cfg.num_layers * seq_len * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
+    return 1.0 * (cfg.num_layers + cfg.mtp_trained) * seq_len * cfg.num_heads * (cfg.qk_head_dim + cfg.value_head_dim)
 
 
 def param_count(params) -> int:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm.model.attention import attention, causal_mask, softmax
+from lm.model.attention import attention, causal_mask, training_mask, softmax
 from lm.model.config import ModelConfig
 from lm.model.layers import _param, head_norm
 from lm.model.precision import Policy
@@ -84,11 +84,7 @@ class LatentAttention(nnx.Module):
             k = name_qkv(jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1))
             k = constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"), "keys")
             v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"), "values")
-            mask_bts = None
-            if positions_bt is not None:
-                mask_bts = causal_mask(positions_bt, constrain(positions_bt, ("batch", "kv_length"), "key positions"), cfg.sliding_window)
-            if segments_bt is not None:  # packed documents: within each document only
-                mask_bts &= segments_bt[:, :, None] == constrain(segments_bt, ("batch", "kv_length"), "key segments")[:, None, :]
+            mask_bts = training_mask(positions_bt, segments_bt, cfg.sliding_window)
             out = attention(q, k, v, mask_bts, self.policy, cfg.attention, cfg.sliding_window, scale=scale)
         else:
             cache = {

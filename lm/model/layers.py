@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import sharding
-from lm.model.attention import attention, causal_mask
+from lm.model.attention import attention, causal_mask, training_mask
 from lm.model.config import ModelConfig
 from lm.model.precision import Policy
 from lm.model.rope import rope, rope_frequencies
@@ -165,11 +165,7 @@ class Attention(nnx.Module):
             # on every shard: all-gathered, and their gradients reduce-scattered.
             k = constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"), "keys")
             v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"), "values")
-            mask_bts = None
-            if positions_bt is not None:
-                mask_bts = causal_mask(positions_bt, constrain(positions_bt, ("batch", "kv_length"), "key positions"), cfg.sliding_window)
-            if segments_bt is not None:  # packed documents: within each document only
-                mask_bts &= segments_bt[:, :, None] == constrain(segments_bt, ("batch", "kv_length"), "key segments")[:, None, :]
+            mask_bts = training_mask(positions_bt, segments_bt, cfg.sliding_window)
             out = attention(q, k, v, mask_bts, self.policy, cfg.attention, cfg.sliding_window)
         else:  # decoding: write this chunk into the cache, attend to every filled position
             start = (0, cache_index, 0, 0)

@@ -55,6 +55,14 @@ def loss_seed(seed):
         _LOSS_SEED.reset(token)
 
 
+@contextlib.contextmanager
+def loss_weighted(weight: float):
+    """Within: the balancing losses count `weight` times as much (those of multi-token
+    prediction's layers, whose whole loss is weighted)."""
+    with loss_seed(_LOSS_SEED.get() * weight):
+        yield
+
+
 class RouterBias(nnx.Param):
     """DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the selection
     scores only (never to the combine weights). A parameter (it routes at inference too) that no
@@ -152,24 +160,47 @@ def _report_bwd(residuals, dy):
 _report.defvjp(_report_fwd, _report_bwd)
 
 
+# Where a mixture of experts' layers keep their MLPs, in the order their statistics are reported:
+# the stacked sparse layers, then multi-token prediction's blocks (`lm.model.multi_token`).
+ROUTED_STACKS = (("blocks",), ("mtp", "block"))
+
+
+def _mlp_at(tree: dict, stack: tuple[str, ...]) -> dict | None:
+    for key in (*stack, "mlp"):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
+def _with_mlp(tree: dict, stack: tuple[str, ...], mlp: dict) -> dict:
+    head, *rest = (*stack, "mlp")
+    return {**tree, head: mlp if not rest else _with_mlp(tree[head], tuple(rest[:-1]), mlp)}
+
+
 def split_stats(stats: dict) -> tuple[dict, jax.Array | None]:
     """(the matmul sites' statistics, the routing statistics [layers, 2 x experts + STAT_FIELDS]
-    or None) of a step's probe gradients."""
-    mlp = stats.get("blocks", {}).get("mlp", {})
-    if "stats" not in mlp:
-        return stats, None
-    rest = {**stats, "blocks": {**stats["blocks"], "mlp": {k: v for k, v in mlp.items() if k != "stats"}}}
-    return rest, mlp["stats"]
+    or None: the sparse layers', then multi-token prediction's) of a step's probe gradients."""
+    routing = []
+    for stack in ROUTED_STACKS:
+        mlp = _mlp_at(stats, stack)
+        if mlp is not None and "stats" in mlp:
+            routing.append(mlp["stats"])
+            stats = _with_mlp(stats, stack, {k: v for k, v in mlp.items() if k != "stats"})
+    return stats, jnp.concatenate(routing) if routing else None
 
 
 def updated_router_bias(params: dict, routing_lf: jax.Array, rate: float) -> dict:
-    """`params` with every layer's router bias moved by `rate` toward an even load: up for the
+    """`params` with every routed layer's bias moved by `rate` toward an even load: up for the
     experts below the mean load, down for those above (DeepSeek-V3)."""
-    mlp = params["blocks"]["mlp"]
-    experts = mlp["router_bias"].shape[-1]
-    load_le = routing_lf[:, :experts]
-    bias = mlp["router_bias"] + rate * jnp.sign(1.0 / experts - load_le)
-    return {**params, "blocks": {**params["blocks"], "mlp": {**mlp, "router_bias": bias}}}
+    first = 0
+    for stack in ROUTED_STACKS:
+        mlp = _mlp_at(params, stack)
+        if mlp is None or "router_bias" not in mlp:
+            continue
+        layers, experts = mlp["router_bias"].shape
+        load_le = routing_lf[first : first + layers, :experts]
+        first += layers
+        params = _with_mlp(params, stack, {**mlp, "router_bias": mlp["router_bias"] + rate * jnp.sign(1.0 / experts - load_le)})
+    return params
 
 
 def transformers_aux_loss(stats_lf, k: int) -> float:

@@ -17,9 +17,11 @@ from flax import nnx
 
 from lm.model import attention, moe
 from lm.model.block import Block
-from lm.model.config import ModelConfig
+from lm.errors import UserError
+from lm.model.config import ModelConfig, layer_period
 from lm.model.fp8 import Probe, fp8_suspended
 from lm.model.latent_attention import init_latent_cache
+from lm.model.multi_token import MtpModule
 from lm.model.layers import (
     RESIDUAL_AXES,
     Embedding,
@@ -47,10 +49,10 @@ class Transformer(nnx.Module):
         if cfg.position == "learned":
             self.pos_embedding = _param(rngs.params(), (cfg.max_len, cfg.embed_dim), (None, "embed"), 0.01, dt, kind=Embedding)
 
-        def stacked(block_cfg, count):
+        def stacked(block_cfg, count, module=Block):
             @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def stacked_blocks(layer_rngs):
-                return Block(block_cfg, policy, layer_rngs)
+                return module(block_cfg, policy, layer_rngs)
 
             return stacked_blocks(rngs.split(count))
 
@@ -62,6 +64,8 @@ class Transformer(nnx.Module):
         self.final_norm = Norm(cfg, policy)
         if not cfg.tie_embeddings:
             self.head = _param(rngs.params(), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), 0.02, dt)
+        if cfg.mtp_depth:  # made last: the model's own parameters are drawn as without them
+            self.mtp = stacked(cfg, cfg.mtp_depth, MtpModule)
 
     def init_cache(self, batch: int, length: int) -> dict[str, jax.Array]:
         """An empty KV cache for `length` positions: {'k', 'v'} of shape [n, b, s, g, k] (latent
@@ -94,6 +98,35 @@ class Transformer(nnx.Module):
         x, cache = self._layers(x, positions_bt, cache, cache_index, segments_bt)
         return self._logits(x, self.final_norm, self._head_weight()), cache
 
+    def train_logits(self, tokens_bt, mtp_tokens_dbt, segments_bt=None, positions_bt=None) -> tuple[jax.Array, list[jax.Array]]:
+        """(the model's float32 logits [b, t, v], each multi-token prediction depth's [b, t, v]):
+        depth d given the tokens d + 1 places ahead, `mtp_tokens_dbt[d]` (`multi_token.shifted`),
+        in the order and positions of `tokens_bt`."""
+        if positions_bt is not None:
+            positions_bt = constrain(positions_bt, ("batch", "length"), "positions")
+        elif segments_bt is not None:
+            positions_bt = segment_positions(segments_bt)
+        if segments_bt is not None:
+            segments_bt = constrain(segments_bt, ("batch", "length"), "segment ids")
+        tables, head_weight = self._embed_tables(), self._head_weight()
+        x, _ = self._layers(self._embed(tokens_bt, positions_bt, tables), positions_bt, None, 0, segments_bt)
+        h = self.final_norm(x)  # what each depth passes on is normalised, as Megatron-Core and vLLM take it
+        logits = self._head(h, head_weight)
+        graphdef, stacked = nnx.split(self.mtp)
+
+        def depth(h, params, next_tokens_bt):  # one module: its normalised output and logits
+            module = nnx.merge(graphdef, params)
+            h = module.head_norm(module(h, self._embed(next_tokens_bt, positions_bt, tables), positions_bt, segments_bt))
+            return h, self._head(h, head_weight)
+
+        depth = remat(depth, self.cfg.remat)
+        mtp_logits = []
+        with moe.loss_weighted(self.cfg.mtp_loss_weight / self.cfg.mtp_depth):  # as each depth's loss counts
+            for d in range(self.cfg.mtp_depth):
+                h, depth_logits = depth(h, jax.tree.map(lambda a: a[d], stacked), mtp_tokens_dbt[d])  # noqa: B023
+                mtp_logits.append(depth_logits)
+        return logits, mtp_logits
+
     def _embed_tables(self) -> tuple:
         return self.embedding[...], self.pos_embedding[...] if self.cfg.position == "learned" else None
 
@@ -113,8 +146,11 @@ class Transformer(nnx.Module):
     def _logits(self, x_btd, final_norm: Norm, head_weight) -> jax.Array:
         """Float32 logits of the last layer's output (norm and weight given: the 1F1B pipeline
         differentiates them explicitly)."""
+        return self._head(final_norm(x_btd), head_weight)
+
+    def _head(self, normed_btd, head_weight) -> jax.Array:
         cfg = self.cfg
-        x = gather_length(final_norm(x_btd))
+        x = gather_length(normed_btd)
         spec = "btd,vd->btv" if cfg.tie_embeddings else "btd,dv->btv"
         logits = self.policy.matmul(spec, x, head_weight, out_dtype=jnp.float32)
         if cfg.used_vocab < cfg.vocab_size:  # padding ids: out of the loss's softmax and of sampling
@@ -156,7 +192,11 @@ class Transformer(nnx.Module):
     def _pipeline_stage(self, positions_bt):
         """The stacked layers as a pipeline takes them: (stage fn, their states and logical axes,
         the statistics probes and theirs, None without any). The probes are apart because the
-        pipeline gives each tick its own (`sharding.pipeline`)."""
+        pipeline gives each tick its own (`sharding.pipeline`). Dense layers among sparse ones
+        (`model.moe_layers='every:N'`): both stacks, each chunk whole repeats of the pattern
+        (`moe_problem` says where it is not), run as `_run_periods` runs the model."""
+        if hasattr(self, "dense_blocks"):
+            return self._pipeline_periods(positions_bt)
         graphdef, probes, stacked = nnx.split(self.blocks, Probe, ...)
 
         def stage(chunk, chunk_probes, x_btd, chunk_index):  # a chunk of consecutive layers on one microbatch
@@ -168,6 +208,26 @@ class Transformer(nnx.Module):
         probes_given = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
         return stage, stacked, axes(stacked), *probes_given
 
+    def _pipeline_periods(self, positions_bt):
+        cfg, fp8 = self.cfg, self.policy.fp8_layer_mask(self.cfg.num_layers)
+        if len(set(fp8)) > 1:
+            raise UserError("precision.fp8 skip keeps some layers out of fp8, which a pipeline of dense and sparse layers cannot stage alike; "
+                            "use mesh.stage=1 or skip none")
+        split = {kind: nnx.split(getattr(self, kind), Probe, ...) for kind in ("blocks", "dense_blocks")}
+        graphdefs = {kind: graphdef for kind, (graphdef, _, _) in split.items()}
+        probes, stacked = ({kind: parts[i] for kind, parts in split.items()} for i in (1, 2))
+        kinds = ["blocks" if i in set(cfg.sparse_layer_ids) else "dense_blocks" for i in range(cfg.num_layers)]
+        period = tuple(kinds[: layer_period(cfg.sparse_layer_ids, cfg.num_layers)])
+
+        def stage(chunk, chunk_probes, x_btd, chunk_index):  # whole repeats of the pattern on one microbatch
+            positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]
+            stacks = {kind: (graphdefs[kind], (chunk_probes[kind], chunk[kind])) for kind in graphdefs}
+            with attention.mapped():
+                return self._run_periods(period, stacks, x_btd, positions, None, None, None, in_fp8=fp8[0])[0]
+
+        axes = nnx.get_partition_spec
+        return stage, stacked, axes(stacked), probes, axes(probes)
+
     def _layers(self, x, positions_bt, cache, cache_index, segments_bt=None):
         if self.pipeline.stages > 1 and cache is None:
             stage, stacked, stacked_axes, probes, probes_axes = self._pipeline_stage(positions_bt)
@@ -175,7 +235,7 @@ class Transformer(nnx.Module):
         cfg, fp8 = self.cfg, self.policy.fp8_layer_mask(self.cfg.num_layers)
         # Each layer's stack: `blocks` (every layer of a dense model; a mixture of experts' sparse
         # ones), `dense_blocks` (its dense ones).
-        stacks = {"blocks": nnx.split(self.blocks), **({"dense_blocks": nnx.split(self.dense_blocks)} if hasattr(self, "dense_blocks") else {})}
+        stacks = {kind: nnx.split(getattr(self, kind)) for kind in ("blocks", "dense_blocks") if hasattr(self, kind)}
         in_blocks = set(cfg.sparse_layer_ids) if cfg.moe else set(range(cfg.num_layers))
         kinds = ["blocks" if i in in_blocks else "dense_blocks" for i in range(cfg.num_layers)]
         ids = {kind: [i for i, k in enumerate(kinds) if k == kind] for kind in stacks}
@@ -183,7 +243,8 @@ class Transformer(nnx.Module):
         for start, stop, period in layer_segments(kinds, periodic=len(set(fp8)) == 1):
             part = None if cache is None else jax.tree.map(lambda a: a[start:stop], cache)  # noqa: B023
             if len(period) > 1:
-                x, part = self._run_periods(period, stacks, x, positions_bt, part, cache_index, segments_bt, in_fp8=fp8[0])
+                states = {kind: (graphdef, (stacked,)) for kind, (graphdef, stacked) in stacks.items()}
+                x, part = self._run_periods(period, states, x, positions_bt, part, cache_index, segments_bt, in_fp8=fp8[0])
             else:
                 graphdef, stacked = stacks[period[0]]
                 first = ids[period[0]].index(start)  # the run's place in its stack
@@ -193,20 +254,21 @@ class Transformer(nnx.Module):
         return x, None if cache is None else jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
 
     def _run_periods(self, period: tuple[str, ...], stacks: dict, x, positions_bt, cache, cache_index, segments_bt, in_fp8: bool):
-        """The whole model as repeats of `period` (its layers' stacks in order), one `lax.scan`
-        over the repeats (`model.moe_layers='every:N'`): each repeat takes its dense and its
-        sparse layers from the two stacks in turn."""
-        repeats = self.cfg.num_layers // len(period)
+        """The layers of `stacks` (kind -> (graphdef, its states: a tuple)) as repeats of `period`
+        (their kinds in order): the whole model, or a pipeline chunk; one `lax.scan` over the
+        repeats (`model.moe_layers='every:N'`): each repeat takes its dense and its sparse layers
+        from the two stacks in turn."""
+        repeats = jax.tree.leaves(stacks[period[0]][1])[0].shape[0] // period.count(period[0])
 
         def per_repeat(tree, width):  # [repeats * width, ...] -> [repeats, width, ...]
             return jax.tree.map(lambda a: a.reshape(repeats, width, *a.shape[1:]), tree)
 
-        params = {kind: per_repeat(stacked, period.count(kind)) for kind, (_, stacked) in stacks.items()}
+        params = {kind: per_repeat(states, period.count(kind)) for kind, (_, states) in stacks.items()}
         caches = None if cache is None else per_repeat(cache, len(period))
 
         def applied(graphdef):
-            def layer(x, params, layer_cache):
-                return nnx.merge(graphdef, params)(x, positions_bt, layer_cache, cache_index, segments_bt)
+            def layer(x, states, layer_cache):
+                return nnx.merge(graphdef, *states)(x, positions_bt, layer_cache, cache_index, segments_bt)
 
             return remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
 

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from lm.compiler import steptime, targets
-from lm.model import moe
+from lm.model import moe, multi_token
 from lm.model.attention import check_cudnn
 from lm.model.fp8 import Fp8Meta, Probe, update_fp8
 from lm.model.layers import Embedding
@@ -158,7 +158,7 @@ class Program:
             donate_argnums=0,
         )
         self.eval_step = jit(
-            lambda state, tokens: self._loss(state.params, tokens, state.fp8, differentiated=False),
+            lambda state, tokens: self._loss(state.params, tokens, state.fp8, differentiated=False)[0],
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=replicated,
         )
@@ -177,37 +177,51 @@ class Program:
             loss_scale=self.loss_scaling.init(),
         )
 
-    def model_inputs(self, batch) -> tuple[dict, jax.Array]:
-        """(the model's keyword inputs, the targets) of a batch: tokens [b, l], or {'tokens',
-        'segments'} with document masking, where `l` is the sequence length + 1 (inputs are
-        tokens[:, :-1], targets tokens[:, 1:]). Under context parallelism the sequence is put in
-        `self.sequence_order` here, once, with its positions (and segment ids)."""
+    def model_inputs(self, batch, mtp: bool = False) -> tuple[dict, jax.Array, tuple | None]:
+        """(the model's keyword inputs, the targets, multi-token prediction's (tokens, targets,
+        validity) [D, b, t] when `mtp` and the model has it, else None) of a batch: tokens
+        [b, l], or {'tokens', 'segments'} with document masking, where `l` is the sequence length
+        + 1 (inputs are tokens[:, :-1], targets tokens[:, 1:]). Under context parallelism the
+        sequence is put in `self.sequence_order` here, once, with its positions (and segment ids)."""
         tokens_bl, segments_bl = (batch["tokens"], batch["segments"]) if isinstance(batch, dict) else (batch, None)
         inputs = {"tokens_bt": tokens_bl[:, :-1], "segments_bt": None if segments_bl is None else segments_bl[:, :-1]}
         targets_bt = tokens_bl[:, 1:]
+        depth = self.model_cfg.mtp_trained  # (weight 0: the modules are kept, in checkpoints and exports, but not run)
+        ahead = multi_token.shifted(tokens_bl, depth) if mtp and depth else None
         if self.sequence_order is not None:
             segments_bt = inputs["segments_bt"]
             in_order = jnp.broadcast_to(jnp.arange(targets_bt.shape[1]), targets_bt.shape)
             inputs["positions_bt"] = in_order if segments_bt is None else segment_positions(segments_bt)
             inputs = {k: None if a is None else sharding.reorder(a, self.sequence_order) for k, a in inputs.items()}
             targets_bt = sharding.reorder(targets_bt, self.sequence_order)
-        return inputs, constrain(targets_bt, ("batch", "length"), "targets")
+            if ahead is not None:
+                ahead = tuple(jnp.stack([sharding.reorder(a, self.sequence_order) for a in part]) for part in ahead)
+        return inputs, constrain(targets_bt, ("batch", "length"), "targets"), ahead
 
-    def _loss(self, params, batch, fp8=None, probes=None, loss_scale=1.0, differentiated=True) -> jax.Array:
-        """Mean cross entropy of a batch (see `model_inputs`); the mean does not depend on the
-        tokens' order, so nothing is undone after a reorder. `loss_scale`: what the loss will be
+    def _loss(self, params, batch, fp8=None, probes=None, loss_scale=1.0, differentiated=True) -> tuple[jax.Array, dict]:
+        """(the training objective, {'loss': mean cross entropy, 'mtp_loss': multi-token
+        prediction's where the model has it}) of a batch (see `model_inputs`); the objective adds
+        `mtp_loss` times `model.mtp_loss_weight` to the cross entropy. The means do not depend on
+        the tokens' order, so nothing is undone after a reorder. `loss_scale`: what the loss will be
         multiplied by before differentiation (the pipelines run their backward with it);
         `differentiated=False` (evaluation): the pipelines run their forward alone."""
-        inputs, targets_bt = self.model_inputs(batch)
+        inputs, targets_bt, ahead = self.model_inputs(batch, mtp=differentiated)
         model = self.abstract_model.model(params, fp8, probes)
         if self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe":  # the head and loss per microbatch
-            return model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated)
+            loss = model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated)
+            return loss, {"loss": loss}
         with moe.loss_seed(loss_scale):
-            logits, _ = model(**inputs)
-        return cross_entropy(logits, targets_bt)
+            if ahead is None:
+                logits, _ = model(**inputs)
+                loss = cross_entropy(logits, targets_bt)
+                return loss, {"loss": loss}
+            mtp_tokens_dbt, mtp_targets_dbt, valid_dbt = ahead
+            logits, mtp_logits = model.train_logits(mtp_tokens_dbt=mtp_tokens_dbt, **inputs)
+        loss, mtp = cross_entropy(logits, targets_bt), multi_token.mtp_loss(mtp_logits, mtp_targets_dbt, valid_dbt)
+        return loss + self.model_cfg.mtp_loss_weight * mtp, {"loss": loss, "mtp_loss": mtp}
 
     def _grads(self, params, batch, fp8=None, loss_scale=1.0):
-        """(mean loss, mean grads of `loss * loss_scale`, matmul statistics) over the batch. A
+        """(mean losses {'loss', ..: `_loss`'s}, mean grads of `objective * loss_scale`, matmul statistics) over the batch. A
         step of several passes (accumulation, pipeline microbatches) on several data replicas
         sums each replica's gradients locally and combines the replicas once
         (`sharding.per_replica`), not at every pass."""
@@ -234,8 +248,8 @@ class Program:
         seed = loss_scale / accum
 
         def scaled_loss(params, probes, tokens):
-            loss = self._loss(params, tokens, fp8, probes, seed)
-            return loss * seed, loss / accum
+            objective, losses = self._loss(params, tokens, fp8, probes, seed)
+            return objective * seed, jax.tree.map(lambda x: x / accum, losses)
 
         grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
 
@@ -252,7 +266,8 @@ class Program:
             summed = jax.tree.map(jnp.add, carry[:2], (loss, grads))
             return (*summed, jax.tree.map(jnp.maximum, carry[2], stats)), None
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params), self.abstract_model.zero_probes())
+        losses = dict.fromkeys(("loss", "mtp_loss") if self.model_cfg.mtp_trained else ("loss",), jnp.zeros((), jnp.float32))
+        zeros = (losses, jax.tree.map(jnp.zeros_like, params), self.abstract_model.zero_probes())
         (loss, grads, stats), _ = jax.lax.scan(add, zeros, micro)
         return loss, grads, stats
 
@@ -262,18 +277,18 @@ class Program:
         applied_scale = scale
         if self.faults.overflow_steps:  # fault injection (tests): gradients far too large
             applied_scale = scale * jnp.where(jnp.isin(step, jnp.asarray(self.faults.overflow_steps)), 1e30, 1.0)
-        loss, grads, stats = self._grads(state.params, batch, state.fp8, applied_scale)
+        losses, grads, stats = self._grads(state.params, batch, state.fp8, applied_scale)
         if self.loss_scaling.kind != "none":
             grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
         if self.config.sharding.optimizer_over_data:  # reduce-scattered over the replicas, not all-reduced
             grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
         if self.faults.nonfinite_steps:  # fault injection (tests): these steps' loss and gradients are NaN
             poison = jnp.where(jnp.isin(step, jnp.asarray(self.faults.nonfinite_steps)), jnp.nan, 1.0)
-            loss, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (loss, grads))
+            losses, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (losses, grads))
         # A non-finite update is not applied (optax.apply_if_finite); the step still counts.
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         metrics = {
-            "loss": loss,
+            **losses,  # the cross entropy, and multi-token prediction's loss (unweighted) beside it
             "grad_norm": optax.tree.norm(grads),
             "lr": self.schedule(state.step),
             "nonfinite_in_a_row": opt_state.notfinite_count,

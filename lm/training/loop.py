@@ -208,7 +208,7 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
     if data_state is not None:
         batches.set_state(data_state)
     tokens_per_step = t.batch_size * t.seq_len
-    rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(peak_dtype(config.precision))[0] * mesh.size, mcfg.sparse_layer_ids)
+    rate = StepRate(tokens_per_step, flops_per_token(mcfg, t.seq_len), peak_flops(peak_dtype(config.precision))[0] * mesh.size, mcfg.routed_layer_ids)
     _say(
         f"model: {param_count(state.params) / 1e6:.2f}M parameters, vocab {mcfg.vocab_size}, "
         f"mesh {dict(mesh.shape)}, {t.steps} steps of {tokens_per_step} tokens"

@@ -50,7 +50,8 @@ def collect(config, workdir: Path, steps: int, devices=None) -> dict:
         stats = jax.device_get(metrics["matmul_stats"])
         worst = stats if worst is None else jax.tree.map(np.fmax, worst, stats)
     m = trainer.model_cfg
-    return {"step": step, "steps": steps, "rows": rows(worst, {"dense_blocks": m.dense_layer_ids, "blocks": m.sparse_layer_ids or tuple(range(m.num_layers))})}
+    return {"step": step, "steps": steps, "rows": rows(worst, {"dense_blocks": m.dense_layer_ids, "blocks": m.sparse_layer_ids or tuple(range(m.num_layers)),
+                                                  "mtp": m.mtp_layer_ids})}
 
 
 def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer: Program, fresh: TrainState, devices):
