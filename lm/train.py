@@ -15,7 +15,7 @@ import jax
 from lm import cli, paths
 from lm import config as lm_config
 from lm.cli import Parser
-from lm.program.steps import Faults
+from lm.program.faults import Faults
 from lm.recipe import load_file
 from lm.training.loop import train
 

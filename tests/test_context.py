@@ -65,7 +65,7 @@ def _run(mesh: dict, segments: bool, steps: int = 5, **kw):
     state, first = program.init_state(0), program.global_batch(_batch(c, rng, segments))
 
     def forward(params, batch):
-        inputs, _ = program.model_inputs(batch)
+        inputs, _, _ = program.model_inputs(batch)
         return program.abstract_model.model(params)(**inputs)[0]
 
     logits = np.asarray(sharding.jit(forward, program.mesh, program.rules)(state.params, first))

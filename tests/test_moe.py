@@ -127,7 +127,7 @@ def test_a_dense_first_layer_and_shared_experts_train_expert_parallel_as_on_one_
 
 def test_sparse_layers_anywhere_name_their_layers_and_run_as_few_scans():
     from lm.model.config import sparse_layer_ids
-    from lm.model.transformer import layer_segments
+    from lm.model.layer_stack import layer_segments
 
     assert sparse_layer_ids("from:3", 6) == (3, 4, 5) and sparse_layer_ids("every:2", 6) == (1, 3, 5) and sparse_layer_ids("dense:0,4", 6) == (1, 2, 3, 5)
     kinds = lambda ids, n: ["sparse" if i in ids else "dense" for i in range(n)]  # noqa: E731

@@ -14,8 +14,9 @@ from lm.config_checks import validate
 from lm.model.fp8 import Fp8Recipe, MatmulSite, tensor_stats, update_fp8
 from lm.model.precision import Policy
 from lm.program.checkpoint import Checkpointer
+from lm.program.faults import Faults
 from lm.program.spec import RunSpec
-from lm.program.steps import Faults, setup
+from lm.program.steps import setup
 from lm.training.loop import _nonfinite_verdict, train
 from lm.training.ranges import advice, report
 

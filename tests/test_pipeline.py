@@ -438,7 +438,7 @@ def test_1f1b_runs_its_backward_at_the_float16_loss_scale(schedule):
     makes float16 cotangents infinite there and the step is skipped, as on one device; scaling
     float32 gradients after the fact would have hidden it. (The zero-bubble pipeline's B and W
     alike.)"""
-    from lm.program.steps import Faults
+    from lm.program.faults import Faults
 
     def run(mesh, devices=None, **kw):
         c = small_config(mesh, **DEEP, precision__compute_dtype="float16", precision__loss_scale_initial=1024.0,

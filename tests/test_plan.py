@@ -120,6 +120,18 @@ def test_every_listed_layout_divides_the_model_and_the_batch(small):
         setup(apply_overrides(config, lay.overrides()), nominal_vocab_size(config.data), jax.devices()[:8])
 
 
+@pytest.mark.parametrize("moe_layers, mtp, pipelined", [("every:2", 0, ("gpipe", "1f1b", "1f1b_per_stage")), ("from:1", 0, ()), ("all", 1, ())])
+def test_pipelines_are_listed_only_where_the_model_stages_alike(moe_layers, mtp, pipelined):
+    """Dense layers among sparse ones pipeline where every chunk holds whole repeats of the
+    pattern (not under zero-bubble's split backward); DeepSeek's first dense layer, or
+    multi-token prediction, never: those layouts are dropped, as training would refuse them."""
+    config = recipe("moe_tiny", model__moe_layers=moe_layers, model__mtp_depth=mtp)
+    result = search.plan(run_of(config), 8, H100, 2**40)
+    assert {c.parallelism.schedule for c in result.ranked if c.parallelism.stage > 1} == set(pipelined)
+    assert result.dropped["not pipelined"] > 0
+    assert not [c for c in result.ranked if c.parallelism.stage > 1 and c.parallelism.repeats > 1]  # 4 layers: chunks of 1 break (dense, sparse)
+
+
 @pytest.mark.slow
 def test_memory_predictions_match_the_compiler_and_rejections_do_not_fit(small):
     """With a memory limit that admits a handful of layouts of 4 GPUs: each admitted one's

@@ -20,7 +20,8 @@ from conftest import ROOT, fast_config, losses, metrics_rows, run_module
 from netns import two_hosts
 
 from lm.program.checkpoint import Checkpointer, CheckpointNotWritten
-from lm.program.steps import Faults, setup
+from lm.program.faults import Faults
+from lm.program.steps import setup
 from lm.training.loop import TrainingHalted, train
 
 MESH = dict(mesh__data=2, mesh__fsdp=2, mesh__tensor=2)

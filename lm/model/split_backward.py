@@ -12,7 +12,7 @@ to the unsplit ones bit for bit, and B + W costs the unsplit backward.
 
 Taps are handed out in call order. A stack of layers run by a scan (whose body is traced once)
 takes its layers' taps stacked, as part of the scan's input (`stack_taps`), and hands each
-layer its own inside the body (`layer_taps`): `Transformer._run_stack` does.
+layer its own inside the body (`layer_taps`): `StackRunner.run_stack` (lm.model.layer_stack) does.
 
 Not yet: fp8 sites and the experts' grouped matmuls take the unsplit path (their weight
 gradients come in B); the pipeline programs do not run B and W apart yet.

@@ -2,7 +2,7 @@
 
 `ModelConfig` (`lm.model.config`) says what the model *is*; the dtype policy (`lm.model.precision`) and the pipeline plan
 (`sharding.schedules.PipelinePlan`) are given to `Transformer` beside it. The layers are stacked
-along a leading `layers` axis and run by `lax.scan`: one compiled block whatever the depth. The
+along a leading `layers` axis and run by `lax.scan` (`lm.model.layer_stack`): one compiled block whatever the depth. The
 blocks themselves are in `lm.model.layers`. Shape suffixes as there; `n` is the number of layers.
 """
 
@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lm.errors import UserError
 from lm.model import attention, moe
 from lm.model.block import Block
-from lm.errors import UserError
 from lm.model.config import ModelConfig, layer_period
-from lm.model.fp8 import Probe, fp8_suspended
+from lm.model.fp8 import Probe
 from lm.model.latent_attention import init_latent_cache
-from lm.model.multi_token import MtpModule
+from lm.model.layer_stack import StackRunner, layer_segments
 from lm.model.layers import (
     RESIDUAL_AXES,
     Embedding,
@@ -30,8 +30,9 @@ from lm.model.layers import (
     gather_length,
     lookup,
 )
+from lm.model.multi_token import MtpModule
 from lm.model.precision import Policy
-from lm.model.split_backward import layer_taps, split_vjp, stack_taps
+from lm.model.split_backward import split_vjp
 from sharding import constrain
 from sharding.pipeline import pipeline, pipeline_loss
 from sharding.pipeline_1f1b import pipeline_1f1b
@@ -127,6 +128,10 @@ class Transformer(nnx.Module):
                 mtp_logits.append(depth_logits)
         return logits, mtp_logits
 
+    @property
+    def _runner(self) -> StackRunner:
+        return StackRunner(self.cfg, self.policy)
+
     def _embed_tables(self) -> tuple:
         return self.embedding[...], self.pos_embedding[...] if self.cfg.position == "learned" else None
 
@@ -194,7 +199,7 @@ class Transformer(nnx.Module):
         the statistics probes and theirs, None without any). The probes are apart because the
         pipeline gives each tick its own (`sharding.pipeline`). Dense layers among sparse ones
         (`model.moe_layers='every:N'`): both stacks, each chunk whole repeats of the pattern
-        (`moe_problem` says where it is not), run as `_run_periods` runs the model."""
+        (`moe_problem` says where it is not), run as `StackRunner.run_periods` runs the model."""
         if hasattr(self, "dense_blocks"):
             return self._pipeline_periods(positions_bt)
         graphdef, probes, stacked = nnx.split(self.blocks, Probe, ...)
@@ -202,7 +207,7 @@ class Transformer(nnx.Module):
         def stage(chunk, chunk_probes, x_btd, chunk_index):  # a chunk of consecutive layers on one microbatch
             positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
             with attention.mapped():  # GPipe and 1F1B vmap this over the stages
-                return self._run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None, chunk=chunk_index)[0]
+                return self._runner.run_stack(graphdef, (chunk, chunk_probes), x_btd, positions, None, None, chunk=chunk_index)[0]
 
         axes = nnx.get_partition_spec
         probes_given = (probes, axes(probes)) if jax.tree.leaves(probes) else (None, None)
@@ -223,7 +228,7 @@ class Transformer(nnx.Module):
             positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]
             stacks = {kind: (graphdefs[kind], (chunk_probes[kind], chunk[kind])) for kind in graphdefs}
             with attention.mapped():
-                return self._run_periods(period, stacks, x_btd, positions, None, None, None, in_fp8=fp8[0])[0]
+                return self._runner.run_periods(period, stacks, x_btd, positions, None, None, None, in_fp8=fp8[0])[0]
 
         axes = nnx.get_partition_spec
         return stage, stacked, axes(stacked), probes, axes(probes)
@@ -244,122 +249,14 @@ class Transformer(nnx.Module):
             part = None if cache is None else jax.tree.map(lambda a: a[start:stop], cache)  # noqa: B023
             if len(period) > 1:
                 states = {kind: (graphdef, (stacked,)) for kind, (graphdef, stacked) in stacks.items()}
-                x, part = self._run_periods(period, states, x, positions_bt, part, cache_index, segments_bt, in_fp8=fp8[0])
+                x, part = self._runner.run_periods(period, states, x, positions_bt, part, cache_index, segments_bt, in_fp8=fp8[0])
             else:
                 graphdef, stacked = stacks[period[0]]
                 first = ids[period[0]].index(start)  # the run's place in its stack
                 run = jax.tree.map(lambda a: a[first : first + stop - start], stacked)  # noqa: B023
-                x, part = self._run_stack(graphdef, (run,), x, positions_bt, part, cache_index, segments_bt, first=start)
+                x, part = self._runner.run_stack(graphdef, (run,), x, positions_bt, part, cache_index, segments_bt, first=start)
             caches.append(part)
         return x, None if cache is None else jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
-
-    def _run_periods(self, period: tuple[str, ...], stacks: dict, x, positions_bt, cache, cache_index, segments_bt, in_fp8: bool):
-        """The layers of `stacks` (kind -> (graphdef, its states: a tuple)) as repeats of `period`
-        (their kinds in order): the whole model, or a pipeline chunk; one `lax.scan` over the
-        repeats (`model.moe_layers='every:N'`): each repeat takes its dense and its sparse layers
-        from the two stacks in turn."""
-        repeats = jax.tree.leaves(stacks[period[0]][1])[0].shape[0] // period.count(period[0])
-
-        def per_repeat(tree, width):  # [repeats * width, ...] -> [repeats, width, ...]
-            return jax.tree.map(lambda a: a.reshape(repeats, width, *a.shape[1:]), tree)
-
-        params = {kind: per_repeat(states, period.count(kind)) for kind, (_, states) in stacks.items()}
-        caches = None if cache is None else per_repeat(cache, len(period))
-
-        def applied(graphdef):
-            def layer(x, states, layer_cache):
-                return nnx.merge(graphdef, *states)(x, positions_bt, layer_cache, cache_index, segments_bt)
-
-            return remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
-
-        layers = {kind: applied(graphdef) for kind, (graphdef, _) in stacks.items()}
-
-        def one_repeat(x, params_caches):
-            params, caches = params_caches
-            taken, out = dict.fromkeys(params, 0), []
-            for j, kind in enumerate(period):
-                layer_params = jax.tree.map(lambda a: a[taken[kind]], params[kind])  # noqa: B023
-                taken[kind] += 1
-                x, layer_cache = layers[kind](x, layer_params, None if caches is None else jax.tree.map(lambda a: a[j], caches))  # noqa: B023
-                out.append(layer_cache)
-            return x, None if caches is None else jax.tree.map(lambda *a: jnp.stack(a), *out)
-
-        with fp8_suspended(self.policy.fp8 is not None and not in_fp8):
-            if self.cfg.scan_layers:
-                x, new = jax.lax.scan(one_repeat, x, (params, caches))
-            else:
-                new = []
-                for r in range(repeats):
-                    x, repeat_cache = one_repeat(x, jax.tree.map(lambda a: a[r], (params, caches)))  # noqa: B023
-                    new.append(repeat_cache)
-                new = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
-        return x, None if cache is None else jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), new)
-
-    def _run_stack(self, graphdef, stacked: tuple, x, positions_bt, cache, cache_index, segments_bt=None, chunk=None, first=0):
-        """The stacked layers (all of them, the model's layers `first` .., or pipeline chunk
-        `chunk`, a traced index: layers chunk * n .. of the model's; `stacked`: their states)
-        applied in order; layers that `precision.fp8_skip` keeps out of fp8 run as separate
-        segments."""
-
-        def layer(x, params_cache_taps):
-            params, layer_cache, taps = params_cache_taps
-            with layer_taps(taps):  # a split backward's (`lm.model.split_backward`); None otherwise
-                return nnx.merge(graphdef, *[p for p in params if p is not None])(x, positions_bt, layer_cache, cache_index, segments_bt)
-
-        # Also inside a pipeline tick: one layer's internals at a time.
-        layer = remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
-
-        def run(x, segment, in_fp8: bool):
-            with fp8_suspended(self.policy.fp8 is not None and not in_fp8):
-                if self.cfg.scan_layers:
-                    return jax.lax.scan(layer, x, segment)
-                caches = []
-                for i in range(jax.tree.leaves(segment)[0].shape[0]):
-                    x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], segment))
-                    caches.append(jax.tree.map(lambda a: a[None], layer_cache))
-                return x, jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
-
-        def either(x, segment, in_fp8):  # fp8 or not as the chunk's layer is: chosen at run time
-            # Under the vmap over stages both branches run; jax masks each one's gradients (and
-            # so the statistics probes') to the stages that took it.
-            return jax.lax.cond(in_fp8, lambda x: run(x, segment, True)[0], lambda x: run(x, segment, False)[0], x), None
-
-        num_layers = jax.tree.leaves(stacked)[0].shape[0]
-        in_fp8 = self._fp8_positions(num_layers, chunk, first)
-        runs, new_caches = _runs(in_fp8), []
-        for start, stop in runs:
-            segment = (stacked, cache) if len(runs) == 1 else jax.tree.map(lambda a: a[start:stop], (stacked, cache))
-            segment = (*segment, stack_taps(stop - start))
-            x, segment_cache = (run if isinstance(in_fp8[start], bool) else either)(x, segment, in_fp8[start])
-            new_caches.append(segment_cache)
-        if cache is None:
-            return x, None
-        return x, jax.tree.map(lambda *a: jnp.concatenate(a), *new_caches)
-
-    def _fp8_positions(self, size: int, chunk, first: int = 0) -> list:
-        """Per layer of a stack of `size` (from the model's layer `first`): in fp8 (True / False),
-        or, in a pipeline chunk whose layer at that position is skipped in some chunks only, a
-        traced bool (`fp8_skip` indices are the model's layer indices, whatever the schedule)."""
-        mask = self.policy.fp8_layer_mask(self.cfg.num_layers)
-        if chunk is None:
-            mask = mask[first : first + size]
-        columns = [[mask[c * size + j] for c in range(len(mask) // size)] for j in range(size)]
-        return [column[0] if len(set(column)) == 1 else jnp.asarray(column)[chunk] for column in columns]
-
-
-def layer_segments(kinds: list[str], periodic: bool = True) -> list[tuple[int, int, tuple[str, ...]]]:
-    """The model's layers (each's kind: its stack, as 'dense' / 'sparse') as segments to run in order:
-    (start, stop, period). A period of one kind: a run of equal layers, one scan; a longer period
-    (`periodic`, where the kinds alternate in more than two runs and repeat whole): the whole
-    model as one scan over its repeats. ['d', 'd', 's', 's'] -> two runs; ['d', 's'] x 24 -> one
-    scan over 24 repeats of ('d', 's')."""
-    n = len(kinds)
-    runs = [0] + [i for i in range(1, n) if kinds[i] != kinds[i - 1]] + [n]
-    if periodic and len(runs) > 3:
-        for p in range(2, n // 2 + 1):
-            if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
-                return [(0, n, tuple(kinds[:p]))]
-    return [(a, b, (kinds[a],)) for a, b in zip(runs[:-1], runs[1:])]
 
 
 def segment_positions(segments_bt: jax.Array) -> jax.Array:
@@ -367,11 +264,3 @@ def segment_positions(segments_bt: jax.Array) -> jax.Array:
     index = jnp.broadcast_to(jnp.arange(segments_bt.shape[1]), segments_bt.shape)
     starts = jnp.concatenate([jnp.ones_like(segments_bt[:, :1], bool), segments_bt[:, 1:] != segments_bt[:, :-1]], axis=1)
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
-
-
-def _runs(flags: list) -> list[tuple[int, int]]:
-    """[start, stop) ranges of equal consecutive flags, each traced flag alone: [T, T, F, T] ->
-    [(0, 2), (2, 3), (3, 4)]."""
-    alone = lambda f: not isinstance(f, bool)  # noqa: E731
-    bounds = [0] + [i for i in range(1, len(flags)) if alone(flags[i]) or alone(flags[i - 1]) or flags[i] != flags[i - 1]] + [len(flags)]
-    return list(zip(bounds[:-1], bounds[1:]))

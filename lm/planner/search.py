@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 from lm.config import apply_overrides
 from lm.hardware.systems import System
+from lm.model.config import moe_problem
 from lm.model.flops import flops_per_token
 from lm.planner.compiled import step_report
 from lm.planner.cost import Cost
@@ -66,7 +67,15 @@ def mesh_problem(run: Run, mesh: dict, gpus_per_host: int) -> str | None:
         return "indivisible"  # experts by expert, or no experts to split
     if m.moe and m.expert_width % mesh["tensor"]:
         return "indivisible"
+    if mesh["stage"] > 1 and unstaged(m, mesh["stage"]):
+        return "not pipelined"
     return None
+
+
+def unstaged(m, stages: int, repeats: int = 1, schedule: str = "gpipe") -> bool:
+    """Whether the model cannot run in `stages` pipeline stages (`repeats` chunks each, by
+    `schedule`): multi-token prediction, or dense and sparse layers a chunk cannot hold alike."""
+    return bool(m.mtp_trained) or moe_problem(m, 0, stages, repeats, schedule) is not None
 
 
 def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[Parallelism | tuple[Parallelism, str]]:
@@ -101,8 +110,8 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[P
                         if schedule in PER_STAGE and mesh["context"] > 1:
                             continue  # refused by sharding.schedules.check: not a layout this config allows
                         piped = dataclasses.replace(layout, microbatches=microbatches, schedule=schedule, pipeline_remat=pipeline_remat)
-                        yield piped
-                        if circular and schedule not in PER_STAGE:  # circular GPipe, interleaved 1F1B
+                        yield (piped, "not pipelined") if unstaged(run.model, mesh["stage"], 1, schedule) else piped
+                        if circular and schedule not in PER_STAGE and not unstaged(run.model, mesh["stage"], 2, schedule):  # circular GPipe, interleaved 1F1B
                             yield dataclasses.replace(piped, repeats=2)
 
 

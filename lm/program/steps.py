@@ -24,6 +24,7 @@ from lm.model.attention import check_cudnn
 from lm.model.fp8 import Fp8Meta, Probe, update_fp8
 from lm.model.layers import Embedding
 from lm.model.transformer import Transformer, segment_positions
+from lm.program.faults import Faults
 from lm.program.mesh_checks import check_batch_split
 from lm.program.optimizer import optimizer, schedule, state_shardings
 from lm.program.spec import RunSpec
@@ -48,19 +49,6 @@ class TrainState:
     @classmethod
     def from_dict(cls, d: dict) -> TrainState:
         return cls(**d)
-
-
-@dataclasses.dataclass(frozen=True)
-class Faults:
-    """Fault injection for tests: how a run should misbehave, and when."""
-
-    kill_at_step: int | None = None  # SIGKILL once this step's checkpoint is durable
-    kill_during_save_at_step: int | None = None  # SIGKILL as soon as this step's save has started
-    nonfinite_steps: tuple[int, ...] = ()  # these steps' loss and gradients are NaN
-    overflow_steps: tuple[int, ...] = ()  # these steps' gradients are 1e30 times too large
-    garbled_batches: tuple[int, ...] = ()  # these batches (by number) hold random tokens
-    stall_at_step: int | None = None  # this step's data read blocks for stall_s (alive, heartbeating)
-    stall_s: float = float("inf")
 
 
 def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:

@@ -23,8 +23,9 @@ from lm.evaluation.harness import DuringTraining
 from lm.hf.checkpoint import initial_params, with_init_model
 from lm.model.flops import flops_per_token, param_count
 from lm.program.checkpoint import Checkpointer
+from lm.program.faults import Faults
 from lm.program.spec import RunSpec
-from lm.program.steps import Faults, Program, placed, setup
+from lm.program.steps import Program, placed, setup
 from lm.training.metrics import (
     MetricsWriter,
     StepRate,
