@@ -115,17 +115,17 @@ class Transformer(nnx.Module):
         logits = self._head(h, head_weight)
         graphdef, stacked = nnx.split(self.mtp)
 
-        def depth(h, params, next_tokens_bt):  # one module: its normalised output and logits
+        def depth(h, params, next_tokens_bt):  # one module: its normalised output
             module = nnx.merge(graphdef, params)
-            h = module.head_norm(module(h, self._embed(next_tokens_bt, positions_bt, tables), positions_bt, segments_bt))
-            return h, self._head(h, head_weight)
+            return module.head_norm(module(h, self._embed(next_tokens_bt, positions_bt, tables), positions_bt, segments_bt))
 
+        # Rematerialised as a layer is; the head outside it, as the model's own (not run again in the backward).
         depth = remat(depth, self.cfg.remat)
         mtp_logits = []
         with moe.loss_weighted(self.cfg.mtp_loss_weight / self.cfg.mtp_depth):  # as each depth's loss counts
             for d in range(self.cfg.mtp_depth):
-                h, depth_logits = depth(h, jax.tree.map(lambda a: a[d], stacked), mtp_tokens_dbt[d])  # noqa: B023
-                mtp_logits.append(depth_logits)
+                h = depth(h, jax.tree.map(lambda a: a[d], stacked), mtp_tokens_dbt[d])  # noqa: B023
+                mtp_logits.append(self._head(h, head_weight))
         return logits, mtp_logits
 
     @property
