@@ -149,7 +149,7 @@ def test_interleaved_dense_and_sparse_layers_train_expert_parallel_as_on_one_dev
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_interleaved_dense_and_sparse_layers_pipeline_as_on_one_device(schedule):
     """`every:2` over 4 layers on 2 stages (experts over 2 devices): each stage's chunk one
     (dense, sparse) repeat, the two stacks split over `stage` alike; the same losses and
