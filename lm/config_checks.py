@@ -123,9 +123,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
         )
     if m.mtp_depth < 0 or m.mtp_loss_weight < 0:
         raise UserError(f"model.mtp_depth={m.mtp_depth} and model.mtp_loss_weight={m.mtp_loss_weight} must be >= 0")
-    if m.mtp_depth and (c.mesh.stage > 1 or c.pipeline.schedule != "gpipe"):
-        raise UserError(f"model.mtp_depth={m.mtp_depth} (multi-token prediction) does not run under a pipeline yet "
-                        f"(mesh.stage={c.mesh.stage}, pipeline.schedule={c.pipeline.schedule}); use mesh.stage=1 or model.mtp_depth=0")
     if problem := moe_problem(m, c.mesh.expert, c.mesh.stage, c.pipeline.repeats, c.pipeline.schedule):
         raise UserError(problem)
     width = (m.expert_mlp_dim or m.mlp_dim) // max(1, c.mesh.tensor)

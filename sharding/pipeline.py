@@ -27,10 +27,64 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding.constraints import constrain, vmap_over
 from sharding.mesh import ShardingError
 from sharding.remat import remat
-from sharding.constraints import constrain, vmap_over
 from sharding.schedules import PipelinePlan, Work, check, schedule
+
+
+@jax.tree_util.register_pytree_node_class
+class Statistics:
+    """Marks probes among the ends' parameters (`embed_params`, `loss_params`: layers run with the
+    embedding or the head): their gradients are statistics, combined by maximum over the
+    microbatches (as the chunks' `probes` are) and never scaled (`end_zeros`, `end_add`)."""
+
+    def __init__(self, probes):
+        self.probes = probes
+
+    def tree_flatten(self):
+        return (self.probes,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def _per_end_leaf(plain: Callable, statistic: Callable, *trees):
+    """`plain` on every leaf of `trees`, `statistic` on those under a `Statistics`."""
+    def one(*nodes):
+        return jax.tree.map(statistic, *nodes) if isinstance(nodes[0], Statistics) else jax.tree.map(plain, *nodes)
+
+    return jax.tree.map(one, *trees, is_leaf=lambda n: isinstance(n, Statistics))
+
+
+def end_zeros(tree):
+    """Float32 sums for the gradients of an end's parameters: zeros, statistics at -inf."""
+    return _per_end_leaf(lambda a: jnp.zeros(a.shape, jnp.float32), lambda a: jnp.full(a.shape, -jnp.inf, jnp.float32), tree)
+
+
+def end_add(total, d):
+    """One microbatch's gradients of an end's parameters into `total` (`end_zeros`): statistics
+    by maximum, the rest summed in float32."""
+    return _per_end_leaf(lambda g, x: g + x.astype(jnp.float32), lambda g, x: jnp.maximum(g, x.astype(jnp.float32)), total, d)
+
+
+def microbatch(tree, index):
+    """Microbatch `index` of `split_microbatches`' result (a tree of them)."""
+    return jax.tree.map(lambda a: a[index], tree)
+
+
+def loss_cotangent(loss, seed):
+    """What a microbatch's loss is differentiated at: `seed`; where `loss_fn` gives a vector of
+    losses, on its first entry (the objective) alone, the others only reported beside it."""
+    seed = jnp.asarray(seed, loss.dtype)
+    return seed if loss.ndim == 0 else jnp.zeros_like(loss).at[0].set(seed)
+
+
+def zero_loss(loss_fn: Callable, loss_params, y_like, targets_m):
+    """Float32 zeros shaped as `loss_fn`'s loss (a scalar or a vector of losses): the sum over microbatches starts there."""
+    shape = jax.eval_shape(lambda: loss_fn(loss_params, jnp.zeros(y_like.shape, y_like.dtype), microbatch(targets_m, 0))).shape
+    return jnp.zeros(shape, jnp.float32)
 
 
 def table_arrays(table: Sequence[Sequence[Work | None]], stages: int) -> dict[str, np.ndarray]:
@@ -53,13 +107,17 @@ def with_ends(arrays: dict[str, np.ndarray]) -> dict:
 
 
 def split_microbatches(x, count: int, axes: Sequence[str | None], name: str = "microbatches"):
-    """`[batch, ...]` -> `[count, batch // count, ...]`. Microbatch j holds rows j, j + count, ...:
-    every data-parallel shard holds part of each, so no rows move between devices."""
-    b = x.shape[0]
-    if b % count:
-        raise ShardingError(f"batch {b} is not divisible into {count} microbatches")
-    x_m = x.reshape(b // count, count, *x.shape[1:]).swapaxes(0, 1)
-    return constrain(x_m, (None, *axes), name)
+    """`[batch, ...]` -> `[count, batch // count, ...]` (every leaf of a tree of them, each
+    with leading axes `axes`). Microbatch j holds rows j, j + count, ...: every data-parallel
+    shard holds part of each, so no rows move between devices."""
+    def one(x):
+        b = x.shape[0]
+        if b % count:
+            raise ShardingError(f"batch {b} is not divisible into {count} microbatches")
+        x_m = x.reshape(b // count, count, *x.shape[1:]).swapaxes(0, 1)
+        return constrain(x_m, (None, *axes), name)
+
+    return jax.tree.map(one, x)
 
 
 def merge_microbatches(x_m):
@@ -172,7 +230,7 @@ def pipeline_loss(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
     targets_m = split_microbatches(targets, plan.microbatches, batch_axes, "pipeline targets")
     if not differentiated:
         mean = lambda total, mb: (total + loss_fn(loss_params, *mb) / plan.microbatches, None)  # noqa: E731
-        return jax.lax.scan(mean, jnp.zeros((), jnp.float32), (y_m, targets_m))[0]
+        return jax.lax.scan(mean, zero_loss(loss_fn, loss_params, y_m[0], targets_m), (y_m, targets_m))[0]
     return microbatch_loss(loss_fn, loss_params, y_m, targets_m, seed, x_axes)
 
 
@@ -190,11 +248,10 @@ def microbatch_loss(loss_fn: Callable, loss_params, y_m, targets_m, seed=1.0, y_
             total, grads = carry
             y_mb, targets_mb = microbatch
             loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, targets_mb), loss_params, y_mb)
-            dloss_params, dy_mb = pull((seed / m).astype(loss.dtype))
-            grads = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), grads, dloss_params)
-            return (total + loss / m, grads), dy_mb
+            dloss_params, dy_mb = pull(loss_cotangent(loss, seed / m))
+            return (total + loss / m, end_add(grads, dloss_params)), dy_mb
 
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), loss_params))
+        zeros = (zero_loss(loss_fn, loss_params, y_m[0], targets_m), end_zeros(loss_params))
         (loss, grads), dy_m = jax.lax.scan(one, zeros, (y_m, targets_m))
         if y_axes is not None:
             dy_m = constrain(dy_m, (None, *y_axes), "pipeline output cotangents")
@@ -222,8 +279,8 @@ def owning_backward(run: Callable, differentiable: tuple, seed, integers: tuple 
 
     def backward_rule(residuals, g):
         found, (seed, *integer_args) = residuals
-        ratio = g / seed  # 1 when the loss is differentiated with the seed's own scale
-        scale = lambda tree: jax.tree.map(lambda a: (a * ratio).astype(a.dtype), tree)  # noqa: E731
+        ratio = (g if g.ndim == 0 else g[0]) / seed  # 1 when the loss is differentiated with the seed's own scale
+        scale = lambda tree: _per_end_leaf(lambda a: (a * ratio).astype(a.dtype), lambda a: a, tree)  # noqa: E731
         grads = tuple(f if i in statistics else scale(f) for i, f in enumerate(found))
         none = tuple(jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), a) for a in integer_args)
         return *grads, jnp.zeros_like(seed), *none

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from sharding.pipeline import owning_backward, split_microbatches, stage_chunks, with_ends
+from sharding.pipeline import end_add, end_zeros, loss_cotangent, microbatch, owning_backward, split_microbatches, stage_chunks, with_ends, zero_loss
 from sharding.remat import remat
 from sharding.constraints import constrain, constrain_leading, vmap_over
 from sharding.schedules import PipelinePlan, Step, check, phases, schedule_1f1b
@@ -132,7 +132,6 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
     keep_residuals, tick_fn, pullbacks = plan.remat != "full", remat(stage_fn, plan.remat), Pullbacks()
     stash_constraint = lambda ring: constrain_leading(ring, "stages", "pipeline stash")  # noqa: E731
     f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
-    add = lambda total, d: jax.tree.map(lambda g, x: g + x.astype(jnp.float32), total, d)  # noqa: E731
     mb_placed = lambda x_mb: constrain(x_mb, x_axes, "pipeline microbatch")  # noqa: E731
     swap = lambda tree: jax.tree.map(lambda a: a.swapaxes(0, 1), tree)  # noqa: E731  [repeats, stages, ...] <-> [stages, repeats, ...]
     # A stage's chunk for a repeat, chosen by a select (a gather indexed per stage made the XLA
@@ -177,7 +176,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
 
         def head(loss_params, y_mb, targets_mb):
             loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, targets_mb), loss_params, y_mb)
-            return loss, *pull((seed / m).astype(loss.dtype))
+            return loss, *pull(loss_cotangent(loss, seed / m))
 
         def backward_half(c, row):
             """Every stage's backward of its microbatch (masked where it has none); the input
@@ -199,7 +198,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             # interleaved one's) would run them for nothing, vocabulary-split all-reduces included.
             def embed_grads(total):
                 (d_embed,) = jax.vjp(lambda ep: embed_fn(ep, in_m[jnp.maximum(first["backward"], 0)]), embed_params)[1](dx[0])
-                return add(total, d_embed)
+                return end_add(total, d_embed)
 
             leaves_first_chunk = (first["backward"] >= 0) & (first["backward_repeat"] == 0)
             c["embed_grads"] = jax.lax.cond(leaves_first_chunk, embed_grads, lambda total: total, c["embed_grads"])
@@ -228,8 +227,8 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             leaving = (last["forward"] >= 0) & (last["forward_repeat"] == r - 1)
 
             def head_and_seed(loss, loss_grads, seeded):
-                mb_loss, dloss_params, dy = head(loss_params, y[-1], t_m[jnp.maximum(last["forward"], 0)])
-                return loss + mb_loss.astype(jnp.float32) / m, add(loss_grads, dloss_params), mb_placed(dy.astype(seeded.dtype))
+                mb_loss, dloss_params, dy = head(loss_params, y[-1], microbatch(t_m, jnp.maximum(last["forward"], 0)))
+                return loss + mb_loss.astype(jnp.float32) / m, end_add(loss_grads, dloss_params), mb_placed(dy.astype(seeded.dtype))
 
             unchanged = lambda loss, loss_grads, seeded: (loss, loss_grads, mb_placed(seeded))  # noqa: E731
             c["loss"], c["loss_grads"], seeded = jax.lax.cond(leaving, head_and_seed, unchanged, c["loss"], c["loss_grads"], c["bwd_in"][-1])
@@ -254,7 +253,7 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             stash = constrain(jnp.zeros((s, slots, *x_like.shape), x_like.dtype), stash_axes, "pipeline stash")
         c = {
             "fwd_in": held, "bwd_in": held, "stash": stash,
-            "grads": f32(chunks), "embed_grads": f32(embed_params), "loss_grads": f32(loss_params), "loss": jnp.zeros((), jnp.float32),
+            "grads": f32(chunks), "embed_grads": end_zeros(embed_params), "loss_grads": end_zeros(loss_params), "loss": zero_loss(loss_fn, loss_params, x_like, t_m),
             "stats": None if probes is None else jax.tree.map(lambda a: jnp.full(a.shape, -jnp.inf, jnp.float32), probe_chunks),
         }
         # One scan per phase of the table: ticks with forwards only, with both, with backwards only,

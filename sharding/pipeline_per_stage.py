@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from sharding.mesh import ShardingError
-from sharding.pipeline import owning_backward, split_microbatches, with_ends
+from sharding.pipeline import end_add, end_zeros, loss_cotangent, microbatch, owning_backward, split_microbatches, with_ends, zero_loss
 from sharding.pipeline_1f1b import Pullbacks
 from sharding.remat import remat
 from sharding.constraints import active_mesh, constrain, constrain_leading, manual_axes
@@ -281,9 +281,7 @@ def run_slots(staged: Callable, arrays: dict, state, sums, *, column: str, head_
     m, state_axes = in_m.shape[0], ("stages", *x_axes)
     # The sums pass through the conditions (a branch that made fresh zeros would leave them
     # unplaced, which XLA refuses inside a manual `data`: sharding.per_replica).
-    add = lambda total, d: jax.tree.map(lambda a, b: a + b.astype(jnp.float32), total, d)  # noqa: E731
     mb_placed = lambda x_mb: constrain(x_mb, x_axes, "pipeline microbatch")  # noqa: E731
-    f32 = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)  # noqa: E731
     among = lambda value, kinds: functools.reduce(jnp.logical_or, [value == k for k in kinds])  # noqa: E731
 
     def slot(c, row):
@@ -295,17 +293,17 @@ def run_slots(staged: Callable, arrays: dict, state, sums, *, column: str, head_
         y, dx = (constrain(a, state_axes, "pipeline stage outputs") for a in (y, dx))
 
         def head(loss, dloss, seed_dy):
-            mb_loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, t_m[last["microbatch"]]), loss_params, y[-1])
-            d_mb, dy = pull((seed / m).astype(mb_loss.dtype))
-            return loss + mb_loss.astype(jnp.float32) / m, add(dloss, d_mb), mb_placed(dy.astype(x_like.dtype))
+            mb_loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, microbatch(t_m, last["microbatch"])), loss_params, y[-1])
+            d_mb, dy = pull(loss_cotangent(mb_loss, seed / m))
+            return loss + mb_loss.astype(jnp.float32) / m, end_add(dloss, d_mb), mb_placed(dy.astype(x_like.dtype))
 
         no_head = lambda loss, dloss, seed_dy: (loss, dloss, mb_placed(seed_dy))  # noqa: E731
         loss, dloss, seed_dy = jax.lax.cond(among(last[column], head_on), head, no_head, c["loss"], c["dloss"], c["seed_dy"])
-        dembed = jax.lax.cond(among(first[column], dx_on), lambda total: add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
+        dembed = jax.lax.cond(among(first[column], dx_on), lambda total: end_add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
         return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": loss, "dloss": dloss, "dembed": dembed}, None
 
-    c = {"state": state, "sums": sums, "seed_dy": jnp.zeros(x_like.shape, x_like.dtype), "loss": jnp.zeros((), jnp.float32),
-         "dloss": f32(loss_params), "dembed": f32(embed_params)}
+    c = {"state": state, "sums": sums, "seed_dy": jnp.zeros(x_like.shape, x_like.dtype), "loss": zero_loss(loss_fn, loss_params, x_like, t_m),
+         "dloss": end_zeros(loss_params), "dembed": end_zeros(embed_params)}
     c, _ = jax.lax.scan(slot, c, jax.tree.map(jnp.asarray, with_ends(arrays)))
     like = lambda tree, ref: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, ref)  # noqa: E731
     dparams, stats = c["sums"]

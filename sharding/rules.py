@@ -43,6 +43,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("kv_lora", None),
     ("experts", "expert"),  # a mixture of experts' expert weights, each shard holding its own experts
     ("layers", "stage"),  # stacked layer weights: split into pipeline stages (no-op when stage=1)
+    ("unstaged_layers", None),  # stacked layers a pipeline runs outside its stages (with the embedding or the head): whole on each
     ("stages", "stage"),  # the stage axis of pipeline buffers
 )
 

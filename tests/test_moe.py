@@ -149,7 +149,7 @@ def test_interleaved_dense_and_sparse_layers_train_expert_parallel_as_on_one_dev
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b", pytest.param("1f1b_per_stage", marks=pytest.mark.slow)])
 def test_interleaved_dense_and_sparse_layers_pipeline_as_on_one_device(schedule):
     """`every:2` over 4 layers on 2 stages (experts over 2 devices): each stage's chunk one
     (dense, sparse) repeat, the two stacks split over `stage` alike; the same losses and
@@ -159,6 +159,36 @@ def test_interleaved_dense_and_sparse_layers_pipeline_as_on_one_device(schedule)
     losses, params = run_steps(small_config({"stage": 2, "expert": 2, "data": 2}, pipeline__schedule=schedule, **extra))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b_per_stage"])
+def test_leading_dense_layers_run_with_the_embedding_and_pipeline_as_on_one_device(schedule):
+    """DeepSeek's first K dense (`from:1` over 3 layers): the dense layer runs with the embedding
+    on the first stage (before the pipeline under GPipe), the 2 sparse layers one per stage
+    (experts over 2 devices): the same losses and parameters as one device accumulating over as
+    many microbatches. (1F1B and zero-bubble: tests/test_deepseek.py, with multi-token prediction.)"""
+    extra = dict(MOE, model__moe_layers="from:1", model__num_layers=3, model__router_aux_loss_coef=0.1)
+    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **extra), jax.devices()[:1])
+    losses, params = run_steps(small_config({"stage": 2, "expert": 2, "data": 2}, pipeline__schedule=schedule, **extra))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+
+
+@pytest.mark.slow
+def test_leading_dense_layers_fp8_amaxes_are_maxima_over_the_microbatches():
+    """`from:2` of 4 layers under 1F1B with fp8 delayed scaling: the two dense layers run with
+    the embedding, their statistics probes among its parameters (`sharding.pipeline.Statistics`);
+    each amax the maximum over the 2 microbatches, as one device accumulating them takes it
+    (summed, as the embedding's gradient is, each forward amax would be about 2x: checked to fail)."""
+    from test_pipeline import WHOLE_VOCABULARY, assert_fp8_step_equal, fp8_states
+
+    extra = dict(MOE, model__moe_layers="from:2", **WHOLE_VOCABULARY)
+    ref = fp8_states({}, jax.devices()[:1], steps=2, train__grad_accum=2, **extra)
+    run = fp8_states({"stage": 2}, jax.devices()[:2], steps=2, pipeline__schedule="1f1b", **extra)
+    for state, ref_state in zip(run.fp8, ref.fp8, strict=True):
+        assert_fp8_step_equal(state["dense_blocks"], ref_state["dense_blocks"], gradient_outliers=1)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-6)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -196,14 +226,14 @@ def test_expert_parallel_program_exchanges_tokens_and_no_device_holds_every_expe
         (["--config.model.num_experts=0", "--config.mesh.expert=2", "--config.mesh.data=4"], "the model is dense (model.num_experts=0)"),
         (["--config.model.moe_layers=every:two"], "model.moe_layers='every:two' is not 'all', 'from:K'"),
         (["--config.model.moe_layers=dense:0,1,2,3"], "model.moe_layers='dense:0,1,2,3' leaves none of the 4 layers a mixture of experts"),
-        (["--config.model.moe_layers=from:1", "--config.mesh.stage=2", "--config.mesh.data=1"], "each chunk of 2 layers holds whole repeats of the pattern (4 layers)"),
+        (["--config.model.moe_layers=from:1", "--config.mesh.stage=2", "--config.mesh.data=1"], "the 3 sparse ones are split into mesh.stage x pipeline.repeats = 2 equal chunks"),
+        (["--config.model.moe_layers=dense:1", "--config.mesh.stage=2", "--config.mesh.data=1"], "each chunk of 2 layers holds whole repeats of the pattern (4 layers)"),
         (["--config.model.moe_layers=every:2", "--config.mesh.stage=2", "--config.mesh.data=1", "--config.pipeline.schedule=zero_bubble"],
          "and not under pipeline.schedule=zero_bubble"),
-        (["--config.model.mtp_depth=1", "--config.mesh.stage=2", "--config.mesh.data=1"], "model.mtp_depth=1 (multi-token prediction) does not run under a pipeline"),
         (["--config.model.mtp_depth=-1"], "model.mtp_depth=-1 and model.mtp_loss_weight=0.1 must be >= 0"),
     ],
     ids=["experts-not-divisible", "too-many-per-token", "negative-capacity", "expert-axis-dense-model", "moe-layers-unreadable", "moe-layers-none",
-         "moe-layers-pipelined", "moe-layers-zero-bubble", "mtp-pipelined", "mtp-negative"],
+         "moe-layers-prefix-indivisible", "moe-layers-pipelined", "moe-layers-zero-bubble", "mtp-negative"],
 )
 def test_bad_moe_input_is_one_line(tmp_path, capsys, extra, fragment):
     result = run_cli(capsys, lm_train.main, "--config=configs/moe_tiny.py", f"--workdir={tmp_path / 'run'}", *extra)

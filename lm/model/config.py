@@ -178,6 +178,17 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if i not in sparse)
 
     @property
+    def dense_prefix(self) -> int:
+        """How many dense layers lead a mixture of experts whose other layers are all sparse
+        (DeepSeek's first K dense, `moe_layers='from:K'`); 0 for any other pattern."""
+        return dense_prefix(self.sparse_layer_ids, self.num_layers) if self.moe else 0
+
+    @property
+    def pipelined_layers(self) -> int:
+        """How many layers a pipeline splits over its stages (the leading dense ones run with the embedding)."""
+        return self.num_layers - self.dense_prefix
+
+    @property
     def dense_layers(self) -> int:
         """How many layers have a dense MLP: all of a dense model's."""
         return len(self.dense_layer_ids)
@@ -231,11 +242,22 @@ def sparse_layer_ids(spec: str, num_layers: int) -> tuple[int, ...]:
     return sparse
 
 
+def dense_prefix(sparse: tuple[int, ...], num_layers: int) -> int:
+    """K where the layers not in `sparse` are exactly the first K (0 < K < num_layers), else 0."""
+    k = num_layers - len(sparse)
+    return k if 0 < k < num_layers and tuple(sparse) == tuple(range(k, num_layers)) else 0
+
+
 def layer_period(sparse: tuple[int, ...], num_layers: int) -> int:
     """The length of the shortest run of dense and sparse layers the model repeats whole
     (`num_layers` when it repeats none shorter): 'every:2' -> 2, 'from:3' -> num_layers."""
-    kinds = [i in set(sparse) for i in range(num_layers)]
-    return next(p for p in range(1, num_layers + 1) if num_layers % p == 0 and all(kinds[i] == kinds[i % p] for i in range(num_layers)))
+    return shortest_period([i in set(sparse) for i in range(num_layers)])
+
+
+def shortest_period(kinds: list) -> int:
+    """The length of the shortest prefix of `kinds` that repeats whole to make it."""
+    n = len(kinds)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
 
 
 def moe_problem(m, expert_ways: int, stages: int = 1, repeats: int = 1, schedule: str = "gpipe") -> str | None:
@@ -256,11 +278,17 @@ def moe_problem(m, expert_ways: int, stages: int = 1, repeats: int = 1, schedule
         sparse = sparse_layer_ids(m.moe_layers, m.num_layers)
     except ValueError as e:
         return str(e)
-    chunk = m.num_layers // max(1, stages * repeats)
-    if len(sparse) < m.num_layers and stages > 1 and (chunk % layer_period(sparse, m.num_layers) or schedule == "zero_bubble"):
+    chunks, prefix = max(1, stages * repeats), dense_prefix(sparse, m.num_layers)
+    if prefix and stages > 1 and len(sparse) % chunks:
+        return (f"model.moe_layers={m.moe_layers!r}: under a pipeline the {prefix} leading dense layers run with the embedding and the "
+                f"{len(sparse)} sparse ones are split into mesh.stage x pipeline.repeats = {chunks} equal chunks, which they are not; "
+                "choose a stage count that divides them")
+    chunk = m.num_layers // chunks
+    if not prefix and len(sparse) < m.num_layers and stages > 1 and (chunk % layer_period(sparse, m.num_layers) or schedule == "zero_bubble"):
         return (f"model.moe_layers={m.moe_layers!r} mixes dense and sparse layers, which a pipeline (mesh.stage={stages}) stages alike only "
-                f"where each chunk of {chunk} layers holds whole repeats of the pattern ({layer_period(sparse, m.num_layers)} layers), "
-                "and not under pipeline.schedule=zero_bubble; use mesh.stage=1, or moe_layers='all' or 'every:N'")
+                f"where they lead ('from:K': they run with the embedding) or where each chunk of {chunk} layers holds whole repeats of "
+                f"the pattern ({layer_period(sparse, m.num_layers)} layers), and not under pipeline.schedule=zero_bubble; "
+                "use mesh.stage=1, or moe_layers='from:K', 'all' or 'every:N'")
     if m.router_groups > 1 and (m.num_experts % m.router_groups or not m.router_groups_chosen <= m.router_groups
                                 or m.experts_per_token > m.router_groups_chosen * (m.num_experts // m.router_groups)):
         return (f"model.router_groups={m.router_groups} must divide model.num_experts={m.num_experts}, with model.router_groups_chosen="

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lm.model.config import ModelConfig
+from lm.model.config import ModelConfig, shortest_period
 from lm.model.fp8 import fp8_suspended
 from lm.model.precision import Policy
 from lm.model.split_backward import layer_taps, stack_taps
@@ -70,7 +70,7 @@ class StackRunner:
 
     def run_stack(self, graphdef, stacked: tuple, x, positions_bt, cache, cache_index, segments_bt=None, chunk=None, first=0):
         """The stacked layers (all of them, the model's layers `first` .., or pipeline chunk
-        `chunk`, a traced index: layers chunk * n .. of the model's; `stacked`: their states)
+        `chunk`, a traced index: layers first + chunk * n .. of the model's; `stacked`: their states)
         applied in order; layers that `precision.fp8_skip` keeps out of fp8 run as separate
         segments."""
 
@@ -114,8 +114,7 @@ class StackRunner:
         or, in a pipeline chunk whose layer at that position is skipped in some chunks only, a
         traced bool (`fp8_skip` indices are the model's layer indices, whatever the schedule)."""
         mask = self.policy.fp8_layer_mask(self.cfg.num_layers)
-        if chunk is None:
-            mask = mask[first : first + size]
+        mask = mask[first : first + size] if chunk is None else mask[first:]  # a pipeline's chunks: of the layers from `first`
         columns = [[mask[c * size + j] for c in range(len(mask) // size)] for j in range(size)]
         return [column[0] if len(set(column)) == 1 else jnp.asarray(column)[chunk] for column in columns]
 
@@ -128,10 +127,8 @@ def layer_segments(kinds: list[str], periodic: bool = True) -> list[tuple[int, i
     scan over 24 repeats of ('d', 's')."""
     n = len(kinds)
     runs = [0] + [i for i in range(1, n) if kinds[i] != kinds[i - 1]] + [n]
-    if periodic and len(runs) > 3:
-        for p in range(2, n // 2 + 1):
-            if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
-                return [(0, n, tuple(kinds[:p]))]
+    if periodic and len(runs) > 3 and (p := shortest_period(kinds)) <= n // 2:
+        return [(0, n, tuple(kinds[:p]))]
     return [(a, b, (kinds[a],)) for a, b in zip(runs[:-1], runs[1:])]
 
 

@@ -24,6 +24,7 @@ from sharding import constrain
 from sharding.remat import name_qkv
 
 # The residual stream's logical axes (the embedded tokens', each block's input and output).
+STACK_AXES = ("layers", "unstaged_layers")  # the leading axis of stacked layers' weights: a batch axis of their matrices
 RESIDUAL_AXES = ("batch", "norm_length", "act_embed")
 
 

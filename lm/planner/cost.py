@@ -166,6 +166,7 @@ class Cost(Memory):
         block_peak = s.peak("float8" if run.fp8 else run.compute_dtype)
         other_peak = s.peak(run.compute_dtype)
         compute = (flops["block"] / block_peak + (flops["head"] + flops["attention"]) / other_peak) / efficiency
+        compute *= self.layers * lay.stage / m.num_layers  # the busiest stage's pace (1 when the stages are alike)
         fraction = self.bubble_fraction()
         bubble = compute * fraction / (1 - fraction)
         if lay.schedule == "1f1b_per_stage":

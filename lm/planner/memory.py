@@ -83,7 +83,9 @@ class Memory:
         self.passes = lay.microbatches if lay.stage > 1 else lay.grad_accum  # forward-backward passes per step
         self.microbatch = self.replica_batch // self.passes
         self.local_tokens = self.microbatch * run.seq_len // lay.context  # per pass, on each device
-        self.layers = m.num_layers // lay.stage
+        # The busiest stage's: DeepSeek's leading dense layers run on the first (with the
+        # embedding), multi-token prediction's modules on the last (with the head).
+        self.layers = m.pipelined_layers // lay.stage + max(m.dense_prefix, m.mtp_trained) if lay.stage > 1 else m.num_layers
 
 
     @cached_property

@@ -59,7 +59,7 @@ def mesh_problem(run: Run, mesh: dict, gpus_per_host: int) -> str | None:
         return "tensor parallelism across hosts"
     if any(n % mesh["tensor"] for n in (m.num_heads, m.num_kv_heads, m.mlp_dim)) or m.vocab_size % (mesh["stage"] * mesh["tensor"]):
         return "indivisible"  # heads, MLP or vocabulary by tensor (x stage)
-    if m.embed_dim % (mesh["context"] * mesh["fsdp"]) or m.num_layers % mesh["stage"]:
+    if m.embed_dim % (mesh["context"] * mesh["fsdp"]) or m.pipelined_layers % mesh["stage"]:
         return "indivisible"
     if run.batch % (mesh["data"] * mesh["expert"] * mesh["fsdp"]) or (mesh["context"] > 1 and run.seq_len % (2 * mesh["context"])):
         return "indivisible"
@@ -74,8 +74,8 @@ def mesh_problem(run: Run, mesh: dict, gpus_per_host: int) -> str | None:
 
 def unstaged(m, stages: int, repeats: int = 1, schedule: str = "gpipe") -> bool:
     """Whether the model cannot run in `stages` pipeline stages (`repeats` chunks each, by
-    `schedule`): multi-token prediction, or dense and sparse layers a chunk cannot hold alike."""
-    return bool(m.mtp_trained) or moe_problem(m, 0, stages, repeats, schedule) is not None
+    `schedule`): dense and sparse layers a chunk cannot hold alike."""
+    return moe_problem(m, 0, stages, repeats, schedule) is not None
 
 
 def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[Parallelism | tuple[Parallelism, str]]:
@@ -103,7 +103,7 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[P
                 counts = [m for m in (mesh["stage"] * k for k in (1, 2, 4, 8)) if replica % m == 0]
                 if not counts:
                     yield dataclasses.replace(layout, microbatches=mesh["stage"], schedule="gpipe"), "indivisible"
-                circular = run.model.num_layers % (2 * mesh["stage"]) == 0  # two chunks per stage
+                circular = run.model.pipelined_layers % (2 * mesh["stage"]) == 0  # two chunks per stage
                 for microbatches in counts:
                     # GPipe recomputes its ticks; 1F1B recomputes them or keeps their residuals.
                     for schedule, pipeline_remat in SCHEDULES:

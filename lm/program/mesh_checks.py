@@ -36,7 +36,7 @@ def check_batch_split(spec: RunSpec, mesh: Mesh) -> None:
     plan = spec.pipeline
     if plan.stages > 1:
         per_replica = b // (dp * accum)
-        sharding.schedules.check(plan.stages, plan.microbatches, plan.repeats, spec.model.num_layers, per_replica, plan.schedule,
+        sharding.schedules.check(plan.stages, plan.microbatches, plan.repeats, spec.model.pipelined_layers, per_replica, plan.schedule,
                                 mesh.shape["context"])
     if b % jax.process_count():
         raise UserError(f"train.batch_size={b} is not divisible by the {jax.process_count()} processes")

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import sharding.constraints
+from lm.model.layers import STACK_AXES
 
 
 def schedule(c) -> optax.Schedule:
@@ -67,7 +68,7 @@ def muon_dimensions(decay_mask, logical_axes) -> dict:
         axes = tuple(axes)
         if not decayed or "vocab" in axes:
             return None
-        inner = [i for i, a in enumerate(axes) if a != "layers"]
+        inner = [i for i, a in enumerate(axes) if a not in STACK_AXES]
         if axes[inner[0]] == "embed":
             return optax.contrib.MuonDimensionNumbers(reduction_axis=(inner[0],), output_axis=tuple(inner[1:]))
         return optax.contrib.MuonDimensionNumbers(reduction_axis=tuple(inner[:-1]), output_axis=(inner[-1],))

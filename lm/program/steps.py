@@ -22,7 +22,7 @@ from lm.compiler import steptime, targets
 from lm.model import moe, multi_token
 from lm.model.attention import check_cudnn
 from lm.model.fp8 import Fp8Meta, Probe, update_fp8
-from lm.model.layers import Embedding
+from lm.model.layers import STACK_AXES, Embedding
 from lm.model.transformer import Transformer, segment_positions
 from lm.program.faults import Faults
 from lm.program.mesh_checks import check_batch_split
@@ -91,7 +91,7 @@ def decay_mask(params: nnx.State) -> dict:
     per-head ones of q/k/v) and lookup tables (`Embedding`) are not decayed."""
     flat = {}
     for path, var in nnx.to_flat_state(params):
-        axes = [a for a in var.get_metadata().get("out_sharding") or () if a != "layers"]
+        axes = [a for a in var.get_metadata().get("out_sharding") or () if a not in STACK_AXES]
         flat[path] = len(axes) >= 2 and "embed" in axes and not isinstance(var, Embedding)
     return nnx.to_pure_dict(nnx.from_flat_state(flat))
 
@@ -196,8 +196,8 @@ class Program:
         inputs, targets_bt, ahead = self.model_inputs(batch, mtp=differentiated)
         model = self.abstract_model.model(params, fp8, probes)
         if self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe":  # the head and loss per microbatch
-            loss = model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated)
-            return loss, {"loss": loss}
+            loss = model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated, ahead)
+            return (loss, {"loss": loss}) if ahead is None else (loss[0], {"loss": loss[1], "mtp_loss": loss[2]})
         with moe.loss_seed(loss_scale):
             if ahead is None:
                 logits, _ = model(**inputs)
