@@ -56,6 +56,11 @@ def small_config(mesh: dict, **overrides):
     return recipe("tiny", **{**SMALL, **overrides}, **{f"mesh__{k}": v for k, v in {"data": 1, **mesh}.items()})
 
 
+# Multi-head latent attention, small: queries and keys 24 wide (16 + 8 rotary), values 16.
+LATENT = dict(model__kv_lora_rank=32, model__q_lora_rank=32, model__qk_nope_head_dim=16, model__qk_rope_head_dim=8, model__v_head_dim=16,
+              model__num_heads=4, model__num_kv_heads=4)
+
+
 def compiled_step(h100s, mesh: dict, fresh: bool = False, **overrides):
     """The train step of `small_config(mesh, **overrides)`, compiled for `h100s`; `fresh`:
     compiled again even if an earlier test compiled it (for what the compiler logs)."""
@@ -147,13 +152,25 @@ def test_latent_attention_runs_cudnn_with_values_narrower_than_queries(h100s):
     """Multi-head latent attention's 24-wide queries and keys, 16-wide values: cuDNN's fused
     attention forward and backward on Hopper (jax.nn's checks want them equal; the cuDNN call
     beneath takes them), each layer's once."""
-    latent = dict(model__kv_lora_rank=32, model__q_lora_rank=32, model__qk_nope_head_dim=16, model__qk_rope_head_dim=8, model__v_head_dim=16,
-                  model__num_heads=4, model__num_kv_heads=4)
-    text = compiled(h100s, {"fsdp": 8}, **latent)
+    text = compiled(h100s, {"fsdp": 8}, **LATENT)
     calls = hlo.custom_calls(text)
     assert calls["__cudnn$fmhaSoftmax"] == 2 and calls["__cudnn$fmhaSoftmaxBackward"] == 2
     forward = next(line for line in text.splitlines() if 'fmhaSoftmax"' in line)
     assert re.search(r"= \(bf16\[\d+,4,\d+,16\]", forward) and re.search(r"\{bf16\[\d+,\d+,4,24\]\S*, bf16\[\d+,\d+,4,24\]", forward)
+
+
+@pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
+def test_latent_attention_runs_cudnn_inside_a_pipelines_vmap_over_stages(h100s):
+    """Under the lockstep pipelines' vmap over stages, jax's batching rule for cuDNN attention
+    reshapes the values to the keys' width and fails for latent attention's narrower ones
+    (jax 0.10.2 to 0.12); `attention.batched_as_one` runs the call with the stages merged into the
+    batch instead. 1F1B on `{stage 2, fsdp 4}`: the fused forward and backward compile, values
+    16 wide beside queries and keys 24 wide."""
+    text = compiled(h100s, {"stage": 2, "fsdp": 4}, pipeline__schedule="1f1b", **LATENT)
+    calls = hlo.custom_calls(text)
+    assert calls["__cudnn$fmhaSoftmax"] >= 1 and calls["__cudnn$fmhaSoftmaxBackward"] >= 1
+    forward = next(line for line in text.splitlines() if 'fmhaSoftmax"' in line)
+    assert re.search(r"= \(bf16\[\d+,4,\d+,16\]", forward)
 
 
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")

@@ -128,7 +128,10 @@ def _softmax_jvp(primals, tangents):
 
 # jax >= 0.11's batching rule for cuDNN attention reshapes a mask broadcast over the heads to one
 # per head and fails ("cannot reshape array of shape (1, 2, 1, 64, 128) ... into shape (2, 4, 64,
-# 128)"): context parallelism's masked attention under the pipelines' vmap over stages.
+# 128)"): context parallelism's masked attention under the pipelines' vmap over stages. Under
+# every jax (0.10.2 to 0.12) it also reshapes the values to the keys' width, failing for narrower
+# ones (latent attention's 128 beside 192: "cannot reshape array of shape (2, 4, 4096, 128, 128)
+# ... into shape (8, 4096, 128, 192)").
 CUDNN_BATCHING_RESHAPES_THE_MASK = jax.__version_info__ >= (0, 11)
 _MAPPED = contextvars.ContextVar("attention_mapped", default=False)
 
@@ -152,15 +155,15 @@ def _merged_into_batch(fn):
 
     @merged.def_vmap
     def rule(axis_size, in_batched, *args):
-        args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, batched in zip(args, in_batched, strict=True)]
-        out = merged(*[a.reshape(-1, *a.shape[2:]) for a in args])
+        args = [a if batched or a is None else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, batched in zip(args, in_batched, strict=True)]
+        out = merged(*[None if a is None else a.reshape(-1, *a.shape[2:]) for a in args])
         return jax.tree.map(lambda o: o.reshape(axis_size, -1, *o.shape[1:]), out), jax.tree.map(lambda _: True, out)
 
     return merged
 
 
 def batched_as_one(kernel):
-    """`kernel(q, k, v, mask)` differentiable, with its forward and backward each run under `vmap`
+    """`kernel(q, k, v, mask)` (mask None or not) differentiable, with its forward and backward each run under `vmap`
     as one call over the mapped axis merged into the batch (`_merged_into_batch`). The backward
     runs the forward again for its pullback: one more attention forward, only where jax's own
     batching rule fails (`CUDNN_BATCHING_RESHAPES_THE_MASK`, inside `mapped`)."""
@@ -178,7 +181,7 @@ def batched_as_one(kernel):
         return (*backward(*residuals, dy), None)
 
     attend.defvjp(attend_fwd, attend_bwd)
-    return attend
+    return lambda q, k, v, mask=None: attend(q, k, v, mask)
 
 
 def cudnn_narrow_values(q_bthk, k_bsgk, v_bsgk, mask, scale, local) -> jax.Array:
@@ -212,24 +215,25 @@ def attention(q_bthk, k_bsgk, v_bsgk, mask_bts, policy: Policy, kernel: str = "a
     if kernel != "einsum":
         local = (window - 1, 0) if window and mask_bts is None else None
 
-        def fused(q_bthk, k_bsgk, v_bsgk, *mask_bts):
-            mask = mask_bts[0][:, None] if mask_bts else None
+        def fused(q_bthk, k_bsgk, v_bsgk, mask_bts=None):
+            mask = None if mask_bts is None else mask_bts[:, None]
             if narrow_values:
                 return cudnn_narrow_values(q_bthk, k_bsgk, v_bsgk, mask, scale, local)
             return jax.nn.dot_product_attention(
                 q_bthk, k_bsgk, v_bsgk, mask=mask, scale=scale, is_causal=mask is None, local_window_size=local, implementation=kernel
             )
 
-        args = (q_bthk, k_bsgk, v_bsgk, *([] if mask_bts is None else [mask_bts]))
+        if _MAPPED.get() and (narrow_values or (CUDNN_BATCHING_RESHAPES_THE_MASK and mask_bts is not None)):
+            fused = batched_as_one(fused)  # where jax's batching rule fails (above)
+        args = (q_bthk, k_bsgk, v_bsgk, mask_bts)
         if (mask_bts is None or sharding.split_ways("length") == 1) and not sharding.manual_axes():
             return fused(*args)
         # Context parallelism: queries split along the sequence, keys and values whole. cuDNN's
         # partitioner takes the three split alike only, and inside a partly manual shard_map (the
         # per-stage pipeline) cannot partition at all: each device runs its own part.
         queries, keys = ("batch", "length", "heads", "head_dim"), ("batch", "kv_length", "kv_heads", "head_dim")
-        if CUDNN_BATCHING_RESHAPES_THE_MASK and mask_bts is not None and _MAPPED.get():
-            fused = batched_as_one(fused)
-        return sharding.per_shard(fused, (queries, keys, keys, ("batch", "length", "kv_length"))[: len(args)], queries)(*args)
+        masks = () if mask_bts is None else (("batch", "length", "kv_length"),)
+        return sharding.per_shard(fused, (queries, keys, keys, *masks), queries)(*args[: 3 + len(masks)])
     b, t, h, k = q_bthk.shape
     g = k_bsgk.shape[2]
     q = (q_bthk * jnp.asarray(k**-0.5 if scale is None else scale, q_bthk.dtype)).reshape(b, t, g, h // g, k)
