@@ -97,7 +97,7 @@ def test_a_stack_of_layers_splits_through_its_scan(scan_layers, remat):
 
     def fn(p, x):
         model = nnx.merge(graphdef, p)
-        return model._logits(model._layers(x, None, None, 0)[0], model.final_norm, model._head_weight())
+        return model._head(model.final_norm(model._layers(x, None, None, 0)[0]), model._head_weight())
 
     x = jax.random.normal(jax.random.key(1), (2, 16, 64), jnp.float32)
     dy = jax.random.normal(jax.random.key(2), (2, 16, 256), jnp.float32)
