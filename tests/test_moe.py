@@ -149,16 +149,22 @@ def test_interleaved_dense_and_sparse_layers_train_expert_parallel_as_on_one_dev
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
+def assert_pipelined_as_accumulating(schedule: str, **extra):
+    """On `{stage 2, expert 2, data 2}` under `schedule`: the same losses and parameters as one
+    device accumulating over as many microbatches (2)."""
+    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **extra), jax.devices()[:1])
+    losses, params = run_steps(small_config({"stage": 2, "expert": 2, "data": 2}, pipeline__schedule=schedule, **extra))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+
+
 @pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b", pytest.param("1f1b_per_stage", marks=pytest.mark.slow)])
 def test_interleaved_dense_and_sparse_layers_pipeline_as_on_one_device(schedule):
     """`every:2` over 4 layers on 2 stages (experts over 2 devices): each stage's chunk one
     (dense, sparse) repeat, the two stacks split over `stage` alike; the same losses and
     parameters as one device accumulating over as many microbatches."""
     extra = dict(MOE, model__moe_layers="every:2", model__num_layers=4, model__router_aux_loss_coef=0.1)
-    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **extra), jax.devices()[:1])
-    losses, params = run_steps(small_config({"stage": 2, "expert": 2, "data": 2}, pipeline__schedule=schedule, **extra))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+    assert_pipelined_as_accumulating(schedule, **extra)
 
 
 @pytest.mark.slow
@@ -169,10 +175,7 @@ def test_leading_dense_layers_run_with_the_embedding_and_pipeline_as_on_one_devi
     (experts over 2 devices): the same losses and parameters as one device accumulating over as
     many microbatches. (1F1B and zero-bubble: tests/test_deepseek.py, with multi-token prediction.)"""
     extra = dict(MOE, model__moe_layers="from:1", model__num_layers=3, model__router_aux_loss_coef=0.1)
-    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **extra), jax.devices()[:1])
-    losses, params = run_steps(small_config({"stage": 2, "expert": 2, "data": 2}, pipeline__schedule=schedule, **extra))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+    assert_pipelined_as_accumulating(schedule, **extra)
 
 
 @pytest.mark.slow
