@@ -21,6 +21,7 @@ from sharding.rules import DEFAULT_RULES, Rules, as_axes, axis_size, logical_to_
 
 class _Active(threading.local):
     stack: list[tuple[Mesh, Rules]] = []
+    mapped: int = 0  # the `vmap_over`s being traced around this point
 
 
 _ACTIVE = _Active()
@@ -168,7 +169,11 @@ def vmap_over(fn: Callable, logical_axis: str, **kwargs) -> Callable:
             mesh, rules = _in_force()
             spec = logical_to_spec((logical_axis,), rules, mesh=mesh)
             axes = spec[0] if len(spec) else None
-        return jax.vmap(fn, spmd_axis_name=axes, **kwargs)(*args)
+        _ACTIVE.mapped += 1
+        try:
+            return jax.vmap(fn, spmd_axis_name=axes, **kwargs)(*args)
+        finally:
+            _ACTIVE.mapped -= 1
 
     return run
 
@@ -194,6 +199,10 @@ def per_shard(fn: Callable, in_axes: Sequence[Sequence[str | None]], out_axes: S
         if manual := manual_axes():
             automatic = set(mesh.axis_names) - manual
             return jax.shard_map(fn, in_specs=specs, out_specs=out_spec, axis_names=automatic, check_vma=False)(*args)
-        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec)(*args)
+        # Under `vmap_over` the mapped axis joins the manual ones when jax batches the shard_map,
+        # and its batching of the body's mesh-axis types is unsound there (jax 0.10 to 0.12: a
+        # second pvary over `stage`, a gather whose operands' types then differ): untyped, as
+        # inside a partly manual shard_map; the transpose sums the gradients of unsplit inputs.
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=not _ACTIVE.mapped)(*args)
 
     return run

@@ -661,6 +661,27 @@ def test_an_expert_parallel_mixture_of_experts_compiles_with_ragged_all_to_alls_
     assert sum(b for (op, _), b in hlo.collective_traffic(capacity).items() if op == "all-to-all") > 2**20
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pallas_grouped_gemms_compile_inside_the_lockstep_pipelines_vmap_over_stages(h100s, schedule):
+    """Dropless experts on {stage: 2, expert: 4} under GPipe and 1F1B: the experts' `shard_map`
+    runs inside the pipelines' vmap over stages, and so do meshlm's Pallas kernels and their
+    kernels, batched over the stages (jax 0.10 to 0.12 failed to trace this where the shard_map
+    checked its mesh-axis types: `sharding.per_shard`). 4 layers, 2 a stage, each device's
+    microbatch 128 tokens x 2 choices: each grouped GEMM's FLOPs its 256 expected rows', the
+    batched kernels read as such. GPipe: 5 ticks (4 microbatches, 2 stages) x 2 layers x 12
+    products (the forward's 3 twice, remat; the input gradients' 3 in 2 kernels; the weights' 3)."""
+    from lm.compiler import kernels
+
+    text = compiled(h100s, {"stage": 2, "expert": 4}, model__num_layers=4, train__batch_size=16, pipeline__microbatches=4,
+                    pipeline__schedule=schedule, **MOE)
+    grouped = [k for k in kernels.table(text) if k.kind == "grouped_gemm"]
+    product = 2.0 * 256 * 128 * 128
+    assert grouped and {k.flops for k in grouped} == {product, 2 * product} and not _ragged_gemm_shapes(text), grouped
+    if schedule == "gpipe":
+        assert sum(k.count * k.flops for k in grouped) == 5 * 2 * 12 * product
+    assert hlo.collectives(text)["ragged-all-to-all"] >= 2 * 2 * 2 and hlo.collectives(text)["collective-permute"] >= 2
+
+
 # The negative controls of the two tests below show what jax 0.10.2's XLA does to these programs;
 # XLA 0.11 and 0.12 do neither (Python 3.12 with jax 0.11.2 or 0.12.0.1), so there they have nothing to show.
 XLA_0_10 = jax.__version_info__ < (0, 11)

@@ -85,27 +85,32 @@ def row_kernel_cost(module: Module, i: Instruction) -> tuple[float, float]:
     expected to hold (the buffer's where no scope says). A grouped GEMM with contracted width k
     and columns n: 2 r k n, and r rows of its row operand and row result plus every group's
     weights (the rows kernel: [m, k] rows x [g, k, n] weights -> [m, n]; the weight gradient:
-    [m, k] and [m, n] rows -> [g, k, n]). SwiGLU's: r rows of each [m, f] operand and result."""
+    [m, k] and [m, n] rows -> [g, k, n]). SwiGLU's: r rows of each [m, f] operand and result.
+    A kernel batched by vmap (a pipeline's stages) has leading batch axes on every array: it
+    does each batch entry's work."""
     kernel = ROW_KERNELS.search(i.rest).group(1)
     expected = _EXPECTED_ROWS.search(i.rest)
+    result = dims_of(i.type) if kernel != "swiglu_rows" else buffers(i.type)[0][1]
+    batch = result[: len(result) - (3 if kernel == "grouped_gemm_weight_grad" else 2)]
+    strip = lambda arrays: [(dtype, dims[len(batch):]) for dtype, dims in arrays]  # noqa: E731
+    result, runs = result[len(batch):], math.prod(batch)
+    operands = strip(buffers(module.types.get(o, ""))[0] for o in i.operands)
+    rows_in = lambda lhs: min(int(expected.group(1)), lhs[0]) if expected else lhs[0]  # noqa: E731
     if kernel == "swiglu_rows":
-        arrays = [buffers(module.types.get(o, ""))[0] for o in i.operands[1:]] + buffers(i.type)
-        rows = min(int(expected.group(1)), arrays[0][1][0]) if expected else arrays[0][1][0]
+        arrays = operands[1:] + strip(buffers(i.type))
+        rows = rows_in(arrays[0][1])
         elements = sum(rows * math.prod(dims[1:]) for _, dims in arrays)
-        return float(elements), elements * sum(buffer_bytes(f"{arrays[0][0]}[1]"))
-    result = dims_of(i.type)
+        return runs * float(elements), runs * elements * sum(buffer_bytes(f"{arrays[0][0]}[1]"))
     if kernel == "grouped_gemm_rows":  # after the tile table's 5 arrays, (rows, weights) pairs summed
-        pairs = [buffers(module.types.get(o, ""))[0] for o in i.operands[TILE_TABLE_ARRAYS:]]
+        pairs = operands[TILE_TABLE_ARRAYS:]
         (dtype, lhs), n = pairs[0], result[1]
-        rows = min(int(expected.group(1)), lhs[0]) if expected else lhs[0]
-        size = sum(buffer_bytes(f"{dtype}[1]"))
+        rows, size = rows_in(lhs), sum(buffer_bytes(f"{dtype}[1]"))
         k = sum(dims[1] for _, dims in pairs[::2])
-        return 2.0 * rows * k * n, size * (rows * k + sum(math.prod(dims) for _, dims in pairs[1::2]) + rows * n)
-    (dtype, lhs), (_, rhs) = [buffers(module.types.get(o, ""))[0] for o in i.operands[-2:]]
-    rows = min(int(expected.group(1)), lhs[0]) if expected else lhs[0]
-    size = sum(buffer_bytes(f"{dtype}[1]"))
+        return runs * 2.0 * rows * k * n, runs * size * (rows * k + sum(math.prod(dims) for _, dims in pairs[1::2]) + rows * n)
+    (dtype, lhs), (_, rhs) = operands[-2:]
+    rows, size = rows_in(lhs), sum(buffer_bytes(f"{dtype}[1]"))
     k, n = lhs[1], rhs[1]
-    return 2.0 * rows * k * n, size * (rows * (k + n) + math.prod(result))
+    return runs * 2.0 * rows * k * n, runs * size * (rows * (k + n) + math.prod(result))
 
 
 def kernel_bytes(module: Module, i: Instruction) -> float:

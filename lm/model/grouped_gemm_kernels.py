@@ -175,7 +175,7 @@ def rows_kernel(pairs, table: Tiles, transpose_rhs: bool, group_axis: int):
                 _store_rows(pl, plgpu, o_smem, o_gmem, block * bm, offset_t[t], rows_t[t], ni * bn, min(bm, m), bn)
 
     kernel = plgpu.kernel(
-        grouped_gemm_rows, out_type=jax.ShapeDtypeStruct((m, n), pairs[0][0].dtype), grid=(sms(),), grid_names=("sm",),
+        grouped_gemm_rows, kernel_name="grouped_gemm_rows", out_type=jax.ShapeDtypeStruct((m, n), pairs[0][0].dtype), grid=(sms(),), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=interpret_params(),
     )
     return kernel(table.count, table.group_t, table.block_t, table.offset_t, table.rows_t, *(a for pair in pairs for a in pair))
@@ -248,7 +248,7 @@ def weight_grad_kernel(x_mk, dy_mn, table: Tiles, groups: int, group_axis: int):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
-        grouped_gemm_weight_grad, out_type=jax.ShapeDtypeStruct((groups, k, n) if group_axis == 0 else (k, groups, n), jnp.float32),
+        grouped_gemm_weight_grad, kernel_name="grouped_gemm_weight_grad", out_type=jax.ShapeDtypeStruct((groups, k, n) if group_axis == 0 else (k, groups, n), jnp.float32),
         grid=(sms(),), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=interpret_params(),
     )

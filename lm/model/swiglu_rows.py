@@ -71,7 +71,7 @@ def _map_rows(fn, inputs, outputs: int, real_rows):
             plgpu.emit_pipeline(step, grid=(f // bf,), in_specs=[spec] * n_in, max_concurrent_steps=2)(*refs[:n_in])
 
     kernel = plgpu.kernel(
-        swiglu_rows, out_type=[jax.ShapeDtypeStruct((m, f), inputs[0].dtype)] * outputs, grid=(mosaic.sms(),), grid_names=("sm",),
+        swiglu_rows, kernel_name="swiglu_rows", out_type=[jax.ShapeDtypeStruct((m, f), inputs[0].dtype)] * outputs, grid=(mosaic.sms(),), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup), interpret=mosaic.interpret_params(),
     )
     return kernel(real_rows, *inputs)
