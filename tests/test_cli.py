@@ -74,10 +74,10 @@ def test_generate_without_a_run(tmp_path, capsys):
         (lm_layout.main, ["--config=configs/tiny.py", "--save_hlo={file}"], "--save_hlo={file} is a file"),  # after compiling
         (lm_bench.main, ["--config=configs/tiny.py", "--save_hlo={file}/hlo"], "which is a file"),
         (lm_calibrate.main, [], "nothing to do: give --memory"),  # it did nothing, silently
-        (lm_calibrate.main, ["--memory", "--fit"], "--fit fits the matmul efficiency to a published run: add --published"),
+        (lm_calibrate.main, ["--kernels", "--platform=cpu"], "--kernels compiles for a GPU target (--target); --platform=cpu has no kernel model"),
     ],
     ids=["bench-no-steps", "bench-no-devices", "layout-negative-devices", "prepare-into-a-file", "prepare-no-workers",
-         "layout-hlo-into-a-file", "bench-hlo-under-a-file", "calibrate-nothing", "calibrate-fit-alone"],
+         "layout-hlo-into-a-file", "bench-hlo-under-a-file", "calibrate-nothing", "calibrate-kernels-on-cpu"],
 )
 def test_tool_arguments_with_no_meaning(tmp_path, capsys, main, argv, fragment):
     (tmp_path / "file").write_text("mine")

@@ -86,7 +86,10 @@ def test_dots_keeps_flash_attention_and_dots_no_batch_runs_it_again(small):
     _, attention_forward = dots._forward_flops()
     tokens = run.batch * run.seq_len / 8
     assert no_batch.flops()["attention"] - dots.flops()["attention"] == pytest.approx(tokens * attention_forward)
-    assert no_batch.flops()["block"] == dots.flops()["block"] and no_batch.step_time["total"] > dots.step_time["total"]
+    assert no_batch.flops()["block"] == dots.flops()["block"]
+    # The time: attention's forward again, against fewer bytes kept (written and read around the layer).
+    (d_terms, n_terms) = (c.compute_terms() for c in (dots, no_batch))
+    assert n_terms["attention"] > d_terms["attention"] and n_terms["saved"] < d_terms["saved"]
 
 
 def test_collectives_across_hosts_use_a_nic_per_gpu_of_the_group_on_each_host():
@@ -176,7 +179,7 @@ def test_memory_predictions_match_the_compiler_and_rejections_do_not_fit(small):
 
 # Published runs the prediction must land within 20% of (the rest: see PERFORMANCE.md).
 WITHIN_20_PERCENT = ("maxtext-llama3-70b-bf16-128", "maxtext-llama3-70b-fp8-128", "maxtext-llama3-70b-bf16-2048", "megatron-gpt-7.1b-tp2-96",
-                     "megatron-gpt-70b-tp8-pp2-768")
+                     "megatron-gpt-70b-tp8-pp2-768", "meshlm-llama-1b-1xh100-dots-b8", "meshlm-llama-1b-1xh100-full-b64")
 
 
 def test_memory_coefficients_are_those_fitted_on_this_jax_else_the_nearest_release(monkeypatch):
@@ -193,13 +196,37 @@ def test_memory_coefficients_are_those_fitted_on_this_jax_else_the_nearest_relea
 
 
 def test_published_runs_are_predicted_within_20_percent():
+    """MaxText's, Megatron's and meshlm's own H100 runs (the step-time constants are fitted to
+    none of them). The single matmul efficiency fitted to MaxText's 70B step, as the cost model
+    had it, put meshlm's measured `llama_1b` b8 row 33% optimistic: the negative control."""
     rows = {r["name"]: r for r in calibrate.published_rows()}
-    assert calibrate.FIT_ROW in WITHIN_20_PERCENT and len(rows) >= 7
+    assert len(rows) >= 9
     for name in WITHIN_20_PERCENT:
         result = calibrate.compare(rows[name])
         assert abs(result["error"]) < 0.2, result
-    # The one constant is what the fit gives back (the file is not hand-edited).
-    assert calibrate.fit_efficiency(calibration()) == pytest.approx(calibration()["matmul_efficiency"], rel=1e-3)
+    single = {**calibration(), "step_time": {**SINGLE_EFFICIENCY}}
+    assert calibrate.compare(rows["meshlm-llama-1b-1xh100-dots-b8"], single)["error"] > 0.3
+
+
+# The cost model before its step time had terms for attention and the memory-bound passes: one
+# share of peak for every FLOP, fitted to MaxText's Llama-3-70B step on 128 H100s.
+SINGLE_EFFICIENCY = {"matmul_efficiency": 0.625, "attention_efficiency": 0.625, "saved_passes": 0.0, "logits_passes": 0.0}
+
+
+def test_the_cost_model_agrees_with_the_kernel_model_within_15_percent():
+    """On every stored layout of the real recipes that fits its GPU (`lm.calibrate --kernels`:
+    llama_1b on 1 and 8 H100s, llama_8b on 8 incl. tensor, sequence and pipeline parallelism,
+    70B-wide layers, GPT-2; remat none to full), the cost model's step is within 15% of the
+    kernel model's for the compiled program, so `lm.plan` ranks as `--verify` would. The stored
+    constants are what the fit gives back (the file is not hand-edited). Negative control: one
+    efficiency for every FLOP and no passes misses by over 20%."""
+    rows = calibrate.stored_kernel_rows()
+    assert len([r for r in rows if r["fits"]]) >= 20 and len({r["config"] for r in rows}) >= 4
+    table = calibrate.kernel_table(rows)
+    assert max(abs(r["error"]) for r in table if r["fits"]) < 0.15, table
+    assert max(abs(r["error"]) for r in calibrate.kernel_table(rows, {**calibration(), "step_time": SINGLE_EFFICIENCY}) if r["fits"]) > 0.2
+    fitted = calibrate.fit_step_time(rows, calibration())
+    assert fitted == pytest.approx(calibration()["step_time"], rel=1e-3)
 
 
 @pytest.mark.parametrize("stages, pipeline_remat, remat, stretch", [
@@ -301,19 +328,19 @@ def test_verify_compiles_the_top_layouts_for_the_target(capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not targets.compiler_available(), reason="the XLA GPU compiler plugin is not installed (make gpu-compiler)")
 def test_verify_drops_what_compiles_over_the_pool_and_compiles_the_next(capsys, monkeypatch):
-    """The tiny config is far below the calibration's sizes and the model misses it by up to 60%:
-    with the limit at 22.5 MiB the second fastest layout it admits compiles over the pool (95% of
-    that), and is dropped for the next; in rank order, until the asked-for count fit."""
+    """The tiny config is far below the calibration's sizes and the model misses it by up to 65%:
+    with the limit at 31.2 MiB the two fastest layouts it admits compile over the pool (95% of
+    that), and are dropped for the next; in rank order, until the asked-for count fit."""
     args = ["--config=configs/tiny.py", "--gpus=2", "--target=h100", "--memory_fraction=1"]
-    result = run_cli(capsys, lm_plan.main, *args, "--remat=none,full", "--memory_gib=0.02197", "--top=2", "--verify")
+    result = run_cli(capsys, lm_plan.main, *args, "--remat=none,full", "--memory_gib=0.0305", "--top=2", "--verify")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     checked = summary["verify"]
-    ranked = search.plan(run_of(recipe("tiny")), 2, H100, int(0.02197 * 2**30), remats=("none", "full")).ranked
+    ranked = search.plan(run_of(recipe("tiny")), 2, H100, int(0.0305 * 2**30), remats=("none", "full")).ranked
     assert [v["layout"] for v in checked] == [c.parallelism.name(2) for c in ranked[: len(checked)]]  # in rank order
-    assert all(v["fits"] == (v["compiled_peak_bytes"] <= GPU_MEMORY_FRACTION * 0.02197 * 2**30) for v in checked)
+    assert all(v["fits"] == (v["compiled_peak_bytes"] <= GPU_MEMORY_FRACTION * 0.0305 * 2**30) for v in checked)
     over = [v["layout"] for v in checked if not v["fits"]]
-    assert over and summary["dropped"]["over the pool when compiled"] == len(over) and "OVER JAX's 0.02 GiB pool: dropped" in result.stdout
+    assert over and summary["dropped"]["over the pool when compiled"] == len(over) and "OVER JAX's 0.03 GiB pool: dropped" in result.stdout
     assert [t["layout"] for t in summary["top"]] == [v["layout"] for v in checked if v["fits"]] and len(summary["top"]) == 2
     assert summary["fitting"] == len(ranked) - len(over)
     # Nothing within MAX_VERIFIED x --top compiles fits: a one-line answer.

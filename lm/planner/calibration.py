@@ -1,6 +1,7 @@
 """The cost model's constants: the temporaries coefficients fitted to small compiles
-(`fit_memory`), the matmul efficiency fitted to one published run (`fit_efficiency`), and the
-predicted-vs-published table. `python -m lm.calibrate` is its command.
+(`fit_memory`), the step-time constants fitted to the kernel model's predictions of real recipes'
+compiled programs (`kernel_step`, `fit_step_time`), and the predicted-vs-published table.
+`python -m lm.calibrate` is its command.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from lm.config import apply_overrides, default_config
 from lm.hardware import data_file
 from lm.hardware.systems import System
 from lm.planner.compiled import step_report
-from lm.planner.cost import Cost
+from lm.planner.cost import STEP_TIME_CONSTANTS, Cost
 from lm.planner.memory import MEMORY_TERMS
 from lm.planner.parallelism import Parallelism
 from lm.planner.run import Run, run_of
@@ -22,7 +23,7 @@ from lm.recipe import load_file
 
 CALIBRATION_FILE = data_file("calibration.json")
 PUBLISHED_FILE = data_file("published.json")
-FIT_ROW = "maxtext-llama3-70b-bf16-128"  # the published row the matmul efficiency is fitted to
+KERNEL_ROWS_FILE = data_file("kernel_rows.json")
 
 # Small models (different shapes, so the terms are not collinear) and the layouts they are
 # compiled under: every remat policy, each parallelism, accumulation and every pipeline schedule.
@@ -111,6 +112,47 @@ def fit_memory(devices, platform: str, system: System) -> dict:
     return dict(zip((*MEMORY_TERMS, "constant"), (float(c) for c in coefficients)))
 
 
+# The layouts the step-time constants are fitted on: the kernel model's prediction of each
+# (`lm.compiler.steptime` on the deviceless compile) against the cost model's formulas. Real
+# recipes at their size, a spread of batch, remat and fsdp / tensor / stage layouts.
+def _row(config: str, gpus: int, overrides: dict | None = None, **layout) -> dict:
+    return {"config": f"configs/{config}.py", "gpus": gpus, "layout": layout, "overrides": overrides or {}}
+
+
+KERNEL_ROWS = (
+    *(_row("llama_1b", 1, remat=r, grad_accum=a) for r, a in (("dots", 4), ("dots", 8), ("full", 2), ("full", 4), ("full", 8),
+                                                              ("qkv_proj", 4), ("dots_no_batch", 8))),
+    _row("llama_1b", 8, fsdp=8, remat="dots"),
+    _row("llama_1b", 8, fsdp=8, remat="full"),
+    _row("llama_1b", 8, data=2, tensor=4, remat="full"),
+    _row("llama_1b", 8, fsdp=4, tensor=2, remat="dots"),
+    _row("llama_1b", 8, tensor=8, sequence_parallel=True, remat="dots_no_batch"),
+    _row("llama_8b", 8, fsdp=8, remat="full"),
+    _row("llama_8b", 8, fsdp=8, remat="dots_no_batch"),
+    _row("llama_8b", 8, {"train.batch_size": 16, "train.seq_len": 4096}, fsdp=8, remat="full"),
+    _row("llama_8b", 8, fsdp=4, tensor=2, sequence_parallel=True, remat="full"),
+    _row("llama_8b", 8, tensor=8, sequence_parallel=True, remat="full"),
+    _row("llama_8b", 8, {"train.batch_size": 16}, stage=2, fsdp=4, remat="full", microbatches=4, schedule="1f1b"),
+    _row("llama_70b_layers", 1, remat="full"),
+    _row("llama_70b_layers", 1, {"train.batch_size": 2}, remat="qkv_proj"),
+    _row("gpt2_124m", 1, remat="dots_no_batch"),
+    _row("gpt2_124m", 1, {"train.batch_size": 32}, remat="full"),
+)
+
+
+def kernel_row_config(row: dict):
+    """A KERNEL_ROWS entry's config: its recipe under its layout and overrides."""
+    return apply_overrides(load_file(row["config"]), {**row["overrides"], **Parallelism(**row["layout"]).overrides()})
+
+
+def kernel_step(row: dict, target: str, devices) -> dict:
+    """A KERNEL_ROWS entry compiled for `target` (its `devices`): the kernel model's step time and
+    its parts by kind, to store beside the row."""
+    _, summary = step_report(kernel_row_config(row), devices, target=target)
+    timed = summary["step_time"]
+    return {**row, "target": target, "fits": summary["fits"], "kernels_step_s": timed["step_s"], "by_kind_s": timed["by_kind_s"]}
+
+
 def published_rows() -> list[dict]:
     return json.loads(PUBLISHED_FILE.read_text())["rows"]
 
@@ -140,15 +182,47 @@ def compare(row: dict, constants: dict | None = None) -> dict:
     return {"name": row["name"], "published": published, "predicted": predicted, "error": predicted / published - 1, "step_s": step}
 
 
-def fit_efficiency(constants: dict) -> float:
-    """The matmul efficiency that makes the FIT_ROW prediction equal its published figure
-    (step time is nearly inverse in it: a few fixed-point steps)."""
-    row = next(r for r in published_rows() if r["name"] == FIT_ROW)
-    efficiency = constants["matmul_efficiency"]
-    for _ in range(20):
-        result = compare(row, {**constants, "matmul_efficiency": efficiency})
-        efficiency *= result["predicted"] / result["published"]
-    return efficiency
+def stored_kernel_rows() -> list[dict]:
+    """The KERNEL_ROWS as last compiled (`python -m lm.calibrate --kernels`), with the kernel
+    model's step time of each."""
+    return json.loads(KERNEL_ROWS_FILE.read_text())["rows"]
+
+
+def kernel_row_cost(row: dict, constants: dict | None = None) -> Cost:
+    return Cost(run_of(kernel_row_config(row)), Parallelism(**row["layout"]), System.load(row["target"]), constants=constants)
+
+
+def fit_step_time(rows: list[dict], constants: dict) -> dict:
+    """The step-time constants (`STEP_TIME_CONSTANTS`) that bring the cost model closest to the
+    kernel model on `rows` (those that fit their GPU): non-negative least squares on the relative
+    errors, the terms the fit leaves alone (collectives, the optimizer's traffic) as they are."""
+    from scipy.optimize import nnls
+
+    rows, fitted = [r for r in rows if r["fits"]], constants["step_time"]
+    y = np.asarray([r["kernels_step_s"] for r in rows])
+    for _ in range(3):  # FSDP's exposed time depends on the compute it hides behind: settle it
+        costs = [kernel_row_cost(r, {**constants, "step_time": fitted}) for r in rows]
+        x = np.asarray([list(c.compute_terms().values()) for c in costs])
+        bubble = np.asarray([1 / (1 - c.bubble_fraction()) for c in costs])  # the bubble lasts as the compute does
+        rest = np.asarray([c.step_time["total"] - c.step_time["compute"] - c.step_time["bubble"] for c in costs])
+        relative = x * bubble[:, None] / y[:, None]
+        scale = relative.max(axis=0)
+        factors, _ = nnls(relative / scale, 1 - rest / y)
+        factors /= scale
+        fitted = {k: float(1 / f if k.endswith("efficiency") else f) for k, f in zip(STEP_TIME_CONSTANTS, factors)}
+    return fitted
+
+
+def kernel_table(rows: list[dict], constants: dict | None = None) -> list[dict]:
+    """Each stored row's kernel-model step beside the cost model's."""
+    out = []
+    for r in rows:
+        c = kernel_row_cost(r, constants)
+        changed = "".join(f", {k.split('.')[-1]}={v}" for k, v in r["overrides"].items())
+        name = f"{r['config'].removeprefix('configs/').removesuffix('.py')}{changed} on {r['gpus']}: {c.parallelism.name(c.run.model.num_layers)}"
+        out.append({"name": name, "fits": r["fits"], "kernels_s": r["kernels_step_s"], "cost_model_s": c.step_time["total"],
+                    "error": c.step_time["total"] / r["kernels_step_s"] - 1})
+    return out
 
 
 def table(constants: dict | None = None) -> str:

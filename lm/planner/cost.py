@@ -1,8 +1,11 @@
 """What one layout of a training run costs each GPU, from formulas: its step time, on top of its
 memory (`lm.planner.memory.Memory`, whose shares of the work it uses).
 
-Step time: FLOPs (`lm.model.flops.flops_per_token`, plus what remat recomputes) at one calibrated
-share of the target's dense peak (fp8 peak for the block matmuls with `precision.fp8`), the
+Step time: the matmuls' FLOPs (`lm.model.flops.flops_per_token`, plus what remat recomputes) and
+attention's, each at a fitted share of the target's dense peak (fp8 peak for the block matmuls
+with `precision.fp8`), and the memory-bound passes over what the layers keep and over the
+logits, their counts fitted (`compute_terms`; the four constants fitted to the kernel model's
+predictions of compiled programs: `lm.planner.calibration.fit_step_time`), the
 pipeline bubble (a per-stage 1F1B slot lasts its longest piece of work: the wait counted with it) and its
 stash's memory traffic, a mixture of experts' GEMMs as the grouped matmul or capacity buffers run
 them (`_expert_work`), its dropless receive buffers' passes and its all-to-alls over `expert`, and the exposed time of each collective from ring formulas over the link its
@@ -30,6 +33,18 @@ from sharding.schedules import balanced_slots
 # A dropless layer's busiest device over the mean under expert parallelism: moe_tiny with the
 # balancing loss at 0.05 measured 1.2-1.3 max / mean load (PERFORMANCE.md).
 DROPLESS_IMBALANCE = 1.25
+# The cost model's fitted step-time constants (`lm/hardware/calibration.json`), in the order of
+# `Cost.compute_terms`: the matmuls' and attention's shares of peak, and the memory-bound passes
+# over what each layer keeps and over the float32 logits.
+STEP_TIME_CONSTANTS = ("matmul_efficiency", "attention_efficiency", "saved_passes", "logits_passes")
+
+
+def step_time_factors(constants: dict) -> tuple[float, ...]:
+    """What each of `Cost.compute_terms` is multiplied by: 1 / efficiency, or a count of passes."""
+    fitted = constants["step_time"]
+    return tuple(1 / fitted[k] if k.endswith("efficiency") else fitted[k] for k in STEP_TIME_CONSTANTS)
+
+
 # Passes over a dropless exchange's receive buffer (room for every assignment of every expert
 # device) per MoE layer: its fill forward; the cotangent buffer's fill and the sum of the two
 # input gradients backward (read twice, written once); the fill again where the layer is
@@ -157,16 +172,34 @@ class Cost(Memory):
         # (below) and the kernel model bounds them: the one program's slots last their longest op.
         return pipelined.get("slot_bound_bubble", pipelined["bubble"])
 
+    def compute_terms(self) -> dict:
+        """The busiest device's compute per step, in seconds before the fitted constants
+        (`STEP_TIME_CONSTANTS`, `lm.planner.calibration.fit_step_time`): the matmuls' FLOPs and
+        attention's at peak, and the bytes of the memory-bound passes at the HBM bandwidth
+        (what each layer keeps for its backward, written and read around the layer's
+        elementwise work; the float32 logits, which the loss passes over)."""
+        run, lay, m, s = self.run, self.parallelism, self.run.model, self.system
+        flops = self.flops()
+        pace = self.layers * lay.stage / m.num_layers  # the busiest stage's (1 when the stages are alike)
+        block_peak, other_peak = s.peak("float8" if run.fp8 else run.compute_dtype), s.peak(run.compute_dtype)
+        saved = self.passes * self.layers * self.local_tokens * self._kept_bytes()[lay.remat]
+        logits = self.passes * self.local_tokens * m.vocab_size / (lay.stage * lay.tensor) * 4
+        return {
+            "matmul": (flops["block"] / block_peak + flops["head"] / other_peak) * pace,
+            "attention": flops["attention"] / other_peak * pace,
+            "saved": saved / s.hbm_bytes_per_s,
+            "logits": logits / s.hbm_bytes_per_s,
+        }
+
     @cached_property
     def step_time(self) -> dict:
         """Seconds per step: compute, bubble and each collective's exposed time, and their sum."""
         run, lay, m, s = self.run, self.parallelism, self.run.model, self.system
-        efficiency = self.constants["matmul_efficiency"]
         flops = self.flops()
         block_peak = s.peak("float8" if run.fp8 else run.compute_dtype)
         other_peak = s.peak(run.compute_dtype)
-        compute = (flops["block"] / block_peak + (flops["head"] + flops["attention"]) / other_peak) / efficiency
-        compute *= self.layers * lay.stage / m.num_layers  # the busiest stage's pace (1 when the stages are alike)
+        matmul, attention = step_time_factors(self.constants)[:2]
+        compute = sum(seconds * factor for seconds, factor in zip(self.compute_terms().values(), step_time_factors(self.constants)))
         fraction = self.bubble_fraction()
         bubble = compute * fraction / (1 - fraction)
         if lay.schedule == "1f1b_per_stage":
@@ -179,7 +212,7 @@ class Cost(Memory):
             backward, parts = layers - forward, 2 if balanced_slots(lay.plan, m.num_layers) else 1
             bubble = (compute + bubble) * (1 + parts) * max(forward, backward / parts) / layers - compute
         e = run.compute_bytes
-        per_layer_compute = (flops["block"] / block_peak + flops["attention"] / other_peak) / efficiency / (self.layers * self.passes)
+        per_layer_compute = (flops["block"] / block_peak * matmul + flops["attention"] / other_peak * attention) / (self.layers * self.passes)
         volume = self._collective_volume()
         fsdp_axes = ("context", "fsdp")
         fsdp_layer = 2 * self._ring(fsdp_axes, volume["fsdp_gather"]) + self._ring(fsdp_axes, volume["fsdp_scatter"])
@@ -273,7 +306,7 @@ class Cost(Memory):
     def _stash_traffic(self) -> float:
         """Bytes a pipeline's stash moves per step on each device: every forward writes its chunk's
         stash entry (a select reads the slot first) and its backward reads it. With the update's,
-        the only memory traffic the model counts apart (the rest is in the matmul efficiency)."""
+        memory traffic the model counts apart from the fitted passes (`compute_terms`)."""
         lay, kept = self.parallelism, self._kept_bytes()
         if lay.stage == 1:
             return 0.0
