@@ -661,7 +661,7 @@ def test_an_expert_parallel_mixture_of_experts_compiles_with_ragged_all_to_alls_
     assert sum(b for (op, _), b in hlo.collective_traffic(capacity).items() if op == "all-to-all") > 2**20
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_pallas_grouped_gemms_compile_inside_the_lockstep_pipelines_vmap_over_stages(h100s, schedule):
     """Dropless experts on {stage: 2, expert: 4} under GPipe and 1F1B: the experts' `shard_map`
     runs inside the pipelines' vmap over stages, and so do meshlm's Pallas kernels and their
