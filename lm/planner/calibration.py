@@ -137,6 +137,8 @@ KERNEL_ROWS = (
     _row("llama_70b_layers", 1, {"train.batch_size": 2}, remat="qkv_proj"),
     _row("gpt2_124m", 1, remat="dots_no_batch"),
     _row("gpt2_124m", 1, {"train.batch_size": 32}, remat="full"),
+    _row("mixtral_8x7b", 64, fsdp=64, remat="dots", grad_accum=2),
+    _row("qwen3_30b_a3b", 64, fsdp=64, remat="qkv_proj"),
 )
 
 
@@ -194,17 +196,20 @@ def kernel_row_cost(row: dict, constants: dict | None = None) -> Cost:
 
 def fit_step_time(rows: list[dict], constants: dict) -> dict:
     """The step-time constants (`STEP_TIME_CONSTANTS`) that bring the cost model closest to the
-    kernel model on `rows` (those that fit their GPU): non-negative least squares on the relative
+    kernel model on `rows` (those that fit their GPU; their collectives timed by the cost model's
+    network terms, as `lm.plan --verify` ranks): non-negative least squares on the relative
     errors, the terms the fit leaves alone (collectives, the optimizer's traffic) as they are."""
     from scipy.optimize import nnls
 
     rows, fitted = [r for r in rows if r["fits"]], constants["step_time"]
-    y = np.asarray([r["kernels_step_s"] for r in rows])
     for _ in range(3):  # FSDP's exposed time depends on the compute it hides behind: settle it
         costs = [kernel_row_cost(r, {**constants, "step_time": fitted}) for r in rows]
+        # Both without the collectives' time (the kernel model's collective kernels; the cost
+        # model's network terms), which the constants do not price.
+        y = np.asarray([c.with_network(r["kernels_step_s"], r["by_kind_s"]) - c.network_seconds() for c, r in zip(costs, rows)])
         x = np.asarray([list(c.compute_terms().values()) for c in costs])
         bubble = np.asarray([1 / (1 - c.bubble_fraction()) for c in costs])  # the bubble lasts as the compute does
-        rest = np.asarray([c.step_time["total"] - c.step_time["compute"] - c.step_time["bubble"] for c in costs])
+        rest = np.asarray([c.step_time["total"] - c.step_time["compute"] - c.step_time["bubble"] - c.network_seconds() for c in costs])
         relative = x * bubble[:, None] / y[:, None]
         scale = relative.max(axis=0)
         factors, _ = nnls(relative / scale, 1 - rest / y)
@@ -214,14 +219,16 @@ def fit_step_time(rows: list[dict], constants: dict) -> dict:
 
 
 def kernel_table(rows: list[dict], constants: dict | None = None) -> list[dict]:
-    """Each stored row's kernel-model step beside the cost model's."""
+    """Each stored row's kernel-model step (its collectives the cost model's network terms, as
+    `lm.plan --verify` has it) beside the cost model's."""
     out = []
     for r in rows:
         c = kernel_row_cost(r, constants)
         changed = "".join(f", {k.split('.')[-1]}={v}" for k, v in r["overrides"].items())
         name = f"{r['config'].removeprefix('configs/').removesuffix('.py')}{changed} on {r['gpus']}: {c.parallelism.name(c.run.model.num_layers)}"
-        out.append({"name": name, "fits": r["fits"], "kernels_s": r["kernels_step_s"], "cost_model_s": c.step_time["total"],
-                    "error": c.step_time["total"] / r["kernels_step_s"] - 1})
+        kernels = c.with_network(r["kernels_step_s"], r["by_kind_s"])
+        out.append({"name": name, "fits": r["fits"], "kernels_s": kernels, "cost_model_s": c.step_time["total"],
+                    "error": c.step_time["total"] / kernels - 1})
     return out
 
 

@@ -3,8 +3,8 @@ memory (`lm.planner.memory.Memory`, whose shares of the work it uses).
 
 Step time: the matmuls' FLOPs (`lm.model.flops.flops_per_token`, plus what remat recomputes) and
 attention's, each at a fitted share of the target's dense peak (fp8 peak for the block matmuls
-with `precision.fp8`), and the memory-bound passes over what the layers keep and over the
-logits, their counts fitted (`compute_terms`; the four constants fitted to the kernel model's
+with `precision.fp8`), and the memory-bound passes over what the layers keep, over the logits
+and under tensor parallelism, their counts fitted (`compute_terms`; the five constants fitted to the kernel model's
 predictions of compiled programs: `lm.planner.calibration.fit_step_time`), the
 pipeline bubble (a per-stage 1F1B slot lasts its longest piece of work: the wait counted with it) and its
 stash's memory traffic, a mixture of experts' GEMMs as the grouped matmul or capacity buffers run
@@ -35,8 +35,13 @@ from sharding.schedules import balanced_slots
 DROPLESS_IMBALANCE = 1.25
 # The cost model's fitted step-time constants (`lm/hardware/calibration.json`), in the order of
 # `Cost.compute_terms`: the matmuls' and attention's shares of peak, and the memory-bound passes
-# over what each layer keeps and over the float32 logits.
-STEP_TIME_CONSTANTS = ("matmul_efficiency", "attention_efficiency", "saved_passes", "logits_passes")
+# over what each layer keeps, over the float32 logits and (tensor parallelism) the residual stream.
+STEP_TIME_CONSTANTS = ("matmul_efficiency", "attention_efficiency", "saved_passes", "logits_passes", "tensor_passes")
+
+
+# The step-time terms of collectives over links, which `with_network` puts in place of the kernel
+# model's collective kernels.
+NETWORK_TERMS = ("fsdp", "tensor", "context", "data", "pipeline")
 
 
 def step_time_factors(constants: dict) -> tuple[float, ...]:
@@ -177,7 +182,9 @@ class Cost(Memory):
         (`STEP_TIME_CONSTANTS`, `lm.planner.calibration.fit_step_time`): the matmuls' FLOPs and
         attention's at peak, and the bytes of the memory-bound passes at the HBM bandwidth
         (what each layer keeps for its backward, written and read around the layer's
-        elementwise work; the float32 logits, which the loss passes over)."""
+        elementwise work; the float32 logits, which the loss passes over; under tensor parallelism,
+        the residual stream once more per pass of a layer: the kernel model finds XLA's
+        tensor-parallel programs doing more memory-bound work than the same layers unsplit)."""
         run, lay, m, s = self.run, self.parallelism, self.run.model, self.system
         flops = self.flops()
         pace = self.layers * lay.stage / m.num_layers  # the busiest stage's (1 when the stages are alike)
@@ -189,6 +196,7 @@ class Cost(Memory):
             "attention": flops["attention"] / other_peak * pace,
             "saved": saved / s.hbm_bytes_per_s,
             "logits": logits / s.hbm_bytes_per_s,
+            "tensor": (lay.tensor > 1) * self.passes * self.layers * self.local_tokens * m.embed_dim * run.compute_bytes / s.hbm_bytes_per_s,
         }
 
     @cached_property
@@ -314,6 +322,16 @@ class Cost(Memory):
         # the chunk's layers keep.
         entry = kept["full"] if self._recomputes_ticks else self.layers / lay.repeats * kept[lay.remat]
         return 3 * lay.microbatches * lay.repeats * entry * self.local_tokens
+
+    def network_seconds(self) -> float:
+        """The exposed time of the collectives that cross links (`NETWORK_TERMS`)."""
+        return sum(self.step_time[k] for k in NETWORK_TERMS)
+
+    def with_network(self, kernels_step_s: float, kernels_by_kind_s: dict) -> float:
+        """A compiled step's time by the kernel model with its collectives' replaced by this
+        layout's network terms (the kernel model times them as on one host's links): what
+        `lm.plan --verify` ranks by and the step-time constants are fitted to."""
+        return kernels_step_s - kernels_by_kind_s.get("collective", 0.0) + self.network_seconds()
 
     def tokens_per_s_per_gpu(self) -> float:
         return self.run.batch * self.run.seq_len / self.step_time["total"] / self.parallelism.gpus

@@ -186,10 +186,6 @@ def entry(c: Cost) -> dict:
     }
 
 
-# The cost model's exposed time of the collectives between devices, by its terms (`Cost.step_time`).
-NETWORK_TERMS = ("fsdp", "tensor", "context", "data", "pipeline")
-
-
 def verify(config, costs: list[Cost], devices: list, platform: str, target: str | None = None) -> list[dict]:
     """Each layout's train step compiled on `devices` (XLA's memory per device) beside the
     prediction; with a `target`, also its step time by the kernel model of the compiled program
@@ -214,8 +210,8 @@ def verify(config, costs: list[Cost], devices: list, platform: str, target: str 
             "collective_bytes": collective_check(c, summary["hlo"]["collective_bytes"]),
         })
         if timed := summary.get("step_time"):
-            network = sum(c.step_time[k] for k in NETWORK_TERMS)
-            step = timed["step_s"] - timed["by_kind_s"].get("collective", 0.0) + network
+            network = c.network_seconds()
+            step = c.with_network(timed["step_s"], timed["by_kind_s"])
             out[-1]["step_time_s"] = {"kernels": step, "of_which_network": network, "cost_model": c.step_time["total"]}
             out[-1]["tokens_per_s_per_gpu"] = {"kernels": c.run.batch * c.run.seq_len / step / c.parallelism.gpus,
                                                "cost_model": c.tokens_per_s_per_gpu()}
