@@ -272,6 +272,26 @@ def test_tensor_parallel_loss_never_gathers_the_logits(h100s):
     assert not [s for s in hlo.collective_shapes(text, "all-gather") if 256 in s and np.prod(s) >= per_device_tokens * 256]
 
 
+def test_the_losss_backward_writes_the_vocabulary_wide_cotangent_once_in_bf16(h100s, monkeypatch):
+    """Past the head GEMM (which writes the float32 logits), no kernel writes a float32 array of
+    the per-device [2, 128, vocabulary 256]: the loss's backward (`lm.model.cross_entropy`) is one
+    fusion writing the head's bf16 cotangent. Negative control: autodiff of optax's form adds
+    two float32 passes (the softmax product and the labels' one-hot scattered in)."""
+    import optax
+
+    from lm.compiler import kernels
+    from lm.program import steps
+
+    def float32_vocab_passes(text):
+        return [k.name for k in kernels.table(text) if k.kind in ("elementwise", "reduction", "fusion") and "f32[2,128,256]" in k.shape]
+
+    assert not float32_vocab_passes(compiled(h100s, {"fsdp": 8}))
+    monkeypatch.setattr(steps, "cross_entropy", lambda logits, targets: jax.numpy.mean(
+        optax.softmax_cross_entropy_with_integer_labels(logits.astype(jax.numpy.float32), targets)))
+    autodiffed = compiled_train_step(setup(small_config({"fsdp": 8}), 256, h100s)).as_text()  # not kept for other tests
+    assert len(float32_vocab_passes(autodiffed)) == 2
+
+
 def test_tensor_parallel_partial_sums_are_reduce_scattered_in_bf16(h100s):
     """Under tensor + sequence parallelism the row-parallel matmuls' partial sums (and the input
     gradients') are reduce-scattered in the compute dtype, as Megatron does; no activation-sized

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from lm.model.block import Block
 from lm.model.config import ModelConfig
+from lm.model.cross_entropy import token_cross_entropy
 from lm.model.layers import RESIDUAL_AXES, Norm, _param, gather_length
 from lm.model.precision import Policy
 from sharding import constrain
@@ -62,6 +62,6 @@ def mtp_loss(logits_dbtv: list[jax.Array], targets_dbt: jax.Array, valid_dbt: ja
     over the depths (DeepSeek-V3's L_MTP before its weight)."""
     losses = []
     for logits_btv, targets_bt, valid_bt in zip(logits_dbtv, targets_dbt, valid_dbt):
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+        ce = token_cross_entropy(logits_btv, targets_bt)
         losses.append(jnp.sum(jnp.where(valid_bt, ce, 0.0)) / jnp.maximum(jnp.sum(valid_bt), 1))
     return jnp.mean(jnp.stack(losses))

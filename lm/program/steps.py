@@ -21,6 +21,7 @@ import sharding
 from lm.compiler import steptime, targets
 from lm.model import moe, multi_token
 from lm.model.attention import check_cudnn
+from lm.model.cross_entropy import cross_entropy
 from lm.model.fp8 import Fp8Meta, Probe, update_fp8
 from lm.model.layers import STACK_AXES, Embedding
 from lm.model.transformer import Transformer, segment_positions
@@ -49,12 +50,6 @@ class TrainState:
     @classmethod
     def from_dict(cls, d: dict) -> TrainState:
         return cls(**d)
-
-
-def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy in float32."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
-    return jnp.mean(losses)
 
 
 class AbstractModel:
