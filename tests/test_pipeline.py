@@ -89,7 +89,12 @@ def trains_like_one_device(one_device_deep, c, loss_rel: float = 1e-6) -> str:
     ref_losses, ref_params, (ref_loss, ref_grads) = one_device_deep
     losses, params, (loss, grads), hlo = pipelined_run(c)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), params, ref_params)
+    # After 5 AdamW steps (warming up: 6e-4 of movement at most): Adam moves a weight whose
+    # gradient is near zero by its normalised step whatever the gradient's size, so the last bit
+    # of float32 rounding (microbatches summed in another order) shows as up to ~1.4e-5 there
+    # (one element of 8192 in one stacked weight here, from logits gradients alike to 2e-10); a wrong
+    # gradient moves weights by ~1e-4 and more.
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-5), params, ref_params)
     assert loss == pytest.approx(ref_loss, rel=loss_rel)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
     return hlo

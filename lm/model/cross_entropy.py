@@ -29,20 +29,24 @@ def _is_target(targets_bt, vocab: int):
 
 
 def _forward(logits_btv, targets_bt):
+    """(the losses, the logits' maxima, log-sum-exp of the logits less their maxima): the
+    maxima subtracted first, as optax does, for float32's precision in the softmax."""
     logits = logits_btv.astype(jnp.float32)
-    lse_bt = jax.nn.logsumexp(logits, axis=-1)
-    target_bt = jnp.sum(jnp.where(_is_target(targets_bt, logits.shape[-1]), logits, 0.0), axis=-1)
-    return lse_bt - target_bt, lse_bt
+    max_bt = jnp.max(logits, axis=-1)
+    shifted = logits - max_bt[..., None]
+    log_sum_bt = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+    target_bt = jnp.sum(jnp.where(_is_target(targets_bt, logits.shape[-1]), shifted, 0.0), axis=-1)
+    return log_sum_bt - target_bt, max_bt, log_sum_bt
 
 
 def _fwd(logits_btv, targets_bt):
-    losses_bt, lse_bt = _forward(logits_btv, targets_bt)
-    return losses_bt, (logits_btv, lse_bt, targets_bt)
+    losses_bt, max_bt, log_sum_bt = _forward(logits_btv, targets_bt)
+    return losses_bt, (logits_btv, max_bt, log_sum_bt, targets_bt)
 
 
 def _bwd(residuals, g_bt):
-    logits_btv, lse_bt, targets_bt = residuals
-    softmax = jnp.exp(logits_btv.astype(jnp.float32) - lse_bt[..., None])
+    logits_btv, max_bt, log_sum_bt, targets_bt = residuals
+    softmax = jnp.exp(logits_btv.astype(jnp.float32) - max_bt[..., None] - log_sum_bt[..., None])
     d_logits = (softmax - _is_target(targets_bt, logits_btv.shape[-1])) * g_bt[..., None]
     return d_logits.astype(logits_btv.dtype), None
 
