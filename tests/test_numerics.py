@@ -88,8 +88,10 @@ def test_fp8_scales_move_restore_bit_exactly_and_only_follow_the_amax_history(tm
         _, _, stats = trainer.grads(state.params, tokens, state.fp8)
         expected = jax.device_get(update_fp8(before, stats, trainer.policy.fp8))
         state, _ = trainer.train_step(state, tokens)
-        # Exactly the delayed-scaling rule applied to this step's amaxes: nothing else.
-        jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.fp8), expected)
+        # The delayed-scaling rule applied to this step's amaxes: nothing else. (The amaxes come
+        # from `grads`, a program compiled apart from the step's: XLA may fuse the loss's
+        # backward differently there, so a gradient's amax can differ in its last bit.)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=0), jax.device_get(state.fp8), expected)
         scales.append(np.asarray(state.fp8["blocks"]["mlp"]["w_in_site"]["scale"]))
     ckpt = Checkpointer(tmp_path / "checkpoints", async_save=False)
     ckpt.save(6, state)
