@@ -35,6 +35,15 @@ def default_config() -> ml_collections.ConfigDict:
         text_field="text",  # JSONL / Parquet / datasets column holding the text
         skip_bad_records=False,  # malformed JSONL lines: an error naming the line, or skipped and counted
         document_masking=False,  # attention within documents only, positions restart at each (Llama 3)
+        # Conversations (lm.data.chat): records with `messages` or `prompt` / `completion`,
+        # rendered by the tokenizer's chat template (or chat_template: a file), the loss only on
+        # loss_on's tokens (auto: assistant for chat), packed whole into rows (packing) with
+        # document masking, each cut to a row (truncate=right) or dropped (drop) when longer.
+        format="text",  # text | chat
+        loss_on="auto",  # auto | assistant | completion | all
+        chat_template=config_dict.placeholder(str),
+        truncate="right",
+        packing=True,
         val_fraction=0.1,  # of the tokens, held out as whole documents
         workers=0,  # tokenising processes when raw text is prepared; 0: every core
         cache_dir=config_dict.placeholder(str),  # None: $XDG_CACHE_HOME/meshlm

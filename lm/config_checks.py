@@ -34,6 +34,9 @@ _CHOICES = {
     "precision.mu_dtype": ("float32", "bfloat16"),
     "precision.fp8": ("off", "delayed", "current"),
     "precision.fp8_sites": ("auto", "all"),
+    "data.format": ("text", "chat"),
+    "data.loss_on": ("auto", "assistant", "completion", "all"),
+    "data.truncate": ("right", "drop"),
 }
 
 _POSITIVE = (
@@ -165,11 +168,26 @@ def _validate_precision(c: ml_collections.ConfigDict) -> None:
                 f"--config.precision.fp8_skip={p.fp8_skip!r}: {index!r} is not a layer index of the "
                 f"{layers} layers; give comma-separated indices, negative from the end (e.g. 0,-1)"
             )
+    _validate_chat(c)
     if c.data.document_masking and c.mesh.stage > 1:
         raise UserError(
             "data.document_masking with pipeline stages (mesh.stage > 1) is not supported yet: the pipeline "
             "carries one set of positions for every microbatch; use mesh.stage=1"
         )
+
+
+def _validate_chat(c: ml_collections.ConfigDict) -> None:
+    d = c.data
+    if d.format != "chat":
+        if d.loss_on not in ("auto", "all"):
+            raise UserError(f"data.loss_on={d.loss_on} needs conversations (data.format=chat); plain text trains on every token")
+        return
+    if d.packing and c.mesh.stage > 1:
+        raise UserError("data.format=chat packs conversations with document masking, which pipeline stages (mesh.stage > 1) do not "
+                        "carry yet; set --config.data.packing=False (one conversation a row) or mesh.stage=1")
+    if c.model.mtp_depth and c.model.mtp_loss_weight:
+        raise UserError("data.format=chat with multi-token prediction (model.mtp_depth) is not supported yet: its loss ignores the "
+                        "loss mask; set model.mtp_loss_weight=0")
 
 
 def head_dim(c: ml_collections.ConfigDict) -> int:

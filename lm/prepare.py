@@ -2,8 +2,9 @@
 
     python -m lm.prepare --config=configs/X.py --out=DIR [--workers=N]
 
-The data source (`data.path`, `data.text_field`, `data.skip_bad_records`) and tokenizer
-(`data.tokenizer`) come from the config, as for training. Units of work (`lm.data.sources`) are
+The data source (`data.path`, `data.text_field`, `data.skip_bad_records`; conversations:
+`data.format=chat`, `data.loss_on`, `data.chat_template`, `data.truncate` at `train.seq_len`)
+and tokenizer (`data.tokenizer`) come from the config, as for training. Units of work (`lm.data.sources`) are
 tokenised by N worker processes (default: every core), each writing its own unit's shard
 straight to disk: no process holds the corpus or all its tokens. A killed prepare resumes where
 it stopped (finished units are kept, the plan must match); a finished store is never rewritten:
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from lm import cli, paths
 from lm.data import sources, token_store
+from lm.data.chat import chat_format
 from lm.data.corpus import tokenizer_for_corpus
 from lm.data.tokenize import prepare_store
 from lm.errors import UserError
@@ -38,7 +40,8 @@ def main(argv: list[str]) -> None:
     with paths.held(out, "--out", "lm.prepare"):
         tokenizer = tokenizer_for_corpus(d, out, files)
         finished = token_store.is_store(out)
-        store = prepare_store(files, tokenizer, out, workers=args.workers, text_field=d.text_field, skip_bad_records=d.skip_bad_records)
+        chat = chat_format(d, args.config.train.seq_len, d.tokenizer)  # conversations: cut to train.seq_len + 1 tokens
+        store = prepare_store(files, tokenizer, out, workers=args.workers, text_field=d.text_field, skip_bad_records=d.skip_bad_records, chat=chat)
     m = store.manifest
     verb = "already prepared" if finished else "prepared"
     print(f"{verb}: {out}: {m['tokens']:,} tokens in {m['documents']:,} documents, {m['units']} units ({m['dtype']}); counts {m['counts']}")

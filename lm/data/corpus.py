@@ -25,6 +25,7 @@ import numpy as np
 from lm import cache_home
 from lm.config import apply_overrides
 from lm.data import sources, token_store
+from lm.data.chat import ChatFormat, chat_format, keep_template
 from lm.data.token_store import TokenStore
 from lm.data.tokenize import prepare_store
 from lm.data.tokenizer import HFTokenizer, NoTokenizer, tokenizer_for
@@ -94,18 +95,25 @@ def _with(data_config, **changes):
     return copy
 
 
-def store_for(path: str | None, data_config, tokenizer, progress: bool = True) -> TokenStore:
-    """The token store of one source: itself, or raw text prepared into the cache (reused)."""
+def store_for(path: str | None, data_config, tokenizer, progress: bool = True, chat: ChatFormat | None = None) -> TokenStore:
+    """The token store of one source: itself, or raw text prepared into the cache (reused).
+    `chat`: the source is conversations (`data.format=chat`), prepared so."""
     if token_store.is_store(path):
         store = TokenStore(path)
         if store.manifest["tokenizer"] != tokenizer.fingerprint:
             raise UserError(f"token store {path} was made with another tokenizer than this run's; prepare it again or use its tokenizer")
+        if (store.chat is None) != (chat is None):
+            held = "conversations" if store.chat is not None else "text"
+            raise UserError(f"token store {path} holds {held}; set --config.data.format={'chat' if store.chat is not None else 'text'} or prepare it again")
+        if chat is not None and store.chat["loss_on"] != chat.loss_on:
+            raise UserError(f"token store {path} was prepared with data.loss_on={store.chat['loss_on']}, not {chat.loss_on}; prepare it again")
         return store
     files = sources.corpus_files(path)
-    key = json.dumps([sources.fingerprint(files), tokenizer.fingerprint, data_config.text_field, data_config.skip_bad_records])
+    chat_key = None if chat is None else chat.to_dict()
+    key = json.dumps([sources.fingerprint(files), tokenizer.fingerprint, data_config.text_field, data_config.skip_bad_records, chat_key])
     out = cache_dir(data_config) / f"store-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
     return prepare_store(files, tokenizer, out, workers=data_config.workers or None, text_field=data_config.text_field,
-                         skip_bad_records=data_config.skip_bad_records, progress=progress)
+                         skip_bad_records=data_config.skip_bad_records, chat=chat, progress=progress)
 
 
 # ---------------------------------------------------------------------------- windows
@@ -135,6 +143,13 @@ class Split:
         """Windows `ids` as int32 [n, seq_len + 1]."""
         return np.stack([self._read(i * self.seq_len, i * self.seq_len + self.seq_len + 1) for i in np.asarray(ids, np.int64)])
 
+    def batch(self, ids, document_masking: bool) -> dict:
+        """Windows `ids`: {'tokens' [n, seq_len + 1], 'segments' with document masking}."""
+        out = {"tokens": self.rows(ids)}
+        if document_masking:
+            out["segments"] = self.segments(ids)
+        return out
+
     def segments(self, ids) -> np.ndarray:
         """[n, seq_len + 1] int32: which document (numbered from 0 within the row) each token of
         windows `ids` belongs to. A document boundary is one in the store, or a join of two
@@ -148,12 +163,9 @@ class Split:
         return np.cumsum(changes, axis=1).astype(np.int32)
 
 
-def split(store: TokenStore, seq_len: int, val_fraction: float, where: str) -> tuple[Split, Split]:
-    """(train, validation): validation is whole documents picked in a fixed pseudo-random order
-    until they hold about `val_fraction` of the tokens (documents larger than that are passed
-    over); a store where none fits (one document) holds out its last tokens instead."""
-    if store.num_tokens == 0:
-        raise UserError(f"the corpus at {where} holds no text; point data.path at non-empty text files")
+def _held_out(store: TokenStore, val_fraction: float) -> np.ndarray:
+    """The validation documents: whole ones picked in a fixed pseudo-random order until they
+    hold about `val_fraction` of the tokens (documents larger than that are passed over)."""
     target = int(store.num_tokens * val_fraction)
     held, total = [], 0
     for d in np.random.default_rng(0).permutation(store.num_documents):
@@ -162,13 +174,30 @@ def split(store: TokenStore, seq_len: int, val_fraction: float, where: str) -> t
             total += int(store.doc_lengths[d])
         if total >= 0.9 * target:
             break
-    if held and len(held) < store.num_documents:
-        mask = np.zeros(store.num_documents, bool)
-        mask[held] = True
-        train = Split(store, *_ranges(store, ~mask), seq_len)
-        val = Split(store, *_ranges(store, mask), seq_len)
+    mask = np.zeros(store.num_documents, bool)
+    mask[held] = True
+    return mask
+
+
+def split(store: TokenStore, seq_len: int, val_fraction: float, where: str, packing: bool = True) -> tuple[Split, Split]:
+    """(train, validation): validation is whole documents (`_held_out`); a store where none fits
+    (one document) holds out its last tokens instead. A chat store's conversations are packed
+    into rows whole (`PackedSplit`); there one held out at least."""
+    if store.num_tokens == 0:
+        raise UserError(f"the corpus at {where} holds no text; point data.path at non-empty text files")
+    held = _held_out(store, val_fraction)
+    if store.chat is not None:
+        if store.num_documents < 2:
+            raise UserError(f"the chat corpus at {where} holds {store.num_documents} conversation(s); training and validation need 2 or more")
+        if not held.any() or held.all():
+            held[:] = False
+            held[-1] = True
+        return PackedSplit(store, np.flatnonzero(~held), seq_len, packing), PackedSplit(store, np.flatnonzero(held), seq_len, packing)
+    if held.any() and not held.all():
+        train = Split(store, *_ranges(store, ~held), seq_len)
+        val = Split(store, *_ranges(store, held), seq_len)
     else:
-        n_val = max(target, 1)
+        n_val = max(int(store.num_tokens * val_fraction), 1)
         train = Split(store, [0], [store.num_tokens - n_val], seq_len)
         val = Split(store, [store.num_tokens - n_val], [n_val], seq_len)
     if train.count < 1 or val.count < 1:
@@ -177,6 +206,59 @@ def split(store: TokenStore, seq_len: int, val_fraction: float, where: str) -> t
             f"{where}, {val.num_tokens} held out for validation); lower train.seq_len or use more text"
         )
     return train, val
+
+
+class PackedSplit:
+    """Whole conversations packed into rows of `seq_len + 1` tokens, next fit in store order
+    (none is split: prepare cut each to a row), the rest of a row padding that is never trained
+    and is a segment of its own; `packing=False`: one conversation a row.
+
+    Packing happens once, here, over the split's document lengths, so a row is a fixed set of
+    conversations that Grain's shuffled index reads at random, the same for any process count
+    (an iterator-level packer, as Grain's, would give neither)."""
+
+    def __init__(self, store: TokenStore, docs: np.ndarray, seq_len: int, packing: bool):
+        self.store, self.seq_len, self.docs, self.packing = store, seq_len, np.asarray(docs, np.int64), packing
+        lengths = store.doc_lengths[self.docs]
+        width = seq_len + 1
+        if len(lengths) and lengths.max() > width:
+            raise UserError(f"the chat store at {store.directory} holds conversations of up to {int(lengths.max())} tokens, longer than a row "
+                            f"(train.seq_len + 1 = {width}); prepare it again at this train.seq_len")
+        if packing:
+            firsts, used = [0], 0
+            for i, n in enumerate(lengths.tolist()):
+                if used + n > width:
+                    firsts.append(i)
+                    used = 0
+                used += n
+            firsts.append(len(lengths))
+            self.firsts = np.asarray(firsts if len(lengths) else [0], np.int64)
+        else:
+            self.firsts = np.arange(len(lengths) + 1, dtype=np.int64)
+        self.count = len(self.firsts) - 1
+        self.num_tokens = int(lengths.sum())
+
+    def _row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        docs = self.docs[self.firsts[r] : self.firsts[r + 1]]
+        starts, lengths = self.store.doc_starts[docs], self.store.doc_lengths[docs]
+        width, used = self.seq_len + 1, int(lengths.sum())
+        tokens = np.zeros(width, np.int32)
+        mask = np.zeros(width, np.uint8)
+        at = 0
+        for a, n in zip(starts.tolist(), lengths.tolist()):
+            tokens[at : at + n], mask[at : at + n] = self.store.read(a, a + n), self.store.read_mask(a, a + n)
+            at += n
+        segments = np.concatenate([np.repeat(np.arange(len(docs), dtype=np.int32), lengths), np.full(width - used, len(docs), np.int32)])
+        return tokens, mask, segments
+
+    def batch(self, ids, document_masking: bool) -> dict:
+        """Rows `ids`: {'tokens' [n, seq_len + 1] int32, 'mask' (uint8, 1 where the loss is on
+        the token), 'segments' (packed rows)}."""
+        tokens, mask, segments = (np.stack(parts) for parts in zip(*(self._row(int(r)) for r in np.asarray(ids, np.int64))))
+        out = {"tokens": tokens, "mask": mask}
+        if self.packing:
+            out["segments"] = segments
+        return out
 
 
 def _ranges(store: TokenStore, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -199,11 +281,8 @@ class Corpus:
         self.tokenizer, self.splits, self.names, self.document_masking = tokenizer, splits, names, document_masking
         self.weights = list(np.asarray(weights) / np.sum(weights))
 
-    def _rows(self, split: Split, ids) -> dict:
-        batch = {"tokens": split.rows(ids)}
-        if self.document_masking:
-            batch["segments"] = split.segments(ids)
-        return batch
+    def _rows(self, split: Split | PackedSplit, ids) -> dict:
+        return split.batch(ids, self.document_masking)
 
     def _mixed(self, which: int, shuffle_seed: int | None):
         """A MapDataset of (source, window) over every source, mixed by weight."""
@@ -292,11 +371,14 @@ def open_corpus(config, workdir: Path, progress: bool = True) -> Corpus:
     Path(workdir).mkdir(parents=True, exist_ok=True)
     raw = [p for p, _ in pairs if not token_store.is_store(p)]
     tokenizer = tokenizer_for_corpus(d, workdir, sources.corpus_files(raw[0]) if raw and d.tokenizer == "bpe" else None)
+    chat = chat_format(d, config.train.seq_len, d.tokenizer, Path(workdir))
+    if chat is not None:
+        keep_template(chat.template, Path(workdir))
     splits, names = [], []
     for path, _ in pairs:
-        store = store_for(path, d, tokenizer, progress)
+        store = store_for(path, d, tokenizer, progress, chat)
         where = path or f"{sources.default_corpus_root()} (standard library)"
-        splits.append(split(store, config.train.seq_len, d.val_fraction, where))
+        splits.append(split(store, config.train.seq_len, d.val_fraction, where, d.packing))
         name = Path(path).name if path else "stdlib"
         names.append(name if name not in names else f"{name}.{len(names)}")
     return Corpus(tokenizer, splits, [w for _, w in pairs], names, d.document_masking)

@@ -137,6 +137,7 @@ class Reading:
 
     text_field: str = "text"
     skip_bad_records: bool = False
+    chat: dict | None = None  # data.format=chat: the ChatFormat (lm.data.chat) as a dict
     counts: Counter = dataclasses.field(default_factory=Counter)
 
 
@@ -229,7 +230,8 @@ def _read_errors() -> tuple[type[Exception], ...]:
     return tuple(errors)
 
 
-def _jsonl_records(path: Path, piece: Piece, reading: Reading) -> Iterator[str]:
+def _jsonl_lines(path: Path, piece: Piece) -> Iterator[tuple[bytes, int]]:
+    """(line, its byte offset) of the non-blank lines that start in [start, stop)."""
     with _open_jsonl(path) as f:
         position = 0
         if piece.start > 0:
@@ -242,24 +244,86 @@ def _jsonl_records(path: Path, piece: Piece, reading: Reading) -> Iterator[str]:
             if not line:
                 break
             start, position = position, position + len(line)
-            if not line.strip():
+            if line.strip():
+                yield line, start
+
+
+def _jsonl_records(path: Path, piece: Piece, reading: Reading) -> Iterator[str]:
+    for line, start in _jsonl_lines(path, piece):
+        try:
+            record = json.loads(line)
+            text = record[reading.text_field]
+            if not isinstance(text, str):
+                raise TypeError(f"field {reading.text_field!r} is {type(text).__name__}, not text")
+        except (ValueError, KeyError, TypeError) as e:
+            if reading.skip_bad_records:
+                reading.counts["bad_records_skipped"] += 1
                 continue
-            try:
-                record = json.loads(line)
-                text = record[reading.text_field]
-                if not isinstance(text, str):
-                    raise TypeError(f"field {reading.text_field!r} is {type(text).__name__}, not text")
-            except (ValueError, KeyError, TypeError) as e:
-                if reading.skip_bad_records:
-                    reading.counts["bad_records_skipped"] += 1
-                    continue
-                number = _line_number(path, start)
-                reason = f"no {reading.text_field!r} field" if isinstance(e, KeyError) else str(e).splitlines()[0]
-                raise UserError(
-                    f"{path}:{number}: not a JSON object with a text field {reading.text_field!r} ({reason}); "
-                    "fix the line, set data.text_field, or skip such lines with --config.data.skip_bad_records=True"
-                ) from None
-            yield text
+            number = _line_number(path, start)
+            reason = f"no {reading.text_field!r} field" if isinstance(e, KeyError) else str(e).splitlines()[0]
+            raise UserError(
+                f"{path}:{number}: not a JSON object with a text field {reading.text_field!r} ({reason}); "
+                "fix the line, set data.text_field, or skip such lines with --config.data.skip_bad_records=True"
+            ) from None
+        yield text
+
+
+def records(piece: Piece, reading: Reading) -> Iterator[tuple[object, object]]:
+    """(record, where it is) of every record of a JSONL, Parquet or `datasets` piece, for
+    conversations: a JSONL line's object, a table row's columns as a dict. `where` names the
+    file and line (JSONL) or row."""
+    path = Path(piece.path)
+    if piece.kind == "text":
+        raise UserError(f"{path}: data.format=chat reads records (JSONL, Parquet or a datasets directory), not plain text")
+    if piece.kind == "jsonl":
+        try:
+            for line, start in _jsonl_lines(path, piece):
+                try:
+                    yield json.loads(line), _Where(path, start)
+                except ValueError as e:
+                    if reading.skip_bad_records:
+                        reading.counts["bad_records_skipped"] += 1
+                        continue
+                    raise UserError(f"{path}:{_line_number(path, start)}: not a JSON object ({str(e).splitlines()[0]})") from None
+        except _read_errors() as e:
+            raise UserError(f"{path} cannot be read ({e}); re-compress or remove it") from None
+        return
+    if piece.kind == "parquet":
+        import pyarrow
+
+        f = _parquet_file(path)
+        stop = f.num_row_groups if piece.stop < 0 else piece.stop
+        first_row = sum(f.metadata.row_group(g).num_rows for g in range(piece.start))
+        groups = list(range(piece.start, stop))
+        if not groups:
+            return
+        try:
+            for batch in f.iter_batches(batch_size=1024, row_groups=groups):
+                for row in batch.to_pylist():
+                    yield row, f"{path} row {first_row}"
+                    first_row += 1
+        except (pyarrow.ArrowException, OSError) as e:
+            raise _unreadable_parquet(path, e) from None
+        return
+    ds = _load_dataset(path)
+    stop = ds.num_rows if piece.stop < 0 else piece.stop
+    for start in range(piece.start, stop, 1024):
+        part = ds[start : min(start + 1024, stop)]
+        for k, row in enumerate(zip(*part.values())):
+            yield dict(zip(part, row)), f"{path} row {start + k}"
+
+
+class _Where:
+    """A JSONL record's place, `path:line`, its line number counted only when shown (in an error)."""
+
+    def __init__(self, path: Path, offset: int):
+        self.path, self.offset = path, offset
+
+    def __str__(self) -> str:
+        return f"{self.path}:{_line_number(self.path, self.offset)}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 def _line_number(path: Path, offset: int) -> int:

@@ -7,6 +7,7 @@
     DIR/tokenizer.json        the tokenizer, when it is a tokenizers one
     DIR/NNNNN.tokens          unit NNNNN's token ids, raw, in the smallest dtype that holds the
                               vocabulary (uint8 / uint16 / uint32)
+    DIR/NNNNN.mask            chat stores: one byte per token, 1 where the loss is on it
     DIR/NNNNN.docs.npy        its documents' lengths (int64), renamed into place last: a unit
                               with this file is done
     DIR/NNNNN.counts.json     what reading the unit skipped or replaced
@@ -55,15 +56,19 @@ def unit_done(directory: Path, index: int) -> bool:
 class UnitWriter:
     """One unit's tokens appended document by document, then committed atomically."""
 
-    def __init__(self, directory: Path, index: int, dtype: np.dtype):
+    def __init__(self, directory: Path, index: int, dtype: np.dtype, with_mask: bool = False):
         self.directory, self.name, self.dtype = directory, unit_name(index), dtype
         self.tmp = directory / f".{self.name}.tokens.tmp"
         self.file = open(self.tmp, "wb")
+        self.mask_tmp = directory / f".{self.name}.mask.tmp"
+        self.mask_file = open(self.mask_tmp, "wb") if with_mask else None
         self.lengths: list[int] = []
         self.tokens = self.current = self.crc32 = 0
 
-    def write(self, ids: np.ndarray) -> None:
-        """More tokens of the current document."""
+    def write(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """More tokens of the current document (and, in a chat store, their loss mask)."""
+        if self.mask_file is not None:
+            self.mask_file.write(np.asarray(mask, np.uint8).tobytes())
         data = np.asarray(ids, self.dtype).tobytes()
         self.file.write(data)
         self.crc32 = zlib.crc32(data, self.crc32)
@@ -80,6 +85,9 @@ class UnitWriter:
 
     def commit(self, counts: dict) -> None:
         self.file.close()
+        if self.mask_file is not None:
+            self.mask_file.close()
+            os.replace(self.mask_tmp, self.directory / f"{self.name}.mask")
         os.replace(self.tmp, self.directory / f"{self.name}.tokens")
         (self.directory / f"{self.name}.counts.json").write_text(json.dumps(counts, sort_keys=True))
         (self.directory / f"{self.name}.crc32").write_text(str(self.crc32))
@@ -122,7 +130,8 @@ class TokenStore:
         if self.manifest.get("version") != VERSION:
             raise UserError(f"{self.directory} is a version {self.manifest.get('version')} store; this meshlm reads version {VERSION}: prepare it again")
         self.dtype = np.dtype(self.manifest["dtype"])
-        self.units = []
+        self.chat = self.manifest.get("chat")  # how conversations were prepared; None: text
+        self.units, self.masks = [], []
         lengths = []
         crcs = self.manifest.get("crc32") or [None] * self.manifest["units"]  # stores prepared before checksums: sizes only
         for i in range(self.manifest["units"]):
@@ -138,6 +147,11 @@ class TokenStore:
                                 "the store is damaged; prepare it again")
             self.units.append(unit)
             lengths.append(docs)
+            if self.chat is not None:
+                mask_path = self.directory / f"{name}.mask"
+                if (mask_path.stat().st_size if mask_path.is_file() else -1) != size:
+                    raise UserError(f"{mask_path} does not hold one loss-mask byte per token: the store is damaged; prepare it again")
+                self.masks.append(np.memmap(mask_path, np.uint8, mode="r") if size else np.zeros(0, np.uint8))
         self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
         self.doc_starts = np.concatenate([[0], np.cumsum(self.doc_lengths)[:-1]]).astype(np.int64)
         self.unit_starts = np.concatenate([[0], np.cumsum([len(u) for u in self.units])]).astype(np.int64)
@@ -146,15 +160,22 @@ class TokenStore:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the whole store as int32 (crossing units as needed)."""
+        return self._read(self.units, start, stop).astype(np.int32)
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """A chat store's loss mask over tokens [start, stop), uint8."""
+        return self._read(self.masks, start, stop)
+
+    def _read(self, arrays, start: int, stop: int) -> np.ndarray:
         out, first = [], int(np.searchsorted(self.unit_starts, start, side="right")) - 1
-        for u in range(first, len(self.units)):
+        for u in range(first, len(arrays)):
             lo, hi = self.unit_starts[u], self.unit_starts[u + 1]
             if lo >= stop:
                 break
             a, b = max(start, lo) - lo, min(stop, hi) - lo
             if b > a:
-                out.append(self.units[u][a:b])
-        return np.concatenate(out).astype(np.int32) if out else np.zeros(0, np.int32)
+                out.append(arrays[u][a:b])
+        return np.concatenate(out) if out else np.zeros(0, arrays[0].dtype if arrays else np.int32)
 
     @property
     def tokenizer_path(self) -> Path | None:

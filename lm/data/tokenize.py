@@ -19,6 +19,7 @@ import numpy as np
 from lm import paths
 from lm import progress as lm_progress
 from lm.data import sources, token_store
+from lm.data.chat import ChatFormat, keep_template
 from lm.data.sources import Piece, Reading
 from lm.data.tokenizer import ByteTokenizer, load_tokenizer
 from lm.errors import UserError
@@ -57,9 +58,12 @@ def _spec(tokenizer) -> str:
 
 def prepare_unit(directory: Path, index: int, pieces: list[Piece], tokenizer, reading: Reading) -> tuple[int, int, int]:
     """Tokenises one unit into its shard; returns (index, tokens, documents)."""
-    reading = Reading(reading.text_field, reading.skip_bad_records)  # this unit's own counts
+    reading = Reading(reading.text_field, reading.skip_bad_records, reading.chat)  # this unit's own counts
     dtype = token_dtype_for(tokenizer)
-    writer = token_store.UnitWriter(directory, index, dtype)
+    writer = token_store.UnitWriter(directory, index, dtype, with_mask=reading.chat is not None)
+    if reading.chat is not None:
+        _prepare_conversations(writer, pieces, tokenizer, reading)
+        return index, writer.tokens, len(writer.lengths)
     eos = [np.asarray([tokenizer.eos_id], np.int32)] if tokenizer.eos_id is not None else []
     batch: list[tuple[int, str | None]] = []  # (document number, text chunk or None at its end)
     size = 0
@@ -90,6 +94,25 @@ def prepare_unit(directory: Path, index: int, pieces: list[Piece], tokenizer, re
     return index, writer.tokens, len(writer.lengths)
 
 
+def _prepare_conversations(writer: token_store.UnitWriter, pieces: list[Piece], tokenizer, reading: Reading) -> None:
+    """A chat unit: each record rendered and tokenised whole with its loss mask, one document
+    each (no separator: the template writes its own turns' ends)."""
+    chat = ChatFormat.from_dict(reading.chat)
+    for piece in pieces:
+        for record, where in sources.records(piece, reading):
+            try:
+                encoded = chat.encode_record(record, tokenizer, where, reading.counts)
+            except UserError:
+                if not reading.skip_bad_records:
+                    raise
+                reading.counts["bad_records_skipped"] += 1
+                continue
+            if encoded is not None:
+                writer.write(*encoded)
+                writer.end_document([])
+    writer.commit(dict(reading.counts))
+
+
 def token_dtype_for(tokenizer) -> np.dtype:
     return token_store.token_dtype(tokenizer.vocab_size)
 
@@ -97,7 +120,7 @@ def token_dtype_for(tokenizer) -> np.dtype:
 def _worker(job_path: str, k: int, n: int) -> None:
     """Worker k of n (`python -m lm.data.tokenize JOB k n`): units k, k + n, ... of the job."""
     job = json.loads(Path(job_path).read_text())
-    tokenizer, reading = load_tokenizer(job["tokenizer"]), Reading(job["text_field"], job["skip_bad_records"])
+    tokenizer, reading = load_tokenizer(job["tokenizer"]), Reading(job["text_field"], job["skip_bad_records"], job["chat"])
     for index, pieces in job["units"][k::n]:
         prepare_unit(Path(job["out"]), index, [Piece(**p) for p in pieces], tokenizer, reading)
 
@@ -111,7 +134,7 @@ def _start_workers(out: Path, units, todo: list[int], tokenizer, reading: Readin
     job = out / ".job.json"
     job.write_text(json.dumps({
         "out": str(out), "tokenizer": _spec(tokenizer), "text_field": reading.text_field,
-        "skip_bad_records": reading.skip_bad_records, "units": [[i, [vars(p) for p in units[i]]] for i in todo],
+        "skip_bad_records": reading.skip_bad_records, "chat": reading.chat, "units": [[i, [vars(p) for p in units[i]]] for i in todo],
     }))
     env = {**os.environ, "RAYON_NUM_THREADS": "1"}
     n = min(workers, len(todo))
@@ -123,9 +146,10 @@ def _start_workers(out: Path, units, todo: list[int], tokenizer, reading: Readin
 
 
 def prepare_store(files: list[Path], tokenizer, out: str | os.PathLike, *, workers: int | None = None, text_field: str = "text",
-                  skip_bad_records: bool = False, progress: bool = True) -> token_store.TokenStore:
+                  skip_bad_records: bool = False, chat: ChatFormat | None = None, progress: bool = True) -> token_store.TokenStore:
     """The token store of `files` under `tokenizer` in `out`: made, resumed, or (finished
-    already) checked and returned as it is."""
+    already) checked and returned as it is. With `chat`, records are conversations, each
+    token stored with its loss mask."""
     out = Path(out).expanduser()
     plan = {
         "format": token_store.FORMAT,
@@ -134,6 +158,7 @@ def prepare_store(files: list[Path], tokenizer, out: str | os.PathLike, *, worke
         "sources": sources.fingerprint(files),
         "text_field": text_field,
         "skip_bad_records": skip_bad_records,
+        "chat": None if chat is None else chat.to_dict(),
     }
     if token_store.is_store(out):
         store = token_store.TokenStore(out)
@@ -150,14 +175,16 @@ def prepare_store(files: list[Path], tokenizer, out: str | os.PathLike, *, worke
             raise UserError(f"{out} exists and is not a token store; nothing was written: pass a new --out")
         if getattr(tokenizer, "path", None) and Path(tokenizer.path).resolve() != (out / "tokenizer.json").resolve():
             (out / "tokenizer.json").write_bytes(Path(tokenizer.path).read_bytes())
+        if chat is not None:
+            keep_template(chat.template, out)
         plan_path.write_text(json.dumps(plan))
     todo = [i for i in range(len(units)) if not token_store.unit_done(out, i)]
-    _run(out, units, todo, tokenizer, Reading(text_field, skip_bad_records), workers, progress)
+    _run(out, units, todo, tokenizer, Reading(text_field, skip_bad_records, plan["chat"]), workers, progress)
     return _finish(out, plan, len(units), tokenizer)
 
 
 def _check_same(out: Path, saved: dict, plan: dict) -> None:
-    for key in ("tokenizer", "sources", "text_field", "skip_bad_records"):
+    for key in ("tokenizer", "sources", "text_field", "skip_bad_records", "chat"):
         if saved.get(key) != plan[key]:
             raise UserError(
                 f"{out} was prepared from other {key.replace('_', ' ')} than these (sources changed on disk, or another "

@@ -100,6 +100,12 @@ class HFTokenizer:
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)  # fast: no offsets
         return [np.asarray(e.ids, dtype=np.int32) for e in encode(texts, add_special_tokens=False)]
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, each token's first character in `text`), no special tokens added (a chat
+        template writes its own)."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, dtype=np.int32), np.asarray([a for a, _ in encoding.offsets], dtype=np.int64).reshape(-1)
+
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size])
 

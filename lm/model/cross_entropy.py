@@ -54,6 +54,10 @@ def _bwd(residuals, g_bt):
 token_cross_entropy.defvjp(_fwd, _bwd)
 
 
-def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy in float32."""
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array | tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Mean next-token cross entropy in float32; `targets_bt` may be (targets, weights), each
+    token's loss then multiplied by its weight (a loss mask, `lm.program.steps.loss_weights`)."""
+    if isinstance(targets_bt, tuple):
+        targets_bt, weights_bt = targets_bt
+        return jnp.mean(token_cross_entropy(logits_btv, targets_bt) * weights_bt)
     return jnp.mean(token_cross_entropy(logits_btv, targets_bt))

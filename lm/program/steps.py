@@ -141,7 +141,7 @@ class Program:
             donate_argnums=0,
         )
         self.eval_step = jit(
-            lambda state, tokens: self._loss(state.params, tokens, state.fp8, differentiated=False)[0],
+            lambda state, batch: self._loss(state.params, loss_weights(batch), state.fp8, differentiated=False)[0],
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=replicated,
         )
@@ -166,9 +166,11 @@ class Program:
         [b, l], or {'tokens', 'segments'} with document masking, where `l` is the sequence length
         + 1 (inputs are tokens[:, :-1], targets tokens[:, 1:]). Under context parallelism the
         sequence is put in `self.sequence_order` here, once, with its positions (and segment ids)."""
-        tokens_bl, segments_bl = (batch["tokens"], batch["segments"]) if isinstance(batch, dict) else (batch, None)
+        tokens_bl, segments_bl = (batch["tokens"], batch.get("segments")) if isinstance(batch, dict) else (batch, None)
         inputs = {"tokens_bt": tokens_bl[:, :-1], "segments_bt": None if segments_bl is None else segments_bl[:, :-1]}
         targets_bt = tokens_bl[:, 1:]
+        if isinstance(batch, dict) and "weights" in batch:  # a loss mask: (targets, their weights)
+            targets_bt = (targets_bt, batch["weights"][:, 1:])
         depth = self.model_cfg.mtp_trained  # (weight 0: the modules are kept, in checkpoints and exports, but not run)
         ahead = multi_token.shifted(tokens_bl, depth) if mtp and depth else None
         if self.sequence_order is not None:
@@ -176,10 +178,10 @@ class Program:
             in_order = jnp.broadcast_to(jnp.arange(targets_bt.shape[1]), targets_bt.shape)
             inputs["positions_bt"] = in_order if segments_bt is None else segment_positions(segments_bt)
             inputs = {k: None if a is None else sharding.reorder(a, self.sequence_order) for k, a in inputs.items()}
-            targets_bt = sharding.reorder(targets_bt, self.sequence_order)
+            targets_bt = jax.tree.map(lambda a: sharding.reorder(a, self.sequence_order), targets_bt)
             if ahead is not None:
                 ahead = tuple(jnp.stack([sharding.reorder(a, self.sequence_order) for a in part]) for part in ahead)
-        return inputs, constrain(targets_bt, ("batch", "length"), "targets"), ahead
+        return inputs, jax.tree.map(lambda a: constrain(a, ("batch", "length"), "targets"), targets_bt), ahead
 
     def _loss(self, params, batch, fp8=None, probes=None, loss_scale=1.0, differentiated=True) -> tuple[jax.Array, dict]:
         """(the training objective, {'loss': mean cross entropy, 'mtp_loss': multi-token
@@ -213,6 +215,7 @@ class Program:
         # tensor 2}: 22.7 GiB of temporaries against 43.8).
         pipelined = self.spec.pipeline.stages > 1
         passes = pipelined or self.config.train.grad_accum > 1
+        batch = loss_weights(batch)
         # (Experts split over `expert` inside a pipeline inside per-replica code: XLA's partitioner
         # fails a check on the third level of manual axes, jaxlib 0.10.2.)
         nested_experts = pipelined and self.mesh.shape["expert"] > 1
@@ -272,6 +275,7 @@ class Program:
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         metrics = {
             **losses,  # the cross entropy, and multi-token prediction's loss (unweighted) beside it
+            **({"trained_tokens": jnp.sum(trained_targets(batch))} if isinstance(batch, dict) and "mask" in batch else {}),
             "grad_norm": optax.tree.norm(grads),
             "lr": self.schedule(state.step),
             "nonfinite_in_a_row": opt_state.notfinite_count,
@@ -311,13 +315,35 @@ class Program:
         make = lambda rows: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(rows))  # noqa: E731
         if not isinstance(local, dict):
             return make(local)
-        if "segments" in local:
-            return {"tokens": make(local["tokens"]), "segments": make(local["segments"])}
+        if "segments" in local or "mask" in local:
+            return {key: make(local[key]) for key in ("tokens", "segments", "mask") if key in local}
         return make(local["tokens"])
 
     def abstract_sharded_state(self) -> TrainState:
         """ShapeDtypeStructs of the state placed by its shardings: a restore or compile target."""
         return placed(self.abstract_state, self.state_shardings)
+
+
+def trained_targets(batch: dict) -> jax.Array:
+    """[b, l - 1] bool: the targets the loss is on, a batch's loss mask where the target is in
+    its input's segment (packed rows: never a conversation's first token after another's last)."""
+    trained = batch["mask"][:, 1:].astype(bool)
+    if "segments" in batch:
+        trained &= batch["segments"][:, 1:] == batch["segments"][:, :-1]
+    return trained
+
+
+def loss_weights(batch):
+    """A batch with a loss mask ('mask' [b, l]) with 'weights' [b, l] instead: each trained
+    target's weight (targets in the batch) / (trained targets in the batch), others 0, so that a
+    pass's mean over its tokens, averaged over the step's passes and replicas (equal sizes), is
+    the whole step's mean over its trained tokens, not a mean of each microbatch's mean."""
+    if not isinstance(batch, dict) or "mask" not in batch:
+        return batch
+    trained = trained_targets(batch)
+    scale = trained.size / jnp.maximum(jnp.sum(trained), 1).astype(jnp.float32)
+    weights_bl = jnp.pad(trained.astype(jnp.float32) * scale, ((0, 0), (1, 0)))
+    return {**{k: v for k, v in batch.items() if k != "mask"}, "weights": weights_bl}
 
 
 def placed(tree, shardings):

@@ -128,6 +128,8 @@ class StepRate:
             "mfu": self.flops_per_token * self.tokens_per_step / step_time / self.peak_flops,
         } | ({"loss_scale": float(host_metrics[-1]["loss_scale"])} if "loss_scale" in host_metrics[-1] else {}) | (
             {"mtp_loss": float(np.mean([m["mtp_loss"] for m in applied]))} if "mtp_loss" in host_metrics[-1] else {}) | (
+            # A loss mask (chat): the tokens the loss was on in this row's steps; `loss` is their mean.
+            {"trained_tokens": int(sum(m["trained_tokens"] for m in host_metrics))} if "trained_tokens" in host_metrics[-1] else {}) | (
             moe.metric_rows(np.mean([m["moe"] for m in applied], axis=0), self.moe_layer_ids) if "moe" in host_metrics[-1] else {}
         )
 
