@@ -36,11 +36,11 @@ def main(argv: list[str]) -> None:
     if d.sources:
         raise UserError("lm.prepare makes one store from data.path; prepare each source of data.sources on its own")
     files = sources.corpus_files(d.path)
+    chat = chat_format(d, args.config.train.seq_len, d.tokenizer)  # conversations: cut to train.seq_len + 1 tokens
     out = paths.new_or_run_dir(args.out, "--out")
     with paths.held(out, "--out", "lm.prepare"):
         tokenizer = tokenizer_for_corpus(d, out, files)
         finished = token_store.is_store(out)
-        chat = chat_format(d, args.config.train.seq_len, d.tokenizer)  # conversations: cut to train.seq_len + 1 tokens
         store = prepare_store(files, tokenizer, out, workers=args.workers, text_field=d.text_field, skip_bad_records=d.skip_bad_records, chat=chat)
     m = store.manifest
     verb = "already prepared" if finished else "prepared"

@@ -372,8 +372,6 @@ def open_corpus(config, workdir: Path, progress: bool = True) -> Corpus:
     raw = [p for p, _ in pairs if not token_store.is_store(p)]
     tokenizer = tokenizer_for_corpus(d, workdir, sources.corpus_files(raw[0]) if raw and d.tokenizer == "bpe" else None)
     chat = chat_format(d, config.train.seq_len, d.tokenizer, Path(workdir))
-    if chat is not None:
-        keep_template(chat.template, Path(workdir))
     splits, names = [], []
     for path, _ in pairs:
         store = store_for(path, d, tokenizer, progress, chat)
@@ -381,6 +379,8 @@ def open_corpus(config, workdir: Path, progress: bool = True) -> Corpus:
         splits.append(split(store, config.train.seq_len, d.val_fraction, where, d.packing))
         name = Path(path).name if path else "stdlib"
         names.append(name if name not in names else f"{name}.{len(names)}")
+    if chat is not None:  # for resuming, lm.generate --chat and exports
+        keep_template(chat.template, Path(workdir))
     return Corpus(tokenizer, splits, [w for _, w in pairs], names, d.document_masking)
 
 

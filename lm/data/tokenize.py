@@ -6,6 +6,7 @@ its command; `lm.train` prepares raw text through the same code, into a cache di
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -168,7 +169,8 @@ def prepare_store(files: list[Path], tokenizer, out: str | os.PathLike, *, worke
     plan["units"] = [[vars(p) for p in unit] for unit in units]
     out.mkdir(parents=True, exist_ok=True)
     plan_path = out / token_store.PLAN
-    if plan_path.is_file():
+    fresh = not plan_path.is_file()
+    if not fresh:
         _check_same(out, json.loads(plan_path.read_text()), plan)
     else:
         if any(p.name not in ("tokenizer.json", paths.LOCK_FILE) for p in out.iterdir()):  # a BPE may have been trained into it
@@ -179,8 +181,23 @@ def prepare_store(files: list[Path], tokenizer, out: str | os.PathLike, *, worke
             keep_template(chat.template, out)
         plan_path.write_text(json.dumps(plan))
     todo = [i for i in range(len(units)) if not token_store.unit_done(out, i)]
-    _run(out, units, todo, tokenizer, Reading(text_field, skip_bad_records, plan["chat"]), workers, progress)
+    try:
+        _run(out, units, todo, tokenizer, Reading(text_field, skip_bad_records, plan["chat"]), workers, progress)
+    except UserError:
+        if fresh:  # bad input found on this store's first prepare: what it wrote goes (kept when resuming)
+            _remove_unfinished(out)
+        raise
     return _finish(out, plan, len(units), tokenizer)
+
+
+def _remove_unfinished(out: Path) -> None:
+    """A store's files removed after its first prepare failed on bad input (the directory held
+    nothing else: `prepare_store` checked), the directory too unless a holder's lock is in it."""
+    for path in out.iterdir():
+        if path.name != paths.LOCK_FILE and path.is_file():
+            path.unlink()
+    with contextlib.suppress(OSError):
+        out.rmdir()
 
 
 def _check_same(out: Path, saved: dict, plan: dict) -> None:

@@ -175,7 +175,7 @@ class Program:
         ahead = multi_token.shifted(tokens_bl, depth) if mtp and depth else None
         if self.sequence_order is not None:
             segments_bt = inputs["segments_bt"]
-            in_order = jnp.broadcast_to(jnp.arange(targets_bt.shape[1]), targets_bt.shape)
+            in_order = jnp.broadcast_to(jnp.arange(tokens_bl.shape[1] - 1), inputs["tokens_bt"].shape)
             inputs["positions_bt"] = in_order if segments_bt is None else segment_positions(segments_bt)
             inputs = {k: None if a is None else sharding.reorder(a, self.sequence_order) for k, a in inputs.items()}
             targets_bt = jax.tree.map(lambda a: sharding.reorder(a, self.sequence_order), targets_bt)
