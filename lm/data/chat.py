@@ -261,7 +261,7 @@ class ChatFormat:
 
 def chat_format(data_config, seq_len: int, tokenizer_setting: str | None, workdir: Path | None = None) -> ChatFormat | None:
     """The config's ChatFormat (None unless `data.format=chat`)."""
-    if data_config.format != "chat":
+    if data_config.get("format", "text") != "chat":  # (partial data configs: text)
         return None
     loss_on = "assistant" if data_config.loss_on == "auto" else data_config.loss_on
     template = load_template(data_config.chat_template, tokenizer_setting, workdir)

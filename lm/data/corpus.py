@@ -376,7 +376,7 @@ def open_corpus(config, workdir: Path, progress: bool = True) -> Corpus:
     for path, _ in pairs:
         store = store_for(path, d, tokenizer, progress, chat)
         where = path or f"{sources.default_corpus_root()} (standard library)"
-        splits.append(split(store, config.train.seq_len, d.val_fraction, where, d.packing))
+        splits.append(split(store, config.train.seq_len, d.val_fraction, where, d.get("packing", True)))
         name = Path(path).name if path else "stdlib"
         names.append(name if name not in names else f"{name}.{len(names)}")
     if chat is not None:  # for resuming, lm.generate --chat and exports
