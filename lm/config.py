@@ -96,6 +96,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Start a new run from trained weights: a Hugging Face checkpoint directory (config.json and
     # safetensors; its architecture and tokenizer replace the recipe's) or a meshlm run directory.
     c.init = dict(from_hf=config_dict.placeholder(str))
+    # LoRA (lm.model.lora): rank > 0 adds adapters beside the targets' matmuls (q, k, v, o, gate,
+    # up, down, or 'all'), scaled by alpha / rank; the base weights are frozen in the compute dtype.
+    c.lora = dict(rank=0, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down")
     c.mesh = dict(data=-1, stage=1, context=1, expert=1, fsdp=1, tensor=1)
     c.pipeline = dict(
         microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages

@@ -10,7 +10,7 @@ import math
 import ml_collections
 
 from lm.errors import UserError
-from lm.model.config import moe_problem
+from lm.model.config import LORA_TARGETS, moe_problem, parse_targets
 from lm.model.grouped_gemm import IMPLEMENTATIONS as GROUPED_GEMMS
 from lm.model.grouped_gemm import pallas_fits
 from sharding.remat import REMAT
@@ -169,11 +169,39 @@ def _validate_precision(c: ml_collections.ConfigDict) -> None:
                 f"{layers} layers; give comma-separated indices, negative from the end (e.g. 0,-1)"
             )
     _validate_chat(c)
+    _validate_lora(c)
     if c.data.document_masking and c.mesh.stage > 1:
         raise UserError(
             "data.document_masking with pipeline stages (mesh.stage > 1) is not supported yet: the pipeline "
             "carries one set of positions for every microbatch; use mesh.stage=1"
         )
+
+
+def _validate_lora(c: ml_collections.ConfigDict) -> None:
+    lora = c.lora
+    if lora.rank < 0:
+        raise UserError(f"lora.rank={lora.rank} must be >= 1 (or 0: no adapters)")
+    if not lora.rank:
+        return
+    try:
+        targets = parse_targets(lora.targets)
+    except ValueError as e:
+        raise UserError(f"lora.targets={lora.targets!r}: no matmul named {e}") from None
+    if not lora.alpha > 0:
+        raise UserError(f"lora.alpha={lora.alpha} must be positive")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise UserError(f"lora.dropout={lora.dropout} must be in [0, 1)")
+    if lora.dropout:
+        raise UserError(f"lora.dropout={lora.dropout}: dropout on the adapters' inputs is not supported yet; use 0")
+    m = c.model
+    matched = set()
+    if not m.kv_lora_rank:
+        matched |= {"q", "k", "v", "o"}
+    if not m.num_experts or c.model.moe_layers != "all" or m.shared_experts:
+        matched |= {"up", "down"} | ({"gate"} if m.mlp == "swiglu" else set())
+    if missing := [t for t in targets if t not in matched]:
+        raise UserError(f"lora.targets={lora.targets!r}: {', '.join(missing)} match(es) no matmul of this model "
+                        f"(adapted here: {', '.join(t for t in LORA_TARGETS if t in matched) or 'none'}; experts and latent attention have none yet)")
 
 
 def _validate_chat(c: ml_collections.ConfigDict) -> None:

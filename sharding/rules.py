@@ -41,6 +41,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("head_dim", None),
     ("q_lora", None),  # multi-head latent attention's low-rank query and key-value latents: narrow, kept whole
     ("kv_lora", None),
+    ("lora_rank", None),  # LoRA adapters' rank: narrow, kept whole
     ("experts", "expert"),  # a mixture of experts' expert weights, each shard holding its own experts
     ("layers", "stage"),  # stacked layer weights: split into pipeline stages (no-op when stage=1)
     ("unstaged_layers", None),  # stacked layers a pipeline runs outside its stages (with the embedding or the head): whole on each

@@ -100,6 +100,14 @@ class ModelConfig:
     scan_layers: bool = True
     attention: str = "auto"
     real_vocab_size: int = 0  # ids from here to vocab_size are padding, never predicted; 0: none
+    # LoRA adapters (lm.model.lora), from the `lora` group: rank 0 is none.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple = ()
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
 
     @property
     def moe(self) -> bool:
@@ -208,14 +216,29 @@ class ModelConfig:
         """From the `model` group of a meshlm config and the tokenizer's vocabulary size."""
         m = c.model
         real = m.vocab_size or vocab_size
-        fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len", "head_dim", "real_vocab_size"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len", "head_dim", "real_vocab_size", *LORA_FIELDS}
+        lora = c.get("lora") or {"rank": 0}
         return cls(
             vocab_size=-(-real // m.vocab_multiple) * m.vocab_multiple,
             real_vocab_size=real,
             max_len=m.max_positions or c.train.seq_len,
             head_dim=m.head_dim or m.embed_dim // m.num_heads,
             **{k: m[k] for k in fields},
+            **({"lora_rank": lora["rank"], "lora_alpha": lora["alpha"], "lora_targets": parse_targets(lora["targets"])} if lora["rank"] else {}),
         )
+
+
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # lm.model.lora: attention's and the MLP's matmuls
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """`lora.targets` ('q,k,v,o' or 'all') as a tuple of LORA_TARGETS; ValueError naming a wrong one."""
+    names = LORA_TARGETS if text.strip() == "all" else tuple(t.strip() for t in text.split(",") if t.strip())
+    wrong = [t for t in names if t not in LORA_TARGETS]
+    if wrong or not names:
+        raise ValueError(f"{', '.join(wrong) or 'nothing'} (the model's matmuls: {', '.join(LORA_TARGETS)}, or 'all')")
+    return names
 
 
 MOE_LAYERS = ("'all', 'from:K' (the first K layers dense), 'every:N' (every N-th layer sparse: layers N-1, 2N-1, ..., as "
@@ -302,6 +325,6 @@ def config_defaults() -> dict:
     """The `model` group's keys and defaults, from `ModelConfig` (one source). Zero means derived:
     `head_dim` embed_dim // num_heads, `vocab_size` the tokenizer's, `max_positions` (rows of
     the learned position table) train.seq_len."""
-    skip = {"vocab_size", "max_len", "real_vocab_size"}
+    skip = {"vocab_size", "max_len", "real_vocab_size", *LORA_FIELDS}
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name not in skip}
     return {**defaults, "head_dim": 0, "vocab_multiple": 128, "vocab_size": 0, "max_positions": 0}

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import sharding
+from lm.model import lora
 from lm.model.attention import attention, causal_mask, training_mask
 from lm.model.config import ModelConfig
 from lm.model.precision import Policy
@@ -138,15 +139,17 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = _param(None, (k,), ("head_dim",), None, dt, fill=1.0)
             self.k_norm = _param(None, (k,), ("head_dim",), None, dt, fill=1.0)
+        lora.attach(self, cfg, {"q": ("btd,dhk->bthk", self.wq), "k": ("btd,dgk->btgk", self.wk), "v": ("btd,dgk->btgk", self.wv),
+                                "o": ("bthk,hkd->btd", self.wo)}, rngs)
 
     def __call__(self, x_btd, positions_bt=None, cache=None, cache_index=None, segments_bt=None):
         """`positions_bt` None: the tokens are in order from position 0, and the mask is causal by
         index (what fused kernels take). Given, the mask comes from the positions (and
         `segments_bt`), whatever order the tokens are in."""
         cfg = self.cfg
-        q = self.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...], site=self.wq_site)
-        k = self.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...], site=self.wk_site)
-        v = self.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_site)
+        q = lora.adapted(self, "q", self.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...], site=self.wq_site), x_btd)
+        k = lora.adapted(self, "k", self.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...], site=self.wk_site), x_btd)
+        v = lora.adapted(self, "v", self.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_site), x_btd)
         if cfg.use_bias or cfg.qkv_bias:
             q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
         if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3)
@@ -180,7 +183,7 @@ class Attention(nnx.Module):
         # Its gradient arrives split as the queries are (not along the sequence over `tensor` too,
         # as sequence parallelism's would, which XLA can only reshard by replicating).
         out = constrain(out, ("batch", "length", "heads", "head_dim"), "attention output")
-        y = self.policy.matmul("bthk,hkd->btd", out, self.wo[...], site=self.wo_site)
+        y = lora.adapted(self, "o", self.policy.matmul("bthk,hkd->btd", out, self.wo[...], site=self.wo_site), out)
         if cfg.use_bias:
             y = add_bias(y, self.bo[...])
         return y, cache
@@ -200,6 +203,8 @@ class Mlp(nnx.Module):
         if cfg.use_bias:
             self.b_in = _param(None, (f,), ("mlp",), None, dt)
             self.b_out = _param(None, (d,), ("embed",), None, dt)
+        matmuls = {"up": ("btd,df->btf", self.w_in), "down": ("btf,fd->btd", self.w_out)}
+        lora.attach(self, cfg, matmuls | ({"gate": ("btd,df->btf", self.w_gate)} if cfg.mlp == "swiglu" else {}), rngs)
 
     def __call__(self, x_btd):
         # On CPU the hidden activation is computed in float32 straight from the matmul accumulator
@@ -207,16 +212,16 @@ class Mlp(nnx.Module):
         # stays in the compute dtype, which halves what the backward pass keeps of it.
         cfg = self.cfg
         hidden = jnp.float32 if sharding.platform() == "cpu" else None
-        h = self.policy.matmul("btd,df->btf", x_btd, self.w_in[...], out_dtype=hidden, site=self.w_in_site)
+        h = lora.adapted(self, "up", self.policy.matmul("btd,df->btf", x_btd, self.w_in[...], out_dtype=hidden, site=self.w_in_site), x_btd)
         if cfg.use_bias:
             h = add_bias(h, self.b_in[...])
         if cfg.mlp == "swiglu":
-            gate = self.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=hidden, site=self.w_gate_site)
+            gate = lora.adapted(self, "gate", self.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=hidden, site=self.w_gate_site), x_btd)
             h = jax.nn.silu(gate) * h
         else:
             h = jax.nn.gelu(h)
         h = constrain(self.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden")
-        y = self.policy.matmul("btf,fd->btd", h, self.w_out[...], site=self.w_out_site)
+        y = lora.adapted(self, "down", self.policy.matmul("btf,fd->btd", h, self.w_out[...], site=self.w_out_site), h)
         if cfg.use_bias:
             y = add_bias(y, self.b_out[...])
         return y

@@ -30,11 +30,13 @@ def step_report(config, devices=None, compile_step: bool = True, save_hlo: str |
         "mesh": dict(program.mesh.shape),
         "devices": program.mesh.size,
         "params": sum(int(np.prod(r.shape)) for r in report.rows(state.params)),
+        "trained_params": sum(int(np.prod(a.shape)) for a in jax.tree.leaves(program.abstract_model.trainable.part(state.params))),
         "param_bytes_total": report.total_bytes(state.params),
         "per_device": {
             "params_bytes": params,
             # As the update takes them: the parameters' placement, or with ZeRO-1 the optimizer state's.
-            "grads_bytes": report.device_bytes(placed(state.params, program.grad_shardings)),
+            # (LoRA: the adapters' alone.)
+            "grads_bytes": report.device_bytes(placed(program.abstract_model.trainable.part(state.params), program.grad_shardings)),
             "opt_state_bytes": report.device_bytes(state.opt_state),
         },
     }

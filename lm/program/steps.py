@@ -29,6 +29,7 @@ from lm.program.faults import Faults
 from lm.program.mesh_checks import check_batch_split
 from lm.program.optimizer import optimizer, schedule, state_shardings
 from lm.program.spec import RunSpec
+from lm.program.trainable import Trainable
 from sharding import constrain
 from sharding.pipeline import split_microbatches
 
@@ -66,6 +67,7 @@ class AbstractModel:
         self.param_shardings = sharding.state_shardings(params, mesh, spec.rules)
         self.fp8_shardings = sharding.state_shardings(fp8, mesh, spec.rules) if spec.policy.fp8_state else None
         self.decay_mask = decay_mask(params)
+        self.trainable = Trainable(params, spec.model.lora)  # LoRA: the adapters alone
 
     def build(self, seed: int) -> Transformer:
         """The model, initialised from `seed` (traced under jit or `eval_shape`)."""
@@ -99,19 +101,20 @@ class Program:
         self.spec, self.config, self.mesh, self.rules, self.faults = spec, c, mesh, spec.rules, faults
         self.model_cfg, self.policy, self.loss_scaling = spec.model, spec.policy, spec.loss_scaling
         self.abstract_model = layout = AbstractModel(spec, mesh)
-        self.tx = optimizer(c, layout.decay_mask, layout.logical_axes)
+        trained = layout.trainable.part
+        self.tx = optimizer(c, trained(layout.decay_mask), trained(layout.logical_axes))
         self.schedule = schedule(c)
         self.abstract_state = jax.eval_shape(lambda: self._init(0))
         replicated = NamedSharding(mesh, PartitionSpec())
         sharding.check_rules(self.rules, mesh)  # also the rules no parameter uses
         # The gradients' and optimizer state's placement: the parameters', or with ZeRO-1 spread
         # over the data replicas as well (the update then runs on each replica's share).
-        self.grad_shardings = layout.param_shardings
+        self.grad_shardings = trained(layout.param_shardings)
         if c.sharding.optimizer_over_data:
             self.grad_shardings = jax.tree.map(
-                lambda s, leaf: sharding.spread_sharding(s, leaf.shape), layout.param_shardings, self.abstract_state.params
+                lambda s, leaf: sharding.spread_sharding(s, leaf.shape), self.grad_shardings, trained(self.abstract_state.params)
             )
-        opt_shardings = state_shardings(c, self.abstract_state.opt_state, self.abstract_state.params, self.grad_shardings, replicated)
+        opt_shardings = state_shardings(c, self.abstract_state.opt_state, trained(self.abstract_state.params), self.grad_shardings, replicated)
         loss_scale = self.abstract_state.loss_scale
         self.state_shardings = TrainState(
             step=replicated,
@@ -152,10 +155,11 @@ class Program:
     def _init(self, seed: int, params: dict | None = None) -> TrainState:
         model = self.abstract_model.build(seed)  # with `params` given, XLA drops the unused random init
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param)) if params is None else params
+        params = self.abstract_model.trainable.frozen_in(params, self.policy.compute_dtype)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=self.tx.init(params),
+            opt_state=self.tx.init(self.abstract_model.trainable.part(params)),
             fp8=nnx.to_pure_dict(nnx.state(model, Fp8Meta)) if self.policy.fp8_state else None,
             loss_scale=self.loss_scaling.init(),
         )
@@ -232,15 +236,17 @@ class Program:
         the whole batch would give."""
         accum = self.config.train.grad_accum
         seed = loss_scale / accum
+        trainable = self.abstract_model.trainable
+        trained, frozen = trainable.split(params)  # the gradients are the trained part's only
 
-        def scaled_loss(params, probes, tokens):
-            objective, losses = self._loss(params, tokens, fp8, probes, seed)
+        def scaled_loss(trained, probes, tokens):
+            objective, losses = self._loss(trainable.merge(trained, frozen), tokens, fp8, probes, seed)
             return objective * seed, jax.tree.map(lambda x: x / accum, losses)
 
         grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
 
         def one(tokens):
-            (grads, stats), loss = grad_fn(params, self.abstract_model.zero_probes(), tokens)
+            (grads, stats), loss = grad_fn(trained, self.abstract_model.zero_probes(), tokens)
             return loss, grads, stats
 
         if accum == 1:
@@ -253,7 +259,7 @@ class Program:
             return (*summed, jax.tree.map(jnp.maximum, carry[2], stats)), None
 
         losses = dict.fromkeys(("loss", "mtp_loss") if self.model_cfg.mtp_trained else ("loss",), jnp.zeros((), jnp.float32))
-        zeros = (losses, jax.tree.map(jnp.zeros_like, params), self.abstract_model.zero_probes())
+        zeros = (losses, jax.tree.map(jnp.zeros_like, trained), self.abstract_model.zero_probes())
         (loss, grads, stats), _ = jax.lax.scan(add, zeros, micro)
         return loss, grads, stats
 
@@ -272,7 +278,9 @@ class Program:
             poison = jnp.where(jnp.isin(step, jnp.asarray(self.faults.nonfinite_steps)), jnp.nan, 1.0)
             losses, grads = jax.tree.map(lambda x: x * poison.astype(x.dtype), (losses, grads))
         # A non-finite update is not applied (optax.apply_if_finite); the step still counts.
-        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        trainable = self.abstract_model.trainable
+        trained, frozen = trainable.split(state.params)
+        updates, opt_state = self.tx.update(grads, state.opt_state, trained)
         metrics = {
             **losses,  # the cross entropy, and multi-token prediction's loss (unweighted) beside it
             **({"trained_tokens": jnp.sum(trained_targets(batch))} if isinstance(batch, dict) and "mask" in batch else {}),
@@ -292,7 +300,7 @@ class Program:
             metrics["moe"] = routing
         if self.policy.observe:
             metrics["matmul_stats"] = stats
-        params = optax.apply_updates(state.params, updates)
+        params = trainable.merge(optax.apply_updates(trained, updates), frozen)
         if self.model_cfg.expert_bias_rate > 0:  # no gradient moves it: the observed load does, on applied steps
             balanced = moe.updated_router_bias(params, routing, self.model_cfg.expert_bias_rate)
             params = jax.tree.map(lambda n, o: jnp.where(opt_state.last_finite, n, o), balanced, params)

@@ -1,0 +1,46 @@
+"""Which parameters a run trains: all of them, or under LoRA (`lm.model.lora`) the adapters
+alone, the rest frozen. The parameters are kept whole (one tree, checkpointed, restored and
+exported as any run's); the gradients, optimizer state and update cover the trained part only,
+so frozen weights have no gradients computed and no optimizer state (`Trainable.split`)."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx, traverse_util
+
+from lm.model.lora import LoraParam
+
+
+class Trainable:
+    """The trained part of a parameter tree (pure dicts), told by the parameters' variable types."""
+
+    def __init__(self, params: nnx.State, lora: bool):
+        self.lora = lora
+        flat = nnx.to_flat_state(params)
+        self.paths = {tuple(path) for path, var in flat if not lora or isinstance(var, LoraParam)}
+
+    def split(self, tree: dict) -> tuple[dict, dict]:
+        """(the trained part, the frozen part) of a tree shaped as the parameters; the whole tree
+        and {} when every parameter trains."""
+        if not self.lora:
+            return tree, {}
+        flat = traverse_util.flatten_dict(tree)
+        trained = {k: v for k, v in flat.items() if k in self.paths}
+        frozen = {k: v for k, v in flat.items() if k not in self.paths}
+        return traverse_util.unflatten_dict(trained), traverse_util.unflatten_dict(frozen)
+
+    def part(self, tree: dict) -> dict:
+        return self.split(tree)[0]
+
+    def merge(self, trained: dict, frozen: dict) -> dict:
+        if not self.lora:
+            return trained
+        return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trained)})
+
+    def frozen_in(self, params: dict, dtype) -> dict:
+        """`params` with the frozen weights cast to `dtype` (the compute dtype: half a float32
+        copy's memory in bf16); the trained ones as they are."""
+        if not self.lora:
+            return params
+        trained, frozen = self.split(params)
+        return self.merge(trained, jax.tree.map(lambda a: a.astype(dtype), frozen))
