@@ -1,7 +1,7 @@
 """`python -m lm.convert`: Hugging Face checkpoints in and out.
 
     python -m lm.convert from_hf --hf=DIR --workdir=RUN [--config=configs/finetune_llama.py] [--config.mesh.fsdp=4 ...]
-    python -m lm.convert to_hf --workdir=RUN --out=DIR [--dtype=bfloat16] [--max_shard_size=5GB]
+    python -m lm.convert to_hf --workdir=RUN --out=DIR [--dtype=bfloat16] [--max_shard_size=5GB] [--adapter]
 
 Import reads `config.json` (the architecture, `lm.hf.format`), `tokenizer.json` and the safetensors,
 checks every tensor's presence and shape before writing anything, and places each parameter
@@ -43,8 +43,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the run's parameter dtype)")
     parser.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--adapter", action="store_true", help="a LoRA run's adapters alone, in PEFT's format (default: merged into the weights)")
     args = parser.parse(argv[1:])
-    out = export_hf(args.workdir, args.out, args.dtype, args.max_shard_size, args.step)
+    out = export_hf(args.workdir, args.out, args.dtype, args.max_shard_size, args.step, adapter=args.adapter)
     say(f"exported {args.workdir} -> {out}")
 
 

@@ -21,6 +21,8 @@ from lm import config as lm_config
 from lm import paths
 from lm.config import UserError
 from lm.data import tokenizer as lm_tokenizer
+from lm.hf.adapters import write_adapter
+from lm.model import lora
 from lm.hf import export_config
 from lm.hf import format as hf
 from lm.hf import tensors
@@ -93,7 +95,8 @@ def initial_params(source: str, layout: AbstractModel) -> dict:
     if (path / "checkpoints").is_dir():
         ckpt = Checkpointer(path / "checkpoints")
         try:
-            return ckpt.restore_part({"params": placed(layout.abstract_params, layout.param_shardings)})["params"]
+            base = layout.trainable.base  # a LoRA run starts from a base run's weights
+            return ckpt.restore_part({"params": placed(base(layout.abstract_params), base(layout.param_shardings))})["params"]
         finally:
             ckpt.close()
     return load_params(Reader(path), layout)
@@ -143,7 +146,7 @@ def load_params(reader: Reader, layout: AbstractModel) -> dict:
     """The checkpoint's weights as meshlm parameters, each placed straight into its sharding:
     every device's slice is read (and converted) from the checkpoint tensors it covers."""
     cfg, dtype = layout.spec.model, layout.spec.policy.param_dtype
-    shapes = {p: a.shape for p, a in _flat(layout.abstract_params).items()}
+    shapes = {p: a.shape for p, a in _flat(layout.trainable.base(layout.abstract_params)).items()}  # (LoRA: the base)
     check_tensors(reader, cfg, shapes)
     owner = {path: (link, j) for link in tensors.links(cfg) if not link.copy for j, path in enumerate(link.ours)}
 
@@ -166,7 +169,7 @@ def load_params(reader: Reader, layout: AbstractModel) -> dict:
 
 def _fetch(x: jax.Array) -> np.ndarray:
     """One tensor whole on the host (gathered from every process when the mesh spans several)."""
-    if x.is_fully_addressable:
+    if isinstance(x, np.ndarray) or x.is_fully_addressable:  # (a LoRA run's merged weights are on the host already)
         return np.asarray(x)
     from jax.experimental import multihost_utils
 
@@ -229,11 +232,17 @@ def import_hf(hf_dir: str | Path, workdir: str | Path, base: ml_collections.Conf
     return workdir
 
 
-def export_hf(workdir: str | Path, out: str | Path, dtype: str | None = None, max_shard_size: str = "5GB", step: int | None = None) -> Path:
-    """A Hugging Face model directory in `out` from a meshlm run's checkpoint."""
+def export_hf(workdir: str | Path, out: str | Path, dtype: str | None = None, max_shard_size: str = "5GB", step: int | None = None,
+              adapter: bool = False) -> Path:
+    """A Hugging Face model directory in `out` from a meshlm run's checkpoint. A LoRA run's
+    adapters are merged into the weights, or with `adapter` written alone in PEFT's format."""
     max_bytes = parse_size(max_shard_size)
     config, tokenizer, layout, restored = _restore_for_export(workdir, step)
     cfg = layout.spec.model
+    if adapter:
+        return write_adapter(_flat(jax.device_get(restored["params"])), cfg, out, config.init.from_hf)
+    if cfg.lora:
+        restored = {**restored, "params": lora.merged(jax.device_get(restored["params"]), cfg)}
     dtype = dtype or config.precision.param_dtype
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype={dtype!r} is not one of float32, bfloat16, float16")

@@ -85,3 +85,35 @@ def adapted(module: nnx.Module, name: str, y: jax.Array, x: jax.Array) -> jax.Ar
     it has one."""
     adapter = getattr(module, f"lora_{name}", None)
     return y if adapter is None else y + adapter(module.policy, x).astype(y.dtype)
+
+
+# Each target's weight, beside its adapter `lora_<target>`: laid out (*in, *out), as A (*in, rank) and B (rank, *out).
+WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_in", "down": "w_out"}
+
+
+def delta(a, b, w_shape):
+    """(A B) as an update of a weight of `w_shape` (leading stacked axes included), in float32."""
+    import numpy as np
+
+    lead = a.ndim + b.ndim - 2 - len(w_shape)  # stacked axes (layers) in front of all three
+    a2 = np.asarray(a, np.float32).reshape(*a.shape[:lead], -1, a.shape[-1])
+    b2 = np.asarray(b, np.float32).reshape(*b.shape[:lead], b.shape[lead], -1)
+    return np.matmul(a2, b2).reshape(w_shape)
+
+
+def merged(params: dict, cfg) -> dict:
+    """Pure-dict parameters with every adapter folded into its weight (W + alpha / rank A B, in
+    float32, rounded once where the export casts) and the adapters gone: the model a LoRA run
+    has trained, as a plain one (on the host, numpy)."""
+    import numpy as np
+
+    def walk(tree: dict) -> dict:
+        out = {k: walk(v) if isinstance(v, dict) else v for k, v in tree.items() if not k.startswith("lora_")}
+        for target, weight in WEIGHTS.items():
+            adapter = tree.get(f"lora_{target}")
+            if adapter is not None:
+                w = np.asarray(tree[weight])
+                out[weight] = w.astype(np.float32) + cfg.lora_alpha / cfg.lora_rank * delta(adapter["a"], adapter["b"], w.shape)
+        return out
+
+    return walk(params)

@@ -154,7 +154,8 @@ class Program:
 
     def _init(self, seed: int, params: dict | None = None) -> TrainState:
         model = self.abstract_model.build(seed)  # with `params` given, XLA drops the unused random init
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param)) if params is None else params
+        initial = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        params = initial if params is None else self.abstract_model.trainable.completed(params, initial)  # LoRA: new adapters
         params = self.abstract_model.trainable.frozen_in(params, self.policy.compute_dtype)
         return TrainState(
             step=jnp.zeros((), jnp.int32),

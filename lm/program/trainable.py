@@ -32,6 +32,18 @@ class Trainable:
     def part(self, tree: dict) -> dict:
         return self.split(tree)[0]
 
+    def base(self, tree: dict) -> dict:
+        """The base model's part of a tree: without LoRA the whole, with it the frozen part
+        (what a Hugging Face checkpoint or a base run holds)."""
+        return self.split(tree)[1] if self.lora else tree
+
+    def completed(self, given: dict, initial: dict) -> dict:
+        """`given` parameters (a base model's, or a whole LoRA run's) with whatever they lack
+        (a new run's adapters) taken from `initial`."""
+        if not self.lora:
+            return given
+        return traverse_util.unflatten_dict({**traverse_util.flatten_dict(initial), **traverse_util.flatten_dict(given)})
+
     def merge(self, trained: dict, frozen: dict) -> dict:
         if not self.lora:
             return trained

@@ -146,7 +146,8 @@ def _start(program: Program, ckpt: Checkpointer):
     config, layout = program.config, program.abstract_model
     latest = ckpt.latest_step()
     if latest is not None and ckpt.saved_fields(latest) == {"params"}:
-        params = ckpt.restore_part({"params": placed(layout.abstract_params, layout.param_shardings)}, latest)["params"]
+        base = layout.trainable.base  # (a LoRA run on an imported model: its adapters are new)
+        params = ckpt.restore_part({"params": placed(base(layout.abstract_params), base(layout.param_shardings))}, latest)["params"]
         _say(f"starting from the weights in {ckpt.directory / str(latest)} (fresh optimizer state)")
         return latest, program.init_from(config.train.seed, params), None
     restored = ckpt.restore_latest(program.abstract_sharded_state(), _say)

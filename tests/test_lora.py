@@ -1,0 +1,136 @@
+"""LoRA: adapters that leave the base model as it was at initialisation, train alone (no
+gradients or optimizer state for the frozen base), and leave as PEFT's format or merged."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import VOCAB, assert_one_line_error, run_cli, small_config
+
+from lm import config as lm_config
+from lm.program.steps import setup
+
+ADAPTED = ("lora_q", "lora_k", "lora_v", "lora_o", "lora_gate", "lora_up", "lora_down")
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    from flax import traverse_util
+
+    return {"/".join(k): v for k, v in traverse_util.flatten_dict(tree).items()}
+
+
+def logits(program, params, tokens):
+    import sharding
+
+    with sharding.activate(program.mesh, program.rules):
+        return np.asarray(jax.jit(lambda m, t: m(t)[0])(program.abstract_model.model(params), tokens))
+
+
+def test_lora_at_initialisation_is_the_base_model_and_trains_only_the_adapters():
+    base = setup(small_config({"data": 1}), VOCAB, jax.devices()[:1])
+    lora = setup(small_config({"data": 1}, lora__rank=4, lora__targets="all"), VOCAB, jax.devices()[:1])
+    base_state = base.init_state(0)
+    state = lora.init_from(0, jax.device_get(base_state.params))  # the base's weights, new adapters
+    params = flat(jax.device_get(state.params))
+    assert {p.split("/")[-2] for p in params if "/lora_" in p} == set(ADAPTED)
+    assert all(not np.any(v) for p, v in params.items() if p.endswith("/b"))  # B starts at zero ...
+    assert all(np.any(v) for p, v in params.items() if p.endswith("/a"))  # ... A does not
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 16)).astype(np.int32)
+    assert np.array_equal(logits(lora, state.params, tokens), logits(base, base_state.params, tokens))
+    # the optimizer keeps moments for the adapters alone
+    moments = [leaf.size for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim > 0]
+    adapter_size = sum(v.size for p, v in params.items() if "/lora_" in p)
+    assert sum(moments) == 2 * adapter_size
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        batch = rng.integers(0, VOCAB, (16, 33)).astype(np.int32)
+        state, metrics = lora.train_step(state, lora.global_batch(batch))
+    after = flat(jax.device_get(state.params))
+    changed = {p for p in params if not np.array_equal(params[p], after[p])}
+    assert changed == {p for p in params if "/lora_" in p}  # every adapter moved, nothing else
+    assert not np.array_equal(logits(lora, state.params, tokens), logits(base, base_state.params, tokens))
+
+
+def test_lora_compiles_and_trains_under_fsdp_and_tensor_parallelism_as_on_one_device():
+    """{fsdp 2, tensor 2}: the same losses as one device, the adapters split as their weights."""
+    from conftest import run_steps
+
+    one, _ = run_steps(small_config({"data": 1}, lora__rank=4), jax.devices()[:1], steps=3)
+    split, _ = run_steps(small_config({"fsdp": 2, "tensor": 2}, lora__rank=4), jax.devices()[:4], steps=3)
+    np.testing.assert_allclose(split, one, rtol=2e-5)
+    program = setup(small_config({"fsdp": 2, "tensor": 2}, lora__rank=4), VOCAB, jax.devices()[:4])
+    shardings = flat(program.abstract_model.param_shardings)
+    wq, b = tuple(shardings["blocks/attn/wq"].spec), tuple(shardings["blocks/attn/lora_q/b"].spec)
+    assert b == wq[:1] + (None,) + wq[2:] and "tensor" in str(b)  # B [layers, rank, heads, head_dim]: heads over tensor, as wq's
+
+
+def test_bad_lora_settings_are_one_line(capsys, tmp_path):
+    from lm import train
+
+    cases = {
+        "lora.rank=-1": ("lora.rank=-1",),
+        "lora.targets=q,attn": ("no matmul named attn",),
+        "lora.dropout=0.1": ("lora.dropout=0.1",),
+    }
+    for setting, fragments in cases.items():
+        result = run_cli(capsys, train.main, "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}", f"--config.{setting}", "--config.lora.rank=4"
+                         if not setting.startswith("lora.rank") else "--config.train.steps=1")
+        assert_one_line_error(result, *fragments)
+    moe = run_cli(capsys, train.main, "--config=configs/moe_tiny.py", f"--workdir={tmp_path / 'run'}", "--config.lora.rank=4")
+    assert_one_line_error(moe, "match(es) no matmul", "gate, up, down")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A tiny HF Llama imported, then fine-tuned with LoRA (rank 4, every target) for 3 steps on
+    random text, in float32: (the HF directory, the torch model, the run directory)."""
+    pytest.importorskip("torch", reason="torch (the test extra; Python 3.11 only) is not installed")
+    from hf_models import make_hf_model
+
+    from lm import convert, train
+
+    root = tmp_path_factory.mktemp("lora")
+    model = make_hf_model(root / "hf", "llama", std=0.4)
+    corpus = root / "text.txt"
+    corpus.write_text(" ".join(str(i) for i in range(3000)))
+    run = root / "run"
+    for main, argv in ((convert.main, ["from_hf", f"--hf={root / 'hf'}", f"--workdir={run}", "--config.train.seq_len=32",
+                                       "--config.precision.compute_dtype=float32"]),
+                       (train.main, [f"--workdir={run}", f"--config.data.path={corpus}", "--config.train.steps=3", "--config.train.batch_size=8",
+                                     "--config.lora.rank=4", "--config.lora.targets=all", "--config.optim.lr=0.01", "--config.optim.warmup_steps=0"])):
+        from lm import cli
+
+        try:
+            cli.run(main, argv)
+        except SystemExit as e:
+            assert not e.code, (main, argv)
+    return root / "hf", model, run
+
+
+def test_peft_loads_the_exported_adapters_and_the_merged_export_equals_them(tmp_path, lora_run, capsys):
+    peft = pytest.importorskip("peft", reason="peft (the test extra; Python 3.11 only) is not installed")
+    import torch
+    import transformers
+
+    from lm import convert
+    from lm.program.restore import load
+
+    from hf_models import VOCAB as HF_VOCAB
+
+    hf_dir, _, run = lora_run
+    result = run_cli(capsys, convert.main, "to_hf", f"--workdir={run}", f"--out={tmp_path / 'adapter'}", "--adapter")
+    assert result.returncode == 0, result.stderr
+    result = run_cli(capsys, convert.main, "to_hf", f"--workdir={run}", f"--out={tmp_path / 'merged'}", "--dtype=float32")
+    assert result.returncode == 0, result.stderr
+    tokens = np.random.default_rng(0).integers(0, HF_VOCAB, (2, 24))
+    _, _, ours = load(run)
+    mine = np.asarray(jax.jit(lambda m, t: m(t)[0])(ours, tokens))[..., :HF_VOCAB]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = base(torch.as_tensor(tokens)).logits.numpy()
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(torch.as_tensor(tokens)).logits.numpy()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(torch.as_tensor(tokens)).logits.numpy()
+    assert np.abs(adapted - plain).max() > 1e-2  # the adapters changed the model
+    scale = np.abs(mine).max()  # logits up to ~14: float32 sums in another order differ by ~2e-5
+    assert np.abs(adapted - mine).max() <= 1e-5 * scale
+    assert np.abs(merged - adapted).max() <= 1e-5 * scale
