@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from conftest import VOCAB, assert_one_line_error, run_cli, small_config
 
-from lm import config as lm_config
 from lm.program.steps import setup
 
 ADAPTED = ("lora_q", "lora_k", "lora_v", "lora_o", "lora_gate", "lora_up", "lora_down")
