@@ -7,7 +7,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, fast_config, run_cli
+from conftest import ROOT, assert_one_line_error, fast_config, run_cli
 
 from lm import prepare
 from lm.data import chat, corpus
@@ -290,3 +290,37 @@ def test_the_loss_mask_through_pipelines_and_context_parallelism_equals_one_devi
     assert abs(one - split) <= 1e-5 * one, (one, split)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         assert np.allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(a).max())
+
+
+def test_generate_chat_renders_one_user_turn_and_stops_at_the_end_of_turn(tmp_path, capsys, monkeypatch):
+    """`lm.generate --chat`: the prompt is the template's rendering of one user turn with its
+    generation prompt; the answer printed ends before the end-of-turn token the model sampled."""
+    from lm import cli, generate, train
+
+    chat_corpus(tmp_path, seq_len=256)  # the conversations and tokenizer
+    run = tmp_path / "run"
+    tok = tmp_path / "tok" / "tokenizer.json"
+    try:
+        cli.run(train.main, [f"--config={ROOT}/configs/tiny.py",
+                             f"--workdir={run}", f"--config.data.path={tmp_path / 'chat.jsonl'}", "--config.data.format=chat",
+                             f"--config.data.tokenizer={tok}", f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.train.steps=1",
+                             "--config.train.seq_len=256", "--config.train.batch_size=8"])
+    except SystemExit as e:
+        assert not e.code
+    capsys.readouterr()
+    tokenizer = HFTokenizer(tok)
+    answer = tokenizer.encode_with_offsets("Devices in a grid.<|im_end|>\nmore text")[0]
+    seen = {}
+
+    def sampled(model, prompt_ids, *args, **kwargs):
+        seen["prompt"] = list(prompt_ids)
+        return answer
+
+    monkeypatch.setattr(generate, "generate_ids", sampled)
+    result = run_cli(capsys, generate.main, f"--workdir={run}", "--chat=What is a mesh?", "--print_ids")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "Devices in a grid."
+    assert [int(i) for i in lines[1].split()] == answer.tolist()[: answer.tolist().index(tokenizer.tokenizer.token_to_id("<|im_end|>"))]
+    expected = "<|im_start|>user\nWhat is a mesh?<|im_end|>\n<|im_start|>assistant\n"
+    assert seen["prompt"] == tokenizer.encode_with_offsets(expected)[0].tolist()

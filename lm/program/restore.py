@@ -46,7 +46,7 @@ def restore(workdir: str | Path, step: int | None = None, *, own_mesh: bool = Fa
         spec = dataclasses.replace(spec, pipeline=PipelinePlan())
         mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
     layout = AbstractModel(spec, mesh)
-    part = {"params": placed(layout.abstract_params, layout.param_shardings)}
+    part = {"params": placed(layout.run_params, layout.param_shardings)}
     if layout.fp8_shardings is not None:
         part["fp8"] = placed(layout.abstract_fp8, layout.fp8_shardings)
     ckpt = Checkpointer(workdir / "checkpoints")

@@ -68,6 +68,8 @@ class AbstractModel:
         self.fp8_shardings = sharding.state_shardings(fp8, mesh, spec.rules) if spec.policy.fp8_state else None
         self.decay_mask = decay_mask(params)
         self.trainable = Trainable(params, spec.model.lora)  # LoRA: the adapters alone
+        # As a run keeps them (in its state and checkpoints): a LoRA run's frozen base in the compute dtype.
+        self.run_params = self.trainable.frozen_in(self.abstract_params, spec.policy.compute_dtype)
 
     def build(self, seed: int) -> Transformer:
         """The model, initialised from `seed` (traced under jit or `eval_shape`)."""

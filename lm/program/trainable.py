@@ -55,4 +55,5 @@ class Trainable:
         if not self.lora:
             return params
         trained, frozen = self.split(params)
-        return self.merge(trained, jax.tree.map(lambda a: a.astype(dtype), frozen))
+        cast = lambda a: jax.ShapeDtypeStruct(a.shape, dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.astype(dtype)  # noqa: E731
+        return self.merge(trained, jax.tree.map(cast, frozen))
