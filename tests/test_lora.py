@@ -133,3 +133,24 @@ def test_peft_loads_the_exported_adapters_and_the_merged_export_equals_them(tmp_
     scale = np.abs(mine).max()  # logits up to ~14: float32 sums in another order differ by ~2e-5
     assert np.abs(adapted - mine).max() <= 1e-5 * scale
     assert np.abs(merged - adapted).max() <= 1e-5 * scale
+
+
+def test_the_planner_gives_frozen_weights_no_gradients_or_optimizer_state():
+    """The cost model's state of a LoRA run: the base in the compute dtype without gradients or
+    moments, the adapters with both (float32); against the full fine-tune's."""
+    from conftest import recipe
+
+    from lm.planner.memory import mesh_state_bytes
+    from lm.planner.run import run_of
+
+    mesh = tuple((a, 1) for a in ("data", "stage", "context", "expert", "fsdp", "tensor"))
+    full = run_of(recipe("tiny", precision__compute_dtype="bfloat16"))
+    lora = run_of(recipe("tiny", precision__compute_dtype="bfloat16", lora__rank=4))
+    f, lo = mesh_state_bytes(full.state, mesh, False), mesh_state_bytes(lora.state, mesh, False)
+    adapters = [leaf for leaf in lora.state if leaf.kind == "params" and leaf.trained]
+    adapter_bytes = sum(leaf.device_bytes(dict(mesh)) for leaf in adapters)
+    assert adapters and all("lora_" in leaf.path and leaf.itemsize == 4 for leaf in adapters)
+    assert lo["grads"] == adapter_bytes
+    assert 2 * adapter_bytes <= lo["opt_state"] < 2 * adapter_bytes + 1024  # the moments (and a few counters)
+    assert lo["params"] == f["params"] // 2 + adapter_bytes  # the base in bf16: half its float32 bytes
+    assert f["grads"] == f["params"]

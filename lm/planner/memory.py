@@ -33,7 +33,7 @@ def mesh_state_bytes(state: tuple[StateLeaf, ...], mesh: tuple[tuple[str, int], 
     out = {"params": 0, "opt_state": 0, "other": 0, "grads": 0}
     for leaf in state:
         out[leaf.kind] += leaf.device_bytes(sizes, spread and leaf.kind == "opt_state")
-        if leaf.kind == "params":
+        if leaf.kind == "params" and leaf.trained:  # (frozen weights have no gradient)
             out["grads"] += leaf.device_bytes(sizes, spread)
     return out
 

@@ -29,6 +29,7 @@ class StateLeaf:
     itemsize: int
     axes: tuple[tuple[str, ...], ...]
     kind: str  # params | opt_state | other
+    trained: bool = True  # params: has a gradient (LoRA: the adapters alone)
 
     def device_bytes(self, mesh: dict, spread: bool = False) -> int:
         """Bytes on each device of `mesh` (sizes by axis); `spread`: also over `data`, as ZeRO-1 places it."""
@@ -80,6 +81,7 @@ def run_of(config) -> Run:
     one = apply_overrides(config, {f"mesh.{a}": 1 for a in MESH_AXES})
     program = setup(one, nominal_vocab_size(config.data), jax.devices("cpu")[:1])
     state = program.abstract_state
+    trained = {path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(program.abstract_model.trainable.part(state.params))[0]}
     leaves = []
     for kind, tree, shardings in (
         ("params", state.params, program.state_shardings.params),
@@ -88,7 +90,8 @@ def run_of(config) -> Run:
     ):
         for (path, leaf), named in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(shardings)):
             axes = spec_axes(named.spec, len(leaf.shape))
-            leaves.append(StateLeaf(f"{kind}/{path_name(path)}", tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, axes, kind))
+            leaves.append(StateLeaf(f"{kind}/{path_name(path)}", tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, axes, kind,
+                                    kind != "params" or path_name(path) in trained))
     policy = program.policy
     return Run(
         model=program.model_cfg,
