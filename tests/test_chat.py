@@ -324,3 +324,23 @@ def test_generate_chat_renders_one_user_turn_and_stops_at_the_end_of_turn(tmp_pa
     assert [int(i) for i in lines[1].split()] == answer.tolist()[: answer.tolist().index(tokenizer.tokenizer.token_to_id("<|im_end|>"))]
     expected = "<|im_start|>user\nWhat is a mesh?<|im_end|>\n<|im_start|>assistant\n"
     assert seen["prompt"] == tokenizer.encode_with_offsets(expected)[0].tolist()
+
+
+def test_jsonl_parquet_and_datasets_conversations_make_the_same_store(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [r for r in conversations(30) if "messages" in r]  # one schema per table
+    jsonl = write_jsonl(tmp_path / "c.jsonl", records)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "c.parquet", row_group_size=7)
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
+    tok = chat_tokenizer(tmp_path / "tok", "chatml")
+    stores = []
+    for path in (jsonl, tmp_path / "c.parquet", tmp_path / "ds"):
+        config = fast_config(path, data__format="chat", data__tokenizer=str(tok), data__cache_dir=str(tmp_path / "cache"), train__seq_len=256)
+        store = corpus.open_corpus(config, tmp_path / f"run-{path.name}", progress=False).splits[0][0].store
+        stores.append((store.read(0, store.num_tokens), store.read_mask(0, store.num_tokens), store.doc_lengths))
+    for other in stores[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(stores[0], other))
+    assert len(stores[0][2]) == len(records) and stores[0][1].any()
