@@ -19,7 +19,7 @@ import numpy as np
 
 from lm import paths
 from lm import progress as lm_progress
-from lm.data import sources, token_store
+from lm.data import records, sources, token_store
 from lm.data.chat import ChatFormat, keep_template
 from lm.data.sources import Piece, Reading
 from lm.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -100,7 +100,7 @@ def _prepare_conversations(writer: token_store.UnitWriter, pieces: list[Piece], 
     each (no separator: the template writes its own turns' ends)."""
     chat = ChatFormat.from_dict(reading.chat)
     for piece in pieces:
-        for record, where in sources.records(piece, reading):
+        for record, where in records.records(piece, reading):
             try:
                 encoded = chat.encode_record(record, tokenizer, where, reading.counts)
             except UserError:

@@ -3,7 +3,7 @@ decay, wrapped in `optax.apply_if_finite` so that an update from non-finite grad
 applied.
 
 Weight decay applies where `decay_mask` says (a tree of booleans shaped like the parameters;
-`lm.program.steps.decay_mask` derives it from the model's logical axes: matmul weights only).
+`lm.program.trainable.decay_mask` derives it from the model's logical axes: matmul weights only).
 `optim.name=muon`: optax's Muon for the block matmul weights (decayed, and not the vocabulary
 head), each orthogonalised as the matrix (its input axes x its output axes) per layer; AdamW with
 the same rule for the rest (embedding, head, norms, biases). Muon's updates are scaled to

@@ -23,13 +23,13 @@ from lm.model import moe, multi_token
 from lm.model.attention import check_cudnn
 from lm.model.cross_entropy import cross_entropy
 from lm.model.fp8 import Fp8Meta, Probe, update_fp8
-from lm.model.layers import STACK_AXES, Embedding
 from lm.model.transformer import Transformer, segment_positions
 from lm.program.faults import Faults
 from lm.program.mesh_checks import check_batch_split
 from lm.program.optimizer import optimizer, schedule, state_shardings
 from lm.program.spec import RunSpec
-from lm.program.trainable import Trainable
+from lm.program.loss_weights import loss_weights, trained_targets
+from lm.program.trainable import Trainable, decay_mask
 from sharding import constrain
 from sharding.pipeline import split_microbatches
 
@@ -81,18 +81,6 @@ class AbstractModel:
     def model(self, params, fp8=None, probes=None) -> Transformer:
         """The model on these parameters (and fp8 state; probes default to zeros)."""
         return nnx.merge(self.graphdef, params, fp8 or {}, self.zero_probes() if probes is None else probes)
-
-
-def decay_mask(params: nnx.State) -> dict:
-    """True for the parameters weight decay applies to: matmul weights, told by their logical
-    axes (nanoGPT's rank >= 2 rule, where a weight's rank counts its logical axes other than the
-    stacked `layers`, and one of them is the model width `embed`). Norm scales, biases (also the
-    per-head ones of q/k/v) and lookup tables (`Embedding`) are not decayed."""
-    flat = {}
-    for path, var in nnx.to_flat_state(params):
-        axes = [a for a in var.get_metadata().get("out_sharding") or () if a not in STACK_AXES]
-        flat[path] = len(axes) >= 2 and "embed" in axes and not isinstance(var, Embedding)
-    return nnx.to_pure_dict(nnx.from_flat_state(flat))
 
 
 class Program:
@@ -333,28 +321,6 @@ class Program:
     def abstract_sharded_state(self) -> TrainState:
         """ShapeDtypeStructs of the state placed by its shardings: a restore or compile target."""
         return placed(self.abstract_state, self.state_shardings)
-
-
-def trained_targets(batch: dict) -> jax.Array:
-    """[b, l - 1] bool: the targets the loss is on, a batch's loss mask where the target is in
-    its input's segment (packed rows: never a conversation's first token after another's last)."""
-    trained = batch["mask"][:, 1:].astype(bool)
-    if "segments" in batch:
-        trained &= batch["segments"][:, 1:] == batch["segments"][:, :-1]
-    return trained
-
-
-def loss_weights(batch):
-    """A batch with a loss mask ('mask' [b, l]) with 'weights' [b, l] instead: each trained
-    target's weight (targets in the batch) / (trained targets in the batch), others 0, so that a
-    pass's mean over its tokens, averaged over the step's passes and replicas (equal sizes), is
-    the whole step's mean over its trained tokens, not a mean of each microbatch's mean."""
-    if not isinstance(batch, dict) or "mask" not in batch:
-        return batch
-    trained = trained_targets(batch)
-    scale = trained.size / jnp.maximum(jnp.sum(trained), 1).astype(jnp.float32)
-    weights_bl = jnp.pad(trained.astype(jnp.float32) * scale, ((0, 0), (1, 0)))
-    return {**{k: v for k, v in batch.items() if k != "mask"}, "weights": weights_bl}
 
 
 def placed(tree, shardings):

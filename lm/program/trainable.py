@@ -1,4 +1,4 @@
-"""Which parameters a run trains: all of them, or under LoRA (`lm.model.lora`) the adapters
+"""Which parameters a run trains and decays: all of them, or under LoRA (`lm.model.lora`) the adapters
 alone, the rest frozen. The parameters are kept whole (one tree, checkpointed, restored and
 exported as any run's); the gradients, optimizer state and update cover the trained part only,
 so frozen weights have no gradients computed and no optimizer state (`Trainable.split`)."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 from flax import nnx, traverse_util
 
+from lm.model.layers import STACK_AXES, Embedding
 from lm.model.lora import LoraParam
 
 
@@ -57,3 +58,15 @@ class Trainable:
         trained, frozen = self.split(params)
         cast = lambda a: jax.ShapeDtypeStruct(a.shape, dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.astype(dtype)  # noqa: E731
         return self.merge(trained, jax.tree.map(cast, frozen))
+
+
+def decay_mask(params: nnx.State) -> dict:
+    """True for the parameters weight decay applies to: matmul weights, told by their logical
+    axes (nanoGPT's rank >= 2 rule, where a weight's rank counts its logical axes other than the
+    stacked `layers`, and one of them is the model width `embed`). Norm scales, biases (also the
+    per-head ones of q/k/v) and lookup tables (`Embedding`) are not decayed."""
+    flat = {}
+    for path, var in nnx.to_flat_state(params):
+        axes = [a for a in var.get_metadata().get("out_sharding") or () if a not in STACK_AXES]
+        flat[path] = len(axes) >= 2 and "embed" in axes and not isinstance(var, Embedding)
+    return nnx.to_pure_dict(nnx.from_flat_state(flat))
