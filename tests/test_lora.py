@@ -4,7 +4,7 @@ gradients or optimizer state for the frozen base), and leave as PEFT's format or
 import jax
 import numpy as np
 import pytest
-from conftest import VOCAB, assert_one_line_error, run_cli, small_config
+from conftest import ROOT, VOCAB, assert_one_line_error, run_cli, small_config
 
 from lm.program.steps import setup
 
@@ -154,3 +154,29 @@ def test_the_planner_gives_frozen_weights_no_gradients_or_optimizer_state():
     assert 2 * adapter_bytes <= lo["opt_state"] < 2 * adapter_bytes + 1024  # the moments (and a few counters)
     assert lo["params"] == f["params"] // 2 + adapter_bytes  # the base in bf16: half its float32 bytes
     assert f["grads"] == f["params"]
+
+
+def test_a_lora_runs_checkpoints_hold_its_adapters_and_it_resumes_exactly(tmp_path, small_corpus):
+    """Each step's checkpoint holds the adapters and their moments, the frozen base is kept once
+    (`lora_base`); stopped at step 2 and resumed, the run's losses equal an unbroken run's."""
+    from conftest import losses
+
+    from lm import cli, train
+    from lm.program.checkpoint import Checkpointer
+
+    flags = [f"--config={ROOT}/configs/tiny.py", f"--config.data.path={small_corpus}", "--config.lora.rank=4", "--config.train.log_every=1",
+             "--config.checkpoint.every_steps=2", "--config.train.batch_size=8", "--config.train.seq_len=32", "--config.model.num_layers=2",
+             "--config.precision.compute_dtype=float32", "--config.optim.decay_steps=4"]  # (the schedule independent of train.steps)
+    for workdir, stops in ((tmp_path / "whole", (4,)), (tmp_path / "resumed", (2, 4))):
+        for steps in stops:
+            try:
+                cli.run(train.main, [*flags, f"--workdir={workdir}", f"--config.train.steps={steps}"])
+            except SystemExit as e:
+                assert not e.code
+    assert losses(tmp_path / "whole") == losses(tmp_path / "resumed")
+    ckpt = Checkpointer(tmp_path / "resumed" / "checkpoints")
+    saved = ckpt.manager.item_metadata(4)["state"]
+    ckpt.close()
+    params = flat(dict(saved["params"]))
+    assert params and all("/lora_" in p for p in params)  # the adapters alone
+    assert (tmp_path / "resumed" / "lora_base" / "0").is_dir()

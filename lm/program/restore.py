@@ -14,6 +14,7 @@ from lm import config as lm_config
 from lm import paths
 from lm.data import tokenizer as lm_tokenizer
 from lm.program.checkpoint import Checkpointer
+from lm.program.lora_base import base_params
 from lm.program.spec import RunSpec
 from lm.program.steps import AbstractModel, placed
 from sharding.schedules import PipelinePlan
@@ -46,10 +47,13 @@ def restore(workdir: str | Path, step: int | None = None, *, own_mesh: bool = Fa
         spec = dataclasses.replace(spec, pipeline=PipelinePlan())
         mesh = sharding.make_mesh(sharding.MeshConfig(data=1), jax.devices()[:1])
     layout = AbstractModel(spec, mesh)
-    part = {"params": placed(layout.run_params, layout.param_shardings)}
+    trainable = layout.trainable  # (a LoRA run's checkpoints hold its adapters; its base is kept once: lm.program.lora_base)
+    part = {"params": placed(trainable.part(layout.run_params), trainable.part(layout.param_shardings))}
     if layout.fp8_shardings is not None:
         part["fp8"] = placed(layout.abstract_fp8, layout.fp8_shardings)
     ckpt = Checkpointer(workdir / "checkpoints")
     restored = ckpt.restore_part(part, step)
     ckpt.close()
+    if trainable.lora:
+        restored["params"] = trainable.merge(restored["params"], base_params(workdir, layout))
     return config, tokenizer, layout, restored

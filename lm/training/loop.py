@@ -24,6 +24,7 @@ from lm.hf.checkpoint import initial_params, with_init_model
 from lm.model.flops import flops_per_token, param_count
 from lm.program.checkpoint import Checkpointer
 from lm.program.faults import Faults
+from lm.program.lora_base import checkpointed, keep_base, restore_target, with_base
 from lm.program.spec import RunSpec
 from lm.program.steps import Program, placed, setup
 from lm.training.metrics import (
@@ -150,10 +151,11 @@ def _start(program: Program, ckpt: Checkpointer):
         params = ckpt.restore_part({"params": placed(base(layout.abstract_params), base(layout.param_shardings))}, latest)["params"]
         _say(f"starting from the weights in {ckpt.directory / str(latest)} (fresh optimizer state)")
         return latest, program.init_from(config.train.seed, params), None
-    restored = ckpt.restore_latest(program.abstract_sharded_state(), _say)
+    restored = ckpt.restore_latest(restore_target(program), _say)
     if restored is not None:
         _say(f"resuming from step {restored[0]} ({ckpt.directory / str(restored[0])})")
-        return restored
+        step, state, data_state = restored
+        return step, with_base(program, state, ckpt.directory.parent), data_state
     if config.init.from_hf:
         _say(f"starting from the weights of {config.init.from_hf}")
         return 0, program.init_from(config.train.seed, initial_params(config.init.from_hf, layout)), None
@@ -183,7 +185,8 @@ def _roll_back(program: Program, ckpt: Checkpointer, batches, spikes: SpikeWatch
             ckpt.set_aside(later, "rolled_back")
     if jax.process_index() == 0:
         record(workdir, spike, target)
-    restored, data_state = ckpt.restore(program.abstract_sharded_state(), target, need_data=True)
+    restored, data_state = ckpt.restore(restore_target(program), target, need_data=True)
+    restored = with_base(program, restored, workdir)
     batches.set_state(data_state)
     batches.skip |= {b for _, b, _ in spike}
     writer.write({"step": detected, "spike_rollbacks": count})
@@ -207,6 +210,7 @@ def _loop(program: Program, ckpt: Checkpointer, batches, val_rows, writer: Metri
     t, mesh, mcfg = config.train, program.mesh, program.model_cfg
     val_batches = [program.global_batch(rows) for rows in val_rows]  # on device once, reused
     start, state, data_state = _start(program, ckpt)
+    keep_base(workdir, program, state)  # a LoRA run's frozen base, once: its checkpoints hold the adapters
     if data_state is not None:
         batches.set_state(data_state)
     tokens_per_step = t.batch_size * t.seq_len
@@ -286,7 +290,7 @@ def _steps(program: Program, ckpt: Checkpointer, batches, val_batches, writer: M
             halt = _nonfinite_verdict(program.spec, first, host, _say)
             if halt:
                 with watch.paused(f"checkpointing step {step}"):
-                    ckpt.save(step, state, batches.get_state())
+                    ckpt.save(step, checkpointed(program, state), batches.get_state())
                     ckpt.wait()
                 raise TrainingHalted(f"{halt}; no non-finite update was applied: the state is checkpointed at step {step} ({ckpt.directory / str(step)})")
         if step % t.eval_every == 0 or step == t.steps:
@@ -307,7 +311,7 @@ def _steps(program: Program, ckpt: Checkpointer, batches, val_batches, writer: M
             rate.exclude(time.perf_counter() - eval_start)
         if step % config.checkpoint.every_steps == 0 or step == t.steps:
             with watch.paused(f"checkpointing step {step}"):
-                ckpt.save(step, state, batches.get_state())
+                ckpt.save(step, checkpointed(program, state), batches.get_state())
             if faults.kill_during_save_at_step == step:
                 _kill_self(step, "during the checkpoint write")
         bar.update(1)
@@ -318,7 +322,7 @@ def _steps(program: Program, ckpt: Checkpointer, batches, val_batches, writer: M
             if pending:
                 writer.write(rate.row(step, jax.device_get(pending)))
             with watch.paused(f"checkpointing step {step} to stop"):
-                ckpt.save(step, state, batches.get_state())
+                ckpt.save(step, checkpointed(program, state), batches.get_state())
                 ckpt.wait()
             bar.close()
             _say(f"{stop.signal_name}: stopped after step {step}; checkpoint {ckpt.directory / str(step)} is written; run the same command to resume")

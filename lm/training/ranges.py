@@ -18,6 +18,7 @@ from lm.config import UserError
 from lm.data import corpus as lm_data
 from lm.model.fp8 import FP8_FORMATS, REPORT_FORMATS, ROLES, named_stats
 from lm.program.checkpoint import Checkpointer
+from lm.program.lora_base import restore_target, with_base
 from lm.program.loss_scale import LossScaling
 from lm.program.steps import Program, TrainState, setup
 
@@ -61,11 +62,13 @@ def _restore(ckpt: Checkpointer, step: int, workdir: Path, trainer: Program, fre
     scale are left behind, its arrays cast to the report's dtypes."""
     saved_config = lm_config.load_run(workdir)
     if saved_config is None:
-        return *ckpt.restore(trainer.abstract_sharded_state(), step), True
+        restored, data_state = ckpt.restore(restore_target(trainer), step)
+        return with_base(trainer, restored, workdir), data_state, True
     saved_precision = saved_config.precision
     run_config = lm_config.apply_overrides(trainer.config, {f"precision.{k}": v for k, v in saved_precision.items()})
     run = setup(run_config, trainer.model_cfg.vocab_size, devices)
-    restored, data_state = ckpt.restore(run.abstract_sharded_state(), step)
+    restored, data_state = ckpt.restore(restore_target(run), step)
+    restored = with_base(run, restored, workdir)
     if jax.tree.structure(run.abstract_state) == jax.tree.structure(trainer.abstract_state):
         return restored, data_state, True
     cast = lambda part: jax.tree.map(lambda a, ref: a.astype(ref.dtype), getattr(restored, part), getattr(fresh, part))  # noqa: E731
