@@ -22,6 +22,7 @@ Light on purpose, as `lm.data.tokenizer`: `lm.prepare`'s worker processes import
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from datetime import datetime
@@ -83,7 +84,7 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise UserError(f"{where}: {self.where} rejects the conversation ({str(e).splitlines()[0]})") from None
 
-    @property
+    @functools.cached_property
     def end_of_turn(self) -> str:
         """The marker the template writes after an assistant message (its eos token if none)."""
         user = {"role": "user", "content": "Hi"}
