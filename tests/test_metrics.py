@@ -52,6 +52,21 @@ def test_flops_per_token_counts_the_matmuls_the_model_runs(style):
     assert flops_per_token(cfg, 128) == 3 * (weights + attention / 2) / 128
 
 
+@pytest.mark.parametrize("targets", [("q", "k", "v", "o", "gate", "up", "down"), ("q", "v")], ids=["all", "q_v"])
+def test_lora_flops_per_token_count_the_adapters_and_no_base_weight_gradients(targets):
+    """Under LoRA the base runs forward and input gradients (2x its forward), the adapters
+    forward and backward (3x theirs): read off the two models' forward jaxprs."""
+    import dataclasses
+
+    base = ModelConfig(vocab_size=512, max_len=128, num_layers=2, embed_dim=64, num_heads=4, head_dim=16, mlp_dim=256, num_kv_heads=2)
+    lora = dataclasses.replace(base, lora_rank=8, lora_alpha=16.0, lora_targets=targets)
+    tokens = jnp.zeros((1, 128), jnp.int32)
+    (plain, attention), (adapted, _) = (dot_flops(jax.make_jaxpr(lambda t, m=Transformer(c, rngs=nnx.Rngs(0)): m(t)[0])(tokens).jaxpr, 128)
+                                        for c in (base, lora))
+    assert adapted > plain
+    assert flops_per_token(lora, 128) == (2 * plain + 3 * (adapted - plain) + 3 * attention / 2) / 128
+
+
 def test_tensorboard_metrics_are_written_without_importing_pytorch(tmp_path):
     """tensorboardX imports torch where it is installed (1.2 s and 180 MB per run); meshlm's runs
     do not, and torch still imports afterwards."""

@@ -11,6 +11,8 @@ FLOPs per trained token, the convention used for MFU (`flops_per_token`):
     and value widths differ, each counted for its product);
   * multi-token prediction's modules (DeepSeek-V3) count as layers, with their projection and
     the head again, as Megatron-Core counts them;
+  * LoRA (`lm.model.lora`): the frozen weights cost 2 forward and 2 for the input gradient (no
+    weight gradient), 4 * matmul_params; the adapters 6 per weight (`lora_params`);
   * embedding lookups, norms, activations, softmax and the optimizer are not counted.
 """
 
@@ -44,9 +46,29 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * attention + cfg.dense_layers * mlp + cfg.sparse_layers * sparse + head + mtp
 
 
+def lora_params(cfg: ModelConfig) -> int:
+    """The LoRA adapters' weights a token goes through (0 without LoRA): rank x (inputs +
+    outputs) of each adapted matmul, in attention and the dense and shared-expert MLPs."""
+    if not cfg.lora:
+        return 0
+    d, q, kv = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    widths = {"q": d + q, "k": d + kv, "v": d + kv, "o": q + d}
+    attention = 0 if cfg.latent_attention else sum(widths[t] for t in cfg.lora_targets if t in widths)
+
+    def mlp(f: int, swiglu: bool) -> int:
+        return sum(d + f for t in cfg.lora_targets if t in ("up", "down") or (t == "gate" and swiglu))
+
+    shared = mlp(cfg.shared_experts * cfg.expert_width, True) if cfg.moe and cfg.shared_experts else 0
+    dense = mlp(cfg.mlp_dim, cfg.mlp == "swiglu")
+    per_layer = cfg.num_layers * attention + cfg.dense_layers * dense + cfg.sparse_layers * shared
+    mtp = cfg.mtp_trained * (attention + (shared if cfg.mtp_sparse else dense))
+    return cfg.lora_rank * (per_layer + mtp)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token; see the module docstring."""
-    return 6.0 * matmul_params(cfg) + 3 * attention_flops(cfg, seq_len)
+    frozen = 4.0 if cfg.lora else 6.0  # LoRA: the base has no weight gradients
+    return frozen * matmul_params(cfg) + 6.0 * lora_params(cfg) + 3 * attention_flops(cfg, seq_len)
 
 
 def attention_flops(cfg: ModelConfig, seq_len: int) -> float:
