@@ -30,7 +30,7 @@ from lm.hf.safetensors_dir import Reader, Writer, parse_size
 from lm.program.checkpoint import Checkpointer
 from lm.program.restore import restore
 from lm.program.spec import RunSpec
-from lm.program.steps import AbstractModel, placed
+from lm.program.steps import AbstractModel
 
 HF_CONFIG = "hf_config.json"  # the imported checkpoint's config.json, kept in the run directory
 
@@ -95,8 +95,7 @@ def initial_params(source: str, layout: AbstractModel) -> dict:
     if (path / "checkpoints").is_dir():
         ckpt = Checkpointer(path / "checkpoints")
         try:
-            base = layout.trainable.base  # a LoRA run starts from a base run's weights
-            return ckpt.restore_part({"params": placed(base(layout.abstract_params), base(layout.param_shardings))})["params"]
+            return ckpt.restore_part({"params": layout.base_target()})["params"]  # (a LoRA run: the base run's weights)
         finally:
             ckpt.close()
     return load_params(Reader(path), layout)

@@ -71,6 +71,12 @@ class AbstractModel:
         # As a run keeps them (in its state and checkpoints): a LoRA run's frozen base in the compute dtype.
         self.run_params = self.trainable.frozen_in(self.abstract_params, spec.policy.compute_dtype)
 
+    def base_target(self) -> dict:
+        """The base model's parameters (LoRA: without the adapters), abstract and placed: what a
+        Hugging Face import, a base run or an imported run's step-0 checkpoint restores onto."""
+        base = self.trainable.base
+        return placed(base(self.abstract_params), base(self.param_shardings))
+
     def build(self, seed: int) -> Transformer:
         """The model, initialised from `seed` (traced under jit or `eval_shape`)."""
         return Transformer(self.spec.model, rngs=nnx.Rngs(seed), policy=self.spec.policy, pipeline=self.spec.pipeline)

@@ -1,7 +1,8 @@
 """Which parameters a run trains and decays: all of them, or under LoRA (`lm.model.lora`) the adapters
-alone, the rest frozen. The parameters are kept whole (one tree, checkpointed, restored and
-exported as any run's); the gradients, optimizer state and update cover the trained part only,
-so frozen weights have no gradients computed and no optimizer state (`Trainable.split`)."""
+alone, the rest frozen. A run's state keeps its parameters as one tree; the gradients, optimizer
+state and update cover the trained part only, so frozen weights have no gradients computed and no
+optimizer state (`Trainable.split`), and a LoRA run's checkpoints hold that part
+(`lm.program.lora_base` keeps the frozen base once)."""
 
 from __future__ import annotations
 
@@ -41,14 +42,10 @@ class Trainable:
     def completed(self, given: dict, initial: dict) -> dict:
         """`given` parameters (a base model's, or a whole LoRA run's) with whatever they lack
         (a new run's adapters) taken from `initial`."""
-        if not self.lora:
-            return given
-        return traverse_util.unflatten_dict({**traverse_util.flatten_dict(initial), **traverse_util.flatten_dict(given)})
+        return _overlaid(initial, given) if self.lora else given
 
     def merge(self, trained: dict, frozen: dict) -> dict:
-        if not self.lora:
-            return trained
-        return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(trained)})
+        return _overlaid(frozen, trained) if self.lora else trained
 
     def frozen_in(self, params: dict, dtype) -> dict:
         """`params` with the frozen weights cast to `dtype` (the compute dtype: half a float32
@@ -58,6 +55,11 @@ class Trainable:
         trained, frozen = self.split(params)
         cast = lambda a: jax.ShapeDtypeStruct(a.shape, dtype) if isinstance(a, jax.ShapeDtypeStruct) else a.astype(dtype)  # noqa: E731
         return self.merge(trained, jax.tree.map(cast, frozen))
+
+
+def _overlaid(under: dict, over: dict) -> dict:
+    """One tree of two: `over`'s leaves, and `under`'s where `over` has none."""
+    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(under), **traverse_util.flatten_dict(over)})
 
 
 def decay_mask(params: nnx.State) -> dict:

@@ -26,7 +26,7 @@ from lm.program.checkpoint import Checkpointer
 from lm.program.faults import Faults
 from lm.program.lora_base import checkpointed, keep_base, restore_target, with_base
 from lm.program.spec import RunSpec
-from lm.program.steps import Program, placed, setup
+from lm.program.steps import Program, setup
 from lm.training.metrics import (
     MetricsWriter,
     StepRate,
@@ -147,8 +147,7 @@ def _start(program: Program, ckpt: Checkpointer):
     config, layout = program.config, program.abstract_model
     latest = ckpt.latest_step()
     if latest is not None and ckpt.saved_fields(latest) == {"params"}:
-        base = layout.trainable.base  # (a LoRA run on an imported model: its adapters are new)
-        params = ckpt.restore_part({"params": placed(base(layout.abstract_params), base(layout.param_shardings))}, latest)["params"]
+        params = ckpt.restore_part({"params": layout.base_target()}, latest)["params"]  # (a LoRA run: its adapters are new)
         _say(f"starting from the weights in {ckpt.directory / str(latest)} (fresh optimizer state)")
         return latest, program.init_from(config.train.seed, params), None
     restored = ckpt.restore_latest(restore_target(program), _say)
