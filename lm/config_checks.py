@@ -191,17 +191,26 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
         raise UserError(f"lora.alpha={lora.alpha} must be positive")
     if not 0.0 <= lora.dropout < 1.0:
         raise UserError(f"lora.dropout={lora.dropout} must be in [0, 1)")
-    if lora.dropout:
-        raise UserError(f"lora.dropout={lora.dropout}: dropout on the adapters' inputs is not supported yet; use 0")
+    if lora.dropout and c.mesh.stage > 1:
+        raise UserError(f"lora.dropout={lora.dropout}: pipeline stages (mesh.stage > 1) carry no per-token randomness yet; "
+                        "use lora.dropout=0 or mesh.stage=1")
     m = c.model
     matched = set()
     if not m.kv_lora_rank:
         matched |= {"q", "k", "v", "o"}
     if not m.num_experts or c.model.moe_layers != "all" or m.shared_experts:
         matched |= {"up", "down"} | ({"gate"} if m.mlp == "swiglu" else set())
-    if missing := [t for t in targets if t not in matched]:
-        raise UserError(f"lora.targets={lora.targets!r}: {', '.join(missing)} match(es) no matmul of this model "
-                        f"(adapted here: {', '.join(t for t in LORA_TARGETS if t in matched) or 'none'}; experts and latent attention have none yet)")
+    if m.num_experts:
+        matched.add("experts")
+    if lora.targets.strip() == "all":  # every matmul this model has
+        targets = [t for t in targets if t in matched]
+    missing = [t for t in targets if t not in matched]
+    if missing or not targets:
+        raise UserError(f"lora.targets={lora.targets!r}: {', '.join(missing) or 'it'} match(es) no matmul of this model "
+                        f"(adapted here: {', '.join(t for t in LORA_TARGETS if t in matched) or 'none'}; latent attention has none yet)")
+    if lora.dropout and "experts" in targets:
+        raise UserError(f"lora.dropout={lora.dropout} with lora.targets naming experts: PEFT adapts the experts' fused weights, "
+                        "where dropout on the input cannot be factored out (it refuses it too); use lora.dropout=0")
 
 
 def _validate_chat(c: ml_collections.ConfigDict) -> None:

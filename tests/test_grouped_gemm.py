@@ -68,24 +68,29 @@ def test_swiglu_over_the_real_rows_equals_xla_with_gradients():
 
 
 @pytest.mark.slow
-def test_dropless_experts_with_the_pallas_kernels_equal_xla_in_values_and_gradients():
+@pytest.mark.parametrize("rank", [0, 8], ids=["plain", "lora"])
+def test_dropless_experts_with_the_pallas_kernels_equal_xla_in_values_and_gradients(rank):
     """A layer of 4 experts (width 128), 64 tokens x 2 choices, in bf16: the Pallas path (grouped
-    GEMMs, the SwiGLU kernels, the tile table shared by the backward) against `ragged_dot`'s."""
+    GEMMs, the SwiGLU kernels, the tile table shared by the backward) against `ragged_dot`'s;
+    with LoRA adapters on the experts (their rank-wide products by `ragged_dot` beside the kernels)."""
     b, t, d, e, f, k = 1, 64, 128, 4, 128, 2
-    keys = jax.random.split(jax.random.key(2), 5)
+    keys = jax.random.split(jax.random.key(2), 10)
     x = jax.random.normal(keys[0], (b, t, d))
     weights = [jax.random.normal(key, shape) * 0.1 for key, shape in zip(keys[1:4], [(e, d, f), (e, d, f), (e, f, d)])]
     router = jax.random.normal(keys[4], (d, e))
+    shapes = [(e, d, rank), (e, rank, f), (e, rank, f), (e, f, rank), (e, rank, d)]
+    weights += [jax.random.normal(key, shape) * 0.1 for key, shape in zip(keys[5:], shapes)] if rank else []
 
     def layer(implementation, x, *w):
         routing = moe.route(jnp.einsum("btd,de->bte", x, router).reshape(b * t, -1), k, True)
         ids, gates = routing.ids_nk.reshape(b, t, k), routing.weights_nk.reshape(b, t, k)
-        return experts.apply_experts(x, ids, gates, *w, num_experts=e, capacity_factor=0.0, dtype=BF16, implementation=implementation)[0]
+        return experts.apply_experts(x, ids, gates, *w[:3], num_experts=e, capacity_factor=0.0, dtype=BF16, implementation=implementation,
+                                     lora=tuple(w[3:]), lora_scale=2.0)[0]
 
     _close(layer("pallas", x, *weights), layer("xla", x, *weights), relative=2**-6)
     loss = lambda implementation: lambda *a: jnp.sum(layer(implementation, *a) ** 2)  # noqa: E731
-    grads = jax.grad(loss("pallas"), argnums=(0, 1, 2, 3))(x, *weights)
-    reference = jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(x, *weights)
+    grads = jax.grad(loss("pallas"), argnums=tuple(range(1 + len(weights))))(x, *weights)
+    reference = jax.grad(loss("xla"), argnums=tuple(range(1 + len(weights))))(x, *weights)
     for got, want in zip(grads, reference):
         _close(got, want, relative=2**-5)  # bf16 intermediates rounded at different points
 

@@ -19,14 +19,18 @@ from lm.model.transformer import Transformer
 def dot_flops(jaxpr, length: int) -> tuple[int, int]:
     """(weight-matmul FLOPs, attention-matmul FLOPs) of every dot_general in a forward jaxpr,
     nested ones (scan bodies times their trip count, custom-VJP functions) included. Attention
-    matmuls are the ones whose operands carry the sequence length twice (T x T)."""
+    matmuls are the ones whose result and contraction carry the sequence length twice (T x T)."""
     weights = attention = 0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (lhs_contracting, _), _ = eqn.params["dimension_numbers"]
-            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+        if eqn.primitive.name in ("dot_general", "ragged_dot_general"):  # (ragged: rows sorted by expert, each through its own)
+            numbers = eqn.params.get("dimension_numbers") or eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+            (lhs_contracting, _), (lhs_batch, _) = numbers
+            lhs = eqn.invars[0].aval.shape
+            if any(lhs[d] == length for d in lhs_batch):  # per token: MoE's weighted sum of its experts, no weight
+                continue
             flops = 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(np.prod([lhs[d] for d in lhs_contracting]))
-            if sum(d == length for shape in (lhs, rhs) for d in shape) >= 2:
+            out, contracted = eqn.outvars[0].aval.shape, [lhs[d] for d in lhs_contracting]
+            if sum(d == length for d in (*out, *contracted)) >= 2:  # scores [.., t, s], or a sum over s into [.., t, ..]
                 attention += flops
             else:
                 weights += flops
@@ -52,13 +56,18 @@ def test_flops_per_token_counts_the_matmuls_the_model_runs(style):
     assert flops_per_token(cfg, 128) == 3 * (weights + attention / 2) / 128
 
 
-@pytest.mark.parametrize("targets", [("q", "k", "v", "o", "gate", "up", "down"), ("q", "v")], ids=["all", "q_v"])
-def test_lora_flops_per_token_count_the_adapters_and_no_base_weight_gradients(targets):
+MOE = dict(num_experts=4, experts_per_token=2, expert_mlp_dim=96)
+
+
+@pytest.mark.parametrize("targets, moe", [(("q", "k", "v", "o", "gate", "up", "down"), {}), (("q", "v"), {}), (("q", "experts"), MOE)],
+                         ids=["all", "q_v", "experts"])
+def test_lora_flops_per_token_count_the_adapters_and_no_base_weight_gradients(targets, moe):
     """Under LoRA the base runs forward and input gradients (2x its forward), the adapters
-    forward and backward (3x theirs): read off the two models' forward jaxprs."""
+    forward and backward (3x theirs): read off the two models' forward jaxprs (the experts' adapters
+    by their ragged products over each token's chosen experts)."""
     import dataclasses
 
-    base = ModelConfig(vocab_size=512, max_len=128, num_layers=2, embed_dim=64, num_heads=4, head_dim=16, mlp_dim=256, num_kv_heads=2)
+    base = ModelConfig(vocab_size=512, max_len=128, num_layers=2, embed_dim=64, num_heads=4, head_dim=16, mlp_dim=256, num_kv_heads=2, **moe)
     lora = dataclasses.replace(base, lora_rank=8, lora_alpha=16.0, lora_targets=targets)
     tokens = jnp.zeros((1, 128), jnp.int32)
     (plain, attention), (adapted, _) = (dot_flops(jax.make_jaxpr(lambda t, m=Transformer(c, rngs=nnx.Rngs(0)): m(t)[0])(tokens).jaxpr, 128)

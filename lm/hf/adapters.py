@@ -3,7 +3,16 @@ form `peft.PeftModel.from_pretrained(base, DIR)` loads onto the Hugging Face bas
 
 PEFT keeps a Linear's adapter as `lora_A.weight` [rank, in] and `lora_B.weight` [out, rank]
 under `base_model.model.<the Linear's module path>`; meshlm's A [*in, rank] and B [rank, *out]
-flatten onto them in the order the weight's own link (`lm.hf.tensors`) flattens it."""
+flatten onto them in the order the weight's own link (`lm.hf.tensors`) flattens it.
+
+Experts are adapted as PEFT adapts transformers' fused expert parameters (`target_parameters`:
+`mlp.experts.gate_up_proj` [experts, 2 f, d] and `mlp.experts.down_proj` [experts, d, f], the
+layout of transformers >= 5): per parameter one `lora_A` [rank x experts, in] (expert-major
+rows) and `lora_B` [out, rank x experts] (expert-minor columns); the second parameter's wrapper
+holds the first's, whose tensors are under `.base_layer`. For Qwen3-MoE and DeepSeek-V3 PEFT reads
+`gate_proj` / `up_proj` / `down_proj` in `target_modules` as the experts' (it converts adapters
+made for transformers 4's per-expert Linears), so adapters of those families' dense MLPs and
+shared experts have no place in its format: refused (`write_adapter`)."""
 
 from __future__ import annotations
 
@@ -18,15 +27,37 @@ from lm.hf import tensors
 from lm.model.lora import WEIGHTS
 
 _TARGET_OF = {weight: target for target, weight in WEIGHTS.items()}
+EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]  # PEFT's target_parameters, in its nesting order
+EXPERTS_AS_MLP = ("qwen3_moe", "deepseek_v3")  # families whose `gate_proj` targets PEFT takes for the experts'
 
 
-def adapter_tensors(params_flat: dict, cfg) -> tuple[dict[str, np.ndarray], list[str]]:
-    """(PEFT's tensors by name, its target module names) of a run's flat parameters."""
-    out, modules = {}, set()
+def _expert_tensors(params_flat: dict, parent: str, layer_ids: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """PEFT's tensors of the experts' adapters under `parent` (a stack's MoE layer), per layer."""
+    a_in, b_gate, b_up, a_out, b_out = (np.asarray(params_flat[f"{parent}/lora_experts/{name}"], np.float32)
+                                        for name in ("a_in", "b_gate", "b_up", "a_out", "b_out"))
+    a_rows = lambda a: a.transpose(0, 2, 1).reshape(-1, a.shape[1])  # noqa: E731  [e, in, r] -> [e r, in]
+    b_columns = lambda b: b.transpose(2, 1, 0).reshape(b.shape[2], -1)  # noqa: E731  [e, r, out] -> [out, r e]
+    out = {}
+    for j, layer in enumerate(layer_ids):
+        module = f"base_model.model.model.layers.{layer}.mlp.experts"
+        out[f"{module}.base_layer.lora_A.weight"] = a_rows(a_in[j])  # gate_up_proj: gate's rows, then up's
+        out[f"{module}.base_layer.lora_B.weight"] = b_columns(np.concatenate([b_gate[j], b_up[j]], axis=2))
+        out[f"{module}.lora_A.weight"] = a_rows(a_out[j])  # down_proj
+        out[f"{module}.lora_B.weight"] = b_columns(b_out[j])
+    return {name: np.ascontiguousarray(t) for name, t in out.items()}
+
+
+def adapter_tensors(params_flat: dict, cfg) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
+    """(PEFT's tensors by name, its target module names, its target parameters) of a run's flat
+    parameters."""
+    out, modules, parameters = {}, set(), []
     for link in tensors.links(cfg):
+        parent, _, weight = link.ours[0].rpartition("/")
+        if link.per_expert and weight == "w_gate" and f"{parent}/lora_experts/a_in" in params_flat:
+            out |= _expert_tensors(params_flat, parent, link.layer_ids)
+            parameters = EXPERT_PARAMETERS
         if len(link.ours) != 1 or link.per_expert or link.copy or not link.stacked:
             continue
-        parent, _, weight = link.ours[0].rpartition("/")
         target = _TARGET_OF.get(weight)
         a = params_flat.get(f"{parent}/lora_{target}/a")
         if a is None:
@@ -42,7 +73,7 @@ def adapter_tensors(params_flat: dict, cfg) -> tuple[dict[str, np.ndarray], list
             name = module.format(i=layer)
             out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[j].reshape(-1, a.shape[-1]).T)
             out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[j].reshape(b.shape[1], -1).T)
-    return out, sorted(modules)
+    return out, sorted(modules), parameters
 
 
 def write_adapter(params_flat: dict, cfg, out: Path, base: str | None) -> Path:
@@ -51,13 +82,18 @@ def write_adapter(params_flat: dict, cfg, out: Path, base: str | None) -> Path:
 
     if not cfg.lora:
         raise UserError("lm.convert to_hf --adapter: this run has no LoRA adapters (lora.rank=0); export it without --adapter")
-    weights, modules = adapter_tensors(params_flat, cfg)
+    mlp_targets = [t for t in ("gate", "up", "down") if t in cfg.lora_targets]
+    if cfg.moe and (cfg.dense_layers or cfg.shared_experts) and mlp_targets and tensors.family_of(cfg) in EXPERTS_AS_MLP:
+        raise UserError(f"lm.convert to_hf --adapter: PEFT reads {'/'.join(mlp_targets)} adapters of a {tensors.family_of(cfg)} model as "
+                        "the experts' fused ones, so this run's dense-MLP adapters have no place in its format; export the merged "
+                        "model (to_hf without --adapter), or train with lora.targets naming no gate, up, down")
+    weights, modules, parameters = adapter_tensors(params_flat, cfg)
     out = paths.new_output_dir(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": 0.0,
-        "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+        "target_modules": modules, "target_parameters": parameters or None, "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
         "base_model_name_or_path": base,
     }

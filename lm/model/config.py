@@ -104,6 +104,7 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: tuple = ()
+    lora_dropout: float = 0.0
 
     @property
     def lora(self) -> bool:
@@ -224,12 +225,13 @@ class ModelConfig:
             max_len=m.max_positions or c.train.seq_len,
             head_dim=m.head_dim or m.embed_dim // m.num_heads,
             **{k: m[k] for k in fields},
-            **({"lora_rank": lora["rank"], "lora_alpha": lora["alpha"], "lora_targets": parse_targets(lora["targets"])} if lora["rank"] else {}),
+            **({"lora_rank": lora["rank"], "lora_alpha": lora["alpha"], "lora_targets": parse_targets(lora["targets"]),
+                "lora_dropout": lora["dropout"]} if lora["rank"] else {}),
         )
 
 
-LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # lm.model.lora: attention's and the MLP's matmuls
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")  # lm.model.lora: attention's, the MLP's, the experts' matmuls
 
 
 def parse_targets(text: str) -> tuple[str, ...]:

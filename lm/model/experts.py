@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -135,9 +136,29 @@ def _gathered_bwd(axes, axis, dtype, _, dw):
 gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
-def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype, implementation: str, expected_rows: int, gathered_layout: bool = False):
+class ExpertLora(NamedTuple):
+    """LoRA on every expert (`lm.model.lora.ExpertAdapter`'s arrays, this device's shards: a_in
+    [e, d, r] shared by gate and up, b_gate / b_up [e, r, f], a_out [e, f, r], b_out [e, r, d]),
+    each product by `matmul(x, w)`: the experts' grouped or batched one."""
+
+    arrays: tuple
+    scale: float
+
+    def gate_up(self, matmul, x):
+        """(scale x A B_gate, scale x A B_up), float32 or x's dtype as `matmul` returns."""
+        a_in, b_gate, b_up, _, _ = self.arrays
+        xa = matmul(x, a_in).astype(x.dtype)
+        return self.scale * matmul(xa, b_gate), self.scale * matmul(xa, b_up)
+
+    def down(self, matmul, h):
+        _, _, _, a_out, b_out = self.arrays
+        return self.scale * matmul(matmul(h, a_out).astype(h.dtype), b_out)
+
+
+def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, lora: ExpertLora | None, dtype, implementation: str, expected_rows: int,
+                   gathered_layout: bool = False):
     """Rows sorted by group through the groups' SwiGLU experts (rows past the groups: zeros, or
-    with the Pallas kernels unwritten). The weights as stored ([e, d, f], [e, d, f], [e, f, d])
+    with the Pallas kernels unwritten), and their LoRA adapters where `lora` has them. The weights as stored ([e, d, f], [e, d, f], [e, f, d])
     or, `gathered_layout`, all [d, e, f] (FSDP gathers along embed, their first axis)."""
     f = w_in.shape[2]
     # The tile table, once for the layer's three grouped GEMMs and their gradients.
@@ -146,12 +167,18 @@ def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, dtype, implementati
     # Each product tagged as a matmul output: what remat's `dots` policies keep (a custom VJP hides the dot).
     projected = grouped_matmul_pair(x_md.astype(dtype), w_gate, w_in, group_sizes_e, table, implementation, expected_rows, group_axis)
     gate, up = (name_matmul(y, batched=False) for y in projected)
+    # The adapters' rank-wide GEMMs by ragged_dot: the Pallas kernels take widths in whole tiles.
+    adapter = lambda x, w: grouped_matmul(x, w, group_sizes_e, None, "xla", expected_rows, 0, False)  # noqa: E731
+    if lora is not None:
+        gate, up = (y + dy.astype(y.dtype) for y, dy in zip((gate, up), lora.gate_up(adapter, x_md.astype(dtype))))
     if implementation == "pallas" and swiglu_rows.fits(x_md.shape[0], f):  # over the rows holding tokens only
         with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
             h = swiglu_rows.swiglu(gate, up, table.end_g[-1:])
     else:
         h = (jax.nn.silu(gate.astype(F32)) * up).astype(dtype)
     y = grouped_matmul(h, w_out, group_sizes_e, table, implementation, expected_rows, group_axis, gathered_layout)
+    if lora is not None:
+        y = y + lora.down(adapter, h).astype(y.dtype)
     return name_matmul(y, batched=False)
 
 
@@ -168,12 +195,17 @@ def _grouped(x_md, group_m, weights, dtype, implementation: str, expected_rows: 
         return expert_exchange.permuted(y_sorted, inverse, order)
 
 
-def _batched(x_ecd, w_in, w_gate, w_out, dtype):
-    """Fixed-size per-expert buffers through their experts: dense batched matmuls."""
+def _batched(x_ecd, w_in, w_gate, w_out, lora: ExpertLora | None, dtype):
+    """Fixed-size per-expert buffers through their experts (and their adapters): dense batched matmuls."""
     dot = lambda spec, a, w: name_matmul(batched_matmul(spec, a, w), batched=True)  # noqa: E731
+    adapter = lambda a, w: batched_matmul("eci,eio->eco", a, w)  # noqa: E731
     x = x_ecd.astype(dtype)
-    h = (jax.nn.silu(dot("ecd,edf->ecf", x, w_gate)) * dot("ecd,edf->ecf", x, w_in)).astype(dtype)
-    return dot("ecf,efd->ecd", h, w_out)
+    gate, up = dot("ecd,edf->ecf", x, w_gate), dot("ecd,edf->ecf", x, w_in)
+    if lora is not None:
+        gate, up = (y + dy.astype(y.dtype) for y, dy in zip((gate, up), lora.gate_up(adapter, x)))
+    h = (jax.nn.silu(gate) * up).astype(dtype)
+    y = dot("ecf,efd->ecd", h, w_out)
+    return y if lora is None else y + lora.down(adapter, h).astype(y.dtype)
 
 
 def capacity(tokens: int, k: int, experts: int, factor: float) -> int:
@@ -229,13 +261,14 @@ def gathers_along_first_axis(implementation: str) -> bool:
     return implementation == "pallas"
 
 
-def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_experts, capacity_factor, dtype,
-                  axes: dict[str, tuple[str, ...]], implementation: str = "auto", dispatch_chunks: int = 1):
+def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *lora_arrays, num_experts, capacity_factor, dtype,
+                  axes: dict[str, tuple[str, ...]], implementation: str = "auto", dispatch_chunks: int = 1, lora_scale: float = 1.0):
     """One device's part of the experts' output [b, t, d] and its dropped assignments (summed over
     the devices). `axes`: the mesh axes of 'experts', 'embed', 'mlp' and the token-splitting ones
     ('tokens'), all manual here (empty: one device). Dropless under expert parallelism, the tokens
     go in `dispatch_chunks` independent exchanges (the greatest divisor of the device's tokens
-    at most that), which XLA's scheduler may overlap with each other's expert GEMMs."""
+    at most that), which XLA's scheduler may overlap with each other's expert GEMMs. `lora_arrays`:
+    the experts' LoRA adapters (`ExpertLora.arrays`), or none."""
     b, t, d = x_btd.shape
     k = ids_btk.shape[-1]
     here = w_in.shape[0]  # experts on this device
@@ -252,7 +285,13 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
     elif axes["embed"]:
         w_in, w_gate = (gathered(w, axes["embed"], 1, dtype) for w in (w_in, w_gate))
         w_out = gathered(w_out, axes["embed"], 2, dtype)
-    weights = (w_in, w_gate, w_out)
+    lora = None
+    if lora_arrays:
+        a_in, b_gate, b_up, a_out, b_out = lora_arrays
+        if axes["embed"]:
+            a_in, b_out = gathered(a_in, axes["embed"], 1, dtype), gathered(b_out, axes["embed"], 2, dtype)
+        lora = ExpertLora((a_in, b_gate, b_up, a_out, b_out), lora_scale)
+    weights = (w_in, w_gate, w_out, lora)
     ways = num_experts // here
     x_nd, ids_nk, weights_nk = x_btd.reshape(b * t, d), ids_btk.reshape(b * t, k), weights_btk.reshape(b * t, k)
     n = b * t
@@ -264,7 +303,7 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
         where = jnp.where(kept_nk, ids_nk * slots + ranks_nk, num_experts * slots).reshape(-1)
         buf = jnp.zeros((num_experts * slots + 1, d), x_nd.dtype).at[where].set(jnp.repeat(x_nd, k, axis=0))[:-1]
         recv = expert_exchange.exchange(buf, axes["experts"]).reshape(ways, here, slots, d).transpose(1, 0, 2, 3)
-        y = _batched(recv.reshape(here, ways * slots, d), w_in, w_gate, w_out, dtype)
+        y = _batched(recv.reshape(here, ways * slots, d), *weights, dtype)
         y = expert_exchange.exchange(y.reshape(here, ways, slots, d).transpose(1, 0, 2, 3).reshape(-1, d), axes["experts"])
         y_nkd = jnp.concatenate([y, jnp.zeros((1, d), y.dtype)])[where].reshape(n, k, d)
         dropped = jnp.sum(~kept_nk).astype(F32)
@@ -289,23 +328,26 @@ def local_experts(x_btd, ids_btk, weights_btk, w_in, w_gate, w_out, *, num_exper
 
 
 def apply_experts(x_btd, routing_ids, routing_weights, w_in, w_gate, w_out, *, num_experts: int, capacity_factor: float, dtype,
-                  implementation: str = "auto", dispatch_chunks: int = 1):
+                  implementation: str = "auto", dispatch_chunks: int = 1, lora: tuple = (), lora_scale: float = 1.0):
     """The experts' weighted outputs [b, t, d] (float32) and the dropped assignments, each device
-    running its shards (`local_experts`) under the mesh in force, or everything on one device."""
+    running its shards (`local_experts`) under the mesh in force, or everything on one device.
+    `lora`: the experts' LoRA arrays (`ExpertLora`), or none."""
     axes = {name: sharding.active_axes(name) for name in ("experts", "embed", "mlp")}
     axes["tokens"] = tuple(dict.fromkeys(sharding.active_axes("batch") + sharding.active_axes("length")))
 
     def local(*args):
         return local_experts(*args, num_experts=num_experts, capacity_factor=capacity_factor, dtype=dtype, axes=axes,
-                             implementation=implementation, dispatch_chunks=dispatch_chunks)
+                             implementation=implementation, dispatch_chunks=dispatch_chunks, lora_scale=lora_scale)
 
     weight_in_axes, weight_out_axes = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
+    lora_axes = (("experts", "embed", "lora_rank"), *[("experts", "lora_rank", "mlp")] * 2, ("experts", "mlp", "lora_rank"),
+                 ("experts", "lora_rank", "embed"))
     run = sharding.per_shard(
         local,
-        (INPUT_AXES, ROUTING_AXES, ROUTING_AXES, weight_in_axes, weight_in_axes, weight_out_axes),
+        (INPUT_AXES, ROUTING_AXES, ROUTING_AXES, weight_in_axes, weight_in_axes, weight_out_axes, *lora_axes[: len(lora)]),
         [INPUT_AXES, ()],
     )
-    return run(x_btd, routing_ids, routing_weights, w_in, w_gate, w_out)
+    return run(x_btd, routing_ids, routing_weights, w_in, w_gate, w_out, *lora)
 
 
 def dense_reference(x_btd, ids_nk, weights_nk, w_in, w_gate, w_out, dtype=F32):

@@ -48,7 +48,8 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 def lora_params(cfg: ModelConfig) -> int:
     """The LoRA adapters' weights a token goes through (0 without LoRA): rank x (inputs +
-    outputs) of each adapted matmul, in attention and the dense and shared-expert MLPs."""
+    outputs) of each adapted matmul, in attention, the dense and shared-expert MLPs and the
+    token's routed experts."""
     if not cfg.lora:
         return 0
     d, q, kv = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -59,6 +60,9 @@ def lora_params(cfg: ModelConfig) -> int:
         return sum(d + f for t in cfg.lora_targets if t in ("up", "down") or (t == "gate" and swiglu))
 
     shared = mlp(cfg.shared_experts * cfg.expert_width, True) if cfg.moe and cfg.shared_experts else 0
+    # A token's routed experts: one A for gate and up (d x r), a B for each and for down (f x r), down's A, B.
+    if cfg.moe and "experts" in cfg.lora_targets:
+        shared += cfg.experts_per_token * (2 * d + 3 * cfg.expert_width)
     dense = mlp(cfg.mlp_dim, cfg.mlp == "swiglu")
     per_layer = cfg.num_layers * attention + cfg.dense_layers * dense + cfg.sparse_layers * shared
     mtp = cfg.mtp_trained * (attention + (shared if cfg.mtp_sparse else dense))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lm.model import lora
 from lm.model.config import ModelConfig, shortest_period
 from lm.model.fp8 import fp8_suspended
 from lm.model.precision import Policy
@@ -40,30 +41,32 @@ class StackRunner:
         caches = None if cache is None else per_repeat(cache, len(period))
 
         def applied(graphdef):
-            def layer(x, states, layer_cache):
-                return nnx.merge(graphdef, *states)(x, positions_bt, layer_cache, cache_index, segments_bt)
+            def layer(x, states, layer_cache, layer_id):
+                with lora.in_layer(layer_id):
+                    return nnx.merge(graphdef, *states)(x, positions_bt, layer_cache, cache_index, segments_bt)
 
             return remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
 
         layers = {kind: applied(graphdef) for kind, (graphdef, _) in stacks.items()}
 
         def one_repeat(x, params_caches):
-            params, caches = params_caches
+            params, caches, repeat = params_caches
             taken, out = dict.fromkeys(params, 0), []
             for j, kind in enumerate(period):
                 layer_params = jax.tree.map(lambda a: a[taken[kind]], params[kind])  # noqa: B023
                 taken[kind] += 1
-                x, layer_cache = layers[kind](x, layer_params, None if caches is None else jax.tree.map(lambda a: a[j], caches))  # noqa: B023
+                layer_cache = None if caches is None else jax.tree.map(lambda a: a[j], caches)  # noqa: B023
+                x, layer_cache = layers[kind](x, layer_params, layer_cache, None if repeat is None else repeat * len(period) + j)
                 out.append(layer_cache)
             return x, None if caches is None else jax.tree.map(lambda *a: jnp.stack(a), *out)
 
         with fp8_suspended(self.policy.fp8 is not None and not in_fp8):
             if self.cfg.scan_layers:
-                x, new = jax.lax.scan(one_repeat, x, (params, caches))
+                x, new = jax.lax.scan(one_repeat, x, (params, caches, jnp.arange(repeats) if lora.dropping() else None))
             else:
                 new = []
                 for r in range(repeats):
-                    x, repeat_cache = one_repeat(x, jax.tree.map(lambda a: a[r], (params, caches)))  # noqa: B023
+                    x, repeat_cache = one_repeat(x, (*jax.tree.map(lambda a: a[r], (params, caches)), r))  # noqa: B023
                     new.append(repeat_cache)
                 new = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
         return x, None if cache is None else jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), new)
@@ -74,9 +77,9 @@ class StackRunner:
         applied in order; layers that `precision.fp8_skip` keeps out of fp8 run as separate
         segments."""
 
-        def layer(x, params_cache_taps):
-            params, layer_cache, taps = params_cache_taps
-            with layer_taps(taps):  # a split backward's (`lm.model.split_backward`); None otherwise
+        def layer(x, params_cache_taps_id):
+            params, layer_cache, taps, layer_id = params_cache_taps_id
+            with layer_taps(taps), lora.in_layer(layer_id):  # a split backward's taps (`lm.model.split_backward`) or None
                 return nnx.merge(graphdef, *[p for p in params if p is not None])(x, positions_bt, layer_cache, cache_index, segments_bt)
 
         # Also inside a pipeline tick: one layer's internals at a time.
@@ -102,7 +105,8 @@ class StackRunner:
         runs, new_caches = _runs(in_fp8), []
         for start, stop in runs:
             segment = (stacked, cache) if len(runs) == 1 else jax.tree.map(lambda a: a[start:stop], (stacked, cache))
-            segment = (*segment, stack_taps(stop - start))
+            # Each layer's index in the model (LoRA dropout's masks differ by layer; a pipeline chunk's: of the chunk).
+            segment = (*segment, stack_taps(stop - start), first + jnp.arange(start, stop) if lora.dropping() else None)
             x, segment_cache = (run if isinstance(in_fp8[start], bool) else either)(x, segment, in_fp8[start])
             new_caches.append(segment_cache)
         if cache is None:

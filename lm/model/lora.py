@@ -8,22 +8,87 @@ beside them (the rank axis `lora_rank` whole), while the base stays frozen in th
 Their matmuls go through the policy as any matmul does, never as fp8 sites (fp8 applies to the
 base matmuls).
 
+With `lora.dropout` p > 0 a training step drops each adapter's input as PEFT does (`lora_B(lora_A(
+dropout(x)))`, kept values scaled by 1 / (1 - p)); each token's mask comes from its own key, made
+from the run's seed, the step and the token's place in the global batch (`dropout_keys`), folded
+with the layer and the target, so a step drops the same values on any mesh, microbatching or
+restart.
+
 Targets (`lm.model.config.LORA_TARGETS`) are named by the model's matmuls, as PEFT's
 `target_modules` name Llama's:
 
     q k v o            attention's projections (q_proj ... o_proj)
     gate up down       the MLP's (gate_proj, up_proj, down_proj; GPT-2's c_fc, c_proj as up, down)
+    experts            every routed expert's three (`ExpertAdapter`: PEFT's adapters on the fused
+                       `experts.gate_up_proj` / `experts.down_proj` parameters)
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 RANK_LETTER = "z"  # the rank's letter in the adapters' einsums (no model spec uses it)
+_DROPOUT = contextvars.ContextVar("lora_dropout", default=None)  # (rate, each token's key [b, t, 2]) in a training step
+_LAYER = contextvars.ContextVar("lora_layer", default=0)  # the model's layer being traced (a scan's index: traced)
+
+
+def dropout_keys(seed: int, step, rows: int) -> jax.Array:
+    """[rows, 2] uint32: each row's dropout key of a step's global batch."""
+    base = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+    return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(rows))
+
+
+def token_keys(row_keys_b2: jax.Array, length: int) -> jax.Array:
+    """[b, length, 2]: each token's key, from its row's and its place in the row."""
+    return jax.vmap(lambda key: jax.vmap(lambda t: jax.random.fold_in(key, t))(jnp.arange(length)))(row_keys_b2)
+
+
+@contextlib.contextmanager
+def dropout(rate: float, keys_bt2: jax.Array | None):
+    """Within (a training step's forward): the adapters' inputs dropped at `rate`, each token's
+    mask from its key in `keys_bt2` (none given: no dropout)."""
+    token = _DROPOUT.set((rate, keys_bt2) if rate and keys_bt2 is not None else None)
+    try:
+        yield
+    finally:
+        _DROPOUT.reset(token)
+
+
+def dropping() -> bool:
+    return _DROPOUT.get() is not None
+
+
+@contextlib.contextmanager
+def in_layer(layer):
+    """Within: the adapters traced belong to the model's layer `layer` (an int, or a scan's traced index)."""
+    token = _LAYER.set(layer)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def _dropped(x, target: str):
+    """`x` [b, t, ...] with LoRA dropout applied where a step asks for it (inverted dropout: kept
+    values scaled by 1 / (1 - rate)); `x` itself otherwise."""
+    state = _DROPOUT.get()
+    if state is None:
+        return x
+    rate, keys_bt2 = state  # (the keys: the tokens' order and placement, as x's)
+    salt, layer = zlib.crc32(target.encode()) & 0x7FFFFFFF, _LAYER.get()
+
+    def bits(key):  # one token's mask bits over its features
+        return jax.random.bits(jax.random.fold_in(jax.random.fold_in(key, layer), salt), x.shape[2:], jnp.uint32)
+
+    keep = jax.vmap(jax.vmap(bits))(keys_bt2) >= jnp.uint32(min(int(rate * 2**32), 2**32 - 1))
+    return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype))
 
 
 class LoraParam(nnx.Param):
@@ -37,11 +102,18 @@ def _letters(spec: str) -> tuple[str, str, str, str]:
     return x, w, out, "".join(c for c in w if c in x)
 
 
+def _kaiming_a(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+    """A's PEFT initialisation: kaiming_uniform(a = sqrt(5)), uniform within 1 / sqrt(fan_in)."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
+
+
 class Adapter(nnx.Module):
     """The adapter of one matmul `einsum(spec, x, w)` whose weight has `w_shape` and logical
     `w_axes`: A over the weight's contracted axes, B over its output axes."""
 
-    def __init__(self, spec: str, w_shape: tuple[int, ...], w_axes: tuple[str, ...], rank: int, alpha: float, rngs: nnx.Rngs):
+    def __init__(self, target: str, spec: str, w_shape: tuple[int, ...], w_axes: tuple[str, ...], rank: int, alpha: float, rngs: nnx.Rngs):
+        self.target = target
         x, w, out, contracted = _letters(spec)
         self.spec_a = f"{x},{contracted}{RANK_LETTER}->{''.join(c for c in x if c not in w)}{RANK_LETTER}"
         self.spec_b = f"{''.join(c for c in x if c not in w)}{RANK_LETTER},{RANK_LETTER}{''.join(c for c in w if c not in x)}->{out}"
@@ -50,15 +122,35 @@ class Adapter(nnx.Module):
         in_axes = tuple(a for a, c in zip(w_axes, w) if c in contracted)
         out_shape = tuple(n for n, c in zip(w_shape, w) if c not in contracted)
         out_axes = tuple(a for a, c in zip(w_axes, w) if c not in contracted)
-        bound = 1.0 / math.sqrt(math.prod(in_shape))  # kaiming_uniform(a=sqrt(5)) over fan_in
-        a = jax.random.uniform(rngs.params(), (*in_shape, rank), jnp.float32, -bound, bound)
-        self.a = LoraParam(a, out_sharding=(*in_axes, "lora_rank"), eager_sharding=False)
+        self.a = LoraParam(_kaiming_a(rngs, (*in_shape, rank), math.prod(in_shape)), out_sharding=(*in_axes, "lora_rank"), eager_sharding=False)
         self.b = LoraParam(jnp.zeros((rank, *out_shape), jnp.float32), out_sharding=("lora_rank", *out_axes), eager_sharding=False)
 
     def __call__(self, policy, x):
-        """(alpha / rank) (x A) B in the compute dtype."""
-        xa = policy.matmul(self.spec_a, x, self.a[...])
+        """(alpha / rank) (dropout(x) A) B in the compute dtype."""
+        xa = policy.matmul(self.spec_a, _dropped(x, self.target), self.a[...])
         return policy.matmul(self.spec_b, xa, self.b[...]) * jnp.asarray(self.scale, policy.compute_dtype)
+
+
+class ExpertAdapter(nnx.Module):
+    """The adapters of every routed expert's matmuls, laid out as PEFT adapts Hugging Face's fused
+    expert parameters (`target_parameters`): per expert one A for gate and up together (PEFT
+    adapts `gate_up_proj` as one matrix: their shared input, one x A for both) and a B for each
+    half, and A, B for down. Rank `rank` per expert; `lm.model.experts` runs them beside the
+    experts' grouped (or batched) GEMMs."""
+
+    FIELDS = ("a_in", "b_gate", "b_up", "a_out", "b_out")
+
+    def __init__(self, experts: int, d: int, f: int, rank: int, alpha: float, rngs: nnx.Rngs):
+        self.scale = alpha / rank
+        self.a_in = LoraParam(_kaiming_a(rngs, (experts, d, rank), d), out_sharding=("experts", "embed", "lora_rank"), eager_sharding=False)
+        zeros_b = lambda n, axis: LoraParam(jnp.zeros((experts, rank, n), jnp.float32), out_sharding=("experts", "lora_rank", axis), eager_sharding=False)  # noqa: E731
+        self.b_gate, self.b_up = zeros_b(f, "mlp"), zeros_b(f, "mlp")
+        self.a_out = LoraParam(_kaiming_a(rngs, (experts, f, rank), f), out_sharding=("experts", "mlp", "lora_rank"), eager_sharding=False)
+        self.b_out = zeros_b(d, "embed")
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """(a_in [e, d, r], b_gate [e, r, f], b_up [e, r, f], a_out [e, f, r], b_out [e, r, d])."""
+        return tuple(getattr(self, name)[...] for name in self.FIELDS)
 
 
 def adapters(cfg, matmuls: dict[str, tuple[str, nnx.Param]], rngs: nnx.Rngs) -> dict[str, Adapter]:
@@ -70,7 +162,7 @@ def adapters(cfg, matmuls: dict[str, tuple[str, nnx.Param]], rngs: nnx.Rngs) -> 
     for name, (spec, weight) in matmuls.items():
         if name in cfg.lora_targets:
             axes = tuple(weight.get_metadata().get("out_sharding") or (None,) * weight.ndim)
-            out[name] = Adapter(spec, weight.shape, axes, cfg.lora_rank, cfg.lora_alpha, rngs)
+            out[name] = Adapter(name, spec, weight.shape, axes, cfg.lora_rank, cfg.lora_alpha, rngs)
     return out
 
 
@@ -89,6 +181,8 @@ def adapted(module: nnx.Module, name: str, y: jax.Array, x: jax.Array) -> jax.Ar
 
 # Each target's weight, beside its adapter `lora_<target>`: laid out (*in, *out), as A (*in, rank) and B (rank, *out).
 WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_in", "down": "w_out"}
+# The experts' weights, each with its (A, B) in `lora_experts` (`ExpertAdapter`).
+EXPERT_WEIGHTS = {"w_gate": ("a_in", "b_gate"), "w_in": ("a_in", "b_up"), "w_out": ("a_out", "b_out")}
 
 
 def delta(a, b, w_shape):
@@ -109,11 +203,12 @@ def merged(params: dict, cfg) -> dict:
 
     def walk(tree: dict) -> dict:
         out = {k: walk(v) if isinstance(v, dict) else v for k, v in tree.items() if not k.startswith("lora_")}
-        for target, weight in WEIGHTS.items():
-            adapter = tree.get(f"lora_{target}")
+        pairs = [(weight, tree.get(f"lora_{target}"), ("a", "b")) for target, weight in WEIGHTS.items()]
+        pairs += [(weight, tree.get("lora_experts"), ab) for weight, ab in EXPERT_WEIGHTS.items()]
+        for weight, adapter, (a, b) in pairs:
             if adapter is not None:
                 w = np.asarray(tree[weight])
-                out[weight] = w.astype(np.float32) + cfg.lora_alpha / cfg.lora_rank * delta(adapter["a"], adapter["b"], w.shape)
+                out[weight] = w.astype(np.float32) + cfg.lora_alpha / cfg.lora_rank * delta(adapter[a], adapter[b], w.shape)
         return out
 
     return walk(params)

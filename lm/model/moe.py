@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 import sharding
+from lm.model import lora
 from lm.model.config import ModelConfig
 from lm.model.experts import INPUT_AXES, apply_experts
 from lm.model.fp8 import Probe
@@ -246,6 +247,8 @@ class MoeMlp(nnx.Module):
         if has_router_bias(cfg):
             self.router_bias = RouterBias(jnp.zeros(e, F32), out_sharding=(None,), eager_sharding=False)
         self.stats = RouterStats(jnp.zeros(2 * e + len(STAT_FIELDS), F32), out_sharding=(None,), eager_sharding=False)
+        if cfg.lora and "experts" in cfg.lora_targets:
+            self.lora_experts = lora.ExpertAdapter(e, d, f, cfg.lora_rank, cfg.lora_alpha, rngs)
 
     def router_logits(self, x_btd) -> jax.Array:
         """Float32 router logits [b, t, e]."""
@@ -266,6 +269,7 @@ class MoeMlp(nnx.Module):
             self.w_in[...], self.w_gate[...], self.w_out[...],
             num_experts=cfg.num_experts, capacity_factor=cfg.expert_capacity_factor, dtype=self.policy.compute_dtype,
             implementation=cfg.grouped_gemm, dispatch_chunks=cfg.expert_dispatch_chunks,
+            **({"lora": self.lora_experts.arrays(), "lora_scale": self.lora_experts.scale} if hasattr(self, "lora_experts") else {}),
         )
         if self.shared is not None:
             y = y + self.shared(x_btd).astype(F32)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lm.errors import UserError
-from lm.model import attention, moe, multi_token
+from lm.model import attention, lora, moe, multi_token
 from lm.model.block import Block
 from lm.model.config import ModelConfig, shortest_period
 from lm.model.fp8 import Probe
@@ -120,7 +120,8 @@ class Transformer(nnx.Module):
         mtp_logits = []
         with moe.loss_weighted(self.cfg.mtp_loss_weight / self.cfg.mtp_depth):  # as each depth's loss counts
             for d in range(self.cfg.mtp_depth):
-                h_btd = depth(h_btd, jax.tree.map(lambda a: a[d], states), mtp_tokens_dbt[d])  # noqa: B023
+                with lora.in_layer(self.cfg.num_layers + d):  # (LoRA dropout's masks: after the model's layers)
+                    h_btd = depth(h_btd, jax.tree.map(lambda a: a[d], states), mtp_tokens_dbt[d])  # noqa: B023
                 mtp_logits.append(self._head(h_btd, head_weight))
         return mtp_logits
 

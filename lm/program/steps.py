@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from lm.compiler import steptime, targets
-from lm.model import moe, multi_token
+from lm.model import lora, moe, multi_token
 from lm.model.attention import check_cudnn
 from lm.model.cross_entropy import cross_entropy
 from lm.model.fp8 import Fp8Meta, Probe, update_fp8
@@ -169,6 +169,8 @@ class Program:
         sequence is put in `self.sequence_order` here, once, with its positions (and segment ids)."""
         tokens_bl, segments_bl = (batch["tokens"], batch.get("segments")) if isinstance(batch, dict) else (batch, None)
         inputs = {"tokens_bt": tokens_bl[:, :-1], "segments_bt": None if segments_bl is None else segments_bl[:, :-1]}
+        if isinstance(batch, dict) and "dropout_keys" in batch:  # LoRA dropout: each input token's key, reordered with it
+            inputs["dropout_keys_bt"] = lora.token_keys(batch["dropout_keys"], tokens_bl.shape[1] - 1)
         targets_bt = tokens_bl[:, 1:]
         if isinstance(batch, dict) and "weights" in batch:  # a loss mask: (targets, their weights)
             targets_bt = (targets_bt, batch["weights"][:, 1:])
@@ -192,6 +194,11 @@ class Program:
         multiplied by before differentiation (the pipelines run their backward with it);
         `differentiated=False` (evaluation): the pipelines run their forward alone."""
         inputs, targets_bt, ahead = self.model_inputs(batch, mtp=differentiated)
+        keys_bt = inputs.pop("dropout_keys_bt", None)
+        with lora.dropout(self.model_cfg.lora_dropout, keys_bt):
+            return self._model_loss(params, inputs, targets_bt, ahead, fp8, probes, loss_scale, differentiated)
+
+    def _model_loss(self, params, inputs, targets_bt, ahead, fp8, probes, loss_scale, differentiated):
         model = self.abstract_model.model(params, fp8, probes)
         if self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe":  # the head and loss per microbatch
             loss = model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated, ahead)
@@ -266,6 +273,10 @@ class Program:
         applied_scale = scale
         if self.faults.overflow_steps:  # fault injection (tests): gradients far too large
             applied_scale = scale * jnp.where(jnp.isin(step, jnp.asarray(self.faults.overflow_steps)), 1e30, 1.0)
+        if self.model_cfg.lora_dropout:  # each row's key: its place in the global batch and the step
+            tokens = batch["tokens"] if isinstance(batch, dict) else batch
+            keys = constrain(lora.dropout_keys(self.config.train.seed, step, tokens.shape[0]), ("batch", None), "dropout keys")
+            batch = {**(batch if isinstance(batch, dict) else {"tokens": batch}), "dropout_keys": keys}
         losses, grads, stats = self._grads(state.params, batch, state.fp8, applied_scale)
         if self.loss_scaling.kind != "none":
             grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
@@ -298,7 +309,8 @@ class Program:
         if self.policy.observe:
             metrics["matmul_stats"] = stats
         params = trainable.merge(optax.apply_updates(trained, updates), frozen)
-        if self.model_cfg.expert_bias_rate > 0:  # no gradient moves it: the observed load does, on applied steps
+        # No gradient moves it: the observed load does, on applied steps (LoRA: frozen with the base it belongs to).
+        if self.model_cfg.expert_bias_rate > 0 and not self.model_cfg.lora:
             balanced = moe.updated_router_bias(params, routing, self.model_cfg.expert_bias_rate)
             params = jax.tree.map(lambda n, o: jnp.where(opt_state.last_finite, n, o), balanced, params)
         if self.config.sharding.optimizer_over_data:  # each replica's updated share, all-gathered
