@@ -105,7 +105,7 @@ class StackRunner:
         runs, new_caches = _runs(in_fp8), []
         for start, stop in runs:
             segment = (stacked, cache) if len(runs) == 1 else jax.tree.map(lambda a: a[start:stop], (stacked, cache))
-            # Each layer's index in the model (LoRA dropout's masks differ by layer; a pipeline chunk's: of the chunk).
+            # Each layer's index in the model, where LoRA dropout needs it (its masks differ by layer).
             segment = (*segment, stack_taps(stop - start), first + jnp.arange(start, stop) if lora.dropping() else None)
             x, segment_cache = (run if isinstance(in_fp8[start], bool) else either)(x, segment, in_fp8[start])
             new_caches.append(segment_cache)

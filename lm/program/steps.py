@@ -199,6 +199,7 @@ class Program:
             return self._model_loss(params, inputs, targets_bt, ahead, fp8, probes, loss_scale, differentiated)
 
     def _model_loss(self, params, inputs, targets_bt, ahead, fp8, probes, loss_scale, differentiated):
+        """`_loss` of the model's inputs and targets, as `model_inputs` gives them."""
         model = self.abstract_model.model(params, fp8, probes)
         if self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe":  # the head and loss per microbatch
             loss = model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated, ahead)
