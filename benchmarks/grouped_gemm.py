@@ -83,7 +83,7 @@ def measure(rows: int = 16384, experts: int = 8, d: int = 4096, f: int = 14336, 
     import jax
     import jax.numpy as jnp
 
-    from lm.model import experts as lm_experts
+    from lm.model import expert_matmuls as lm_expert_matmuls
     from lm.model import grouped_gemm
 
     dt = jnp.dtype(dtype)
@@ -95,7 +95,7 @@ def measure(rows: int = 16384, experts: int = 8, d: int = 4096, f: int = 14336, 
     def forward(implementation):
         def run(x, w, g):
             table = grouped_gemm.tiles(g, rows) if implementation == "pallas" else None
-            return lm_experts.grouped_matmul(x, w, g, table, implementation, rows, 0, False)
+            return lm_expert_matmuls.grouped_matmul(x, w, g, table, implementation, rows, 0, False)
 
         return run
 

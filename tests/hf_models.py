@@ -15,7 +15,7 @@ from lm.data.tokenizer import ByteTokenizer
 from lm.hf import checkpoint as hf_checkpoint
 from lm.hf.safetensors_dir import Reader
 from lm.program.spec import RunSpec
-from lm.program.steps import AbstractModel
+from lm.program.abstract_model import AbstractModel
 
 VOCAB = 301  # not a multiple of 128: the import pads it
 

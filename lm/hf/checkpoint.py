@@ -30,7 +30,7 @@ from lm.hf.safetensors_dir import Reader, Writer, parse_size
 from lm.program.checkpoint import Checkpointer
 from lm.program.restore import restore
 from lm.program.spec import RunSpec
-from lm.program.steps import AbstractModel
+from lm.program.abstract_model import AbstractModel
 
 HF_CONFIG = "hf_config.json"  # the imported checkpoint's config.json, kept in the run directory
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lm.program.checkpoint import Checkpointer
-from lm.program.steps import placed
+from lm.program.abstract_model import placed
 
 BASE_DIR = "lora_base"
 

@@ -16,7 +16,7 @@ from lm.data import tokenizer as lm_tokenizer
 from lm.program.checkpoint import Checkpointer
 from lm.program.lora_base import base_params
 from lm.program.spec import RunSpec
-from lm.program.steps import AbstractModel, placed
+from lm.program.abstract_model import AbstractModel, placed
 from sharding.schedules import PipelinePlan
 
 

@@ -2,7 +2,8 @@
 pure init / train / eval steps, jitted with the mesh and rules bound in (`sharding.jit`).
 
 Nothing here reads files or loops over steps (that is `lm.train`). `lm.bench`, `lm.layout` and
-`lm.numerics` build a `Program`; `lm.generate` needs only `AbstractModel` (no optimizer).
+`lm.numerics` build a `Program`; `lm.generate` needs only `lm.program.abstract_model.AbstractModel`
+(no optimizer).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from lm.compiler import steptime, targets
 from lm.model import lora, moe, multi_token
 from lm.model.attention import check_cudnn
 from lm.model.cross_entropy import cross_entropy
-from lm.model.fp8 import Fp8Meta, Probe, update_fp8
-from lm.model.transformer import Transformer, segment_positions
+from lm.model.fp8 import Fp8Meta, update_fp8
+from lm.model.transformer import segment_positions
+from lm.program.abstract_model import AbstractModel, placed
 from lm.program.faults import Faults
+from lm.program.loss_weights import loss_weights, trained_targets
 from lm.program.mesh_checks import check_batch_split
 from lm.program.optimizer import optimizer, schedule, state_shardings
 from lm.program.spec import RunSpec
-from lm.program.loss_weights import loss_weights, trained_targets
-from lm.program.trainable import Trainable, decay_mask
 from sharding import constrain
 from sharding.pipeline import split_microbatches
 
@@ -51,42 +52,6 @@ class TrainState:
     @classmethod
     def from_dict(cls, d: dict) -> TrainState:
         return cls(**d)
-
-
-class AbstractModel:
-    """The model's variables, abstract: its graph, parameters (with logical axes), fp8 state and
-    statistics probes, and where each parameter lives on `mesh`."""
-
-    def __init__(self, spec: RunSpec, mesh: Mesh):
-        self.spec, self.mesh, self.rules = spec, mesh, spec.rules
-        abstract = sharding.abstract_module(lambda: self.build(0))
-        self.graphdef, params, fp8, probes = nnx.split(abstract, nnx.Param, Fp8Meta, Probe)
-        self.abstract_params, self.abstract_fp8 = nnx.to_pure_dict(params), nnx.to_pure_dict(fp8)
-        self.probes = nnx.to_pure_dict(probes)  # shapes: the probes are zeros each step
-        self.logical_axes = sharding.logical_axes(params)
-        self.param_shardings = sharding.state_shardings(params, mesh, spec.rules)
-        self.fp8_shardings = sharding.state_shardings(fp8, mesh, spec.rules) if spec.policy.fp8_state else None
-        self.decay_mask = decay_mask(params)
-        self.trainable = Trainable(params, spec.model.lora)  # LoRA: the adapters alone
-        # As a run keeps them (in its state and checkpoints): a LoRA run's frozen base in the compute dtype.
-        self.run_params = self.trainable.frozen_in(self.abstract_params, spec.policy.compute_dtype)
-
-    def base_target(self) -> dict:
-        """The base model's parameters (LoRA: without the adapters), abstract and placed: what a
-        Hugging Face import, a base run or an imported run's step-0 checkpoint restores onto."""
-        base = self.trainable.base
-        return placed(base(self.abstract_params), base(self.param_shardings))
-
-    def build(self, seed: int) -> Transformer:
-        """The model, initialised from `seed` (traced under jit or `eval_shape`)."""
-        return Transformer(self.spec.model, rngs=nnx.Rngs(seed), policy=self.spec.policy, pipeline=self.spec.pipeline)
-
-    def zero_probes(self) -> dict:
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.probes)
-
-    def model(self, params, fp8=None, probes=None) -> Transformer:
-        """The model on these parameters (and fp8 state; probes default to zeros)."""
-        return nnx.merge(self.graphdef, params, fp8 or {}, self.zero_probes() if probes is None else probes)
 
 
 class Program:
@@ -340,11 +305,6 @@ class Program:
     def abstract_sharded_state(self) -> TrainState:
         """ShapeDtypeStructs of the state placed by its shardings: a restore or compile target."""
         return placed(self.abstract_state, self.state_shardings)
-
-
-def placed(tree, shardings):
-    """ShapeDtypeStructs of `tree`'s arrays carrying `shardings`: a restore or compile target."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def setup(config, vocab_size: int, devices=None, faults: Faults = Faults(), observe: bool = False) -> Program:
