@@ -128,6 +128,19 @@ def test_expert_adapters_train_alone_and_split_over_experts_as_on_one_device(fac
     assert np.abs(frozen - one).max() > 1e-4  # negative control: the experts' adapters change the losses
 
 
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b", pytest.param("1f1b_per_stage", marks=pytest.mark.slow),
+                                      "zero_bubble"])
+def test_expert_adapters_train_under_every_pipeline_schedule_as_on_one_device(schedule):
+    """LoRA on attention and every expert through the pipelines of {stage 2, expert 2, data 2}
+    (zero-bubble: the adapters' weight gradients in W, from B's taps): one device's losses."""
+    from conftest import run_steps
+
+    moe = dict(MOE, optim__lr=0.03)
+    one, _ = run_steps(small_config({"data": 1}, train__grad_accum=2, **moe), jax.devices()[:1], steps=3)
+    staged, _ = run_steps(small_config({"stage": 2, "expert": 2, "data": 2}, pipeline__schedule=schedule, **moe), jax.devices()[:8], steps=3)
+    np.testing.assert_allclose(staged, one, rtol=2e-5)
+
+
 def test_bad_lora_settings_are_one_line(capsys, tmp_path):
     from lm import train
 
@@ -152,13 +165,13 @@ def test_bad_lora_settings_are_one_line(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-TARGETS = {"llama": "all", "mixtral": "all", "deepseek_v3": "experts"}  # (all: DeepSeek's dense MLPs too, which PEFT cannot take)
+TARGETS = {"llama": "all", "mixtral": "all", "qwen3_moe": "all", "deepseek_v3": "experts"}  # (all: DeepSeek's dense MLPs too, which PEFT cannot take)
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
 def lora_run(tmp_path_factory, request):
     """A tiny HF model imported, then fine-tuned with LoRA (rank 4, every target the model has:
-    Mixtral's attention and experts; DeepSeek-V3's experts, shared expert and dense first layer)
+    Mixtral's and Qwen3-MoE's attention and experts; DeepSeek-V3's experts)
     for 3 steps on random text, in float32: (the HF directory, the torch model, the run directory)."""
     pytest.importorskip("torch", reason="torch (the test extra; Python 3.11 only) is not installed")
     from hf_models import make_hf_model
