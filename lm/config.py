@@ -97,7 +97,8 @@ def default_config() -> ml_collections.ConfigDict:
     # safetensors; its architecture and tokenizer replace the recipe's) or a meshlm run directory.
     c.init = dict(from_hf=config_dict.placeholder(str))
     # LoRA (lm.model.lora): rank > 0 adds adapters beside the targets' matmuls (q, k, v, o, gate,
-    # up, down, or 'all'), scaled by alpha / rank; the base weights are frozen in the compute dtype.
+    # up, down; latent attention's q_a, q_b, kv_a, kv_b; experts; or 'all' the model has), scaled by
+    # alpha / rank, their inputs dropped at `dropout` in training; the base frozen in the compute dtype.
     c.lora = dict(rank=0, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down")
     c.mesh = dict(data=-1, stage=1, context=1, expert=1, fsdp=1, tensor=1)
     c.pipeline = dict(

@@ -198,6 +198,8 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
     matched = set()
     if not m.kv_lora_rank:
         matched |= {"q", "k", "v", "o"}
+    else:  # latent attention
+        matched |= {"kv_a", "kv_b", "o"} | ({"q_a", "q_b"} if m.q_lora_rank else {"q"})
     if not m.num_experts or c.model.moe_layers != "all" or m.shared_experts:
         matched |= {"up", "down"} | ({"gate"} if m.mlp == "swiglu" else set())
     if m.num_experts:
@@ -207,7 +209,7 @@ def _validate_lora(c: ml_collections.ConfigDict) -> None:
     missing = [t for t in targets if t not in matched]
     if missing or not targets:
         raise UserError(f"lora.targets={lora.targets!r}: {', '.join(missing) or 'it'} match(es) no matmul of this model "
-                        f"(adapted here: {', '.join(t for t in LORA_TARGETS if t in matched) or 'none'}; latent attention has none yet)")
+                        f"(adapted here: {', '.join(t for t in LORA_TARGETS if t in matched) or 'none'})")
     if lora.dropout and "experts" in targets:
         raise UserError(f"lora.dropout={lora.dropout} with lora.targets naming experts: PEFT adapts the experts' fused weights, "
                         "where dropout on the input cannot be factored out (it refuses it too); use lora.dropout=0")

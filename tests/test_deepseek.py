@@ -61,11 +61,19 @@ def test_sequence_wise_balance_loss_by_hand():
     assert abs(float(whole) / 2 - float(aux)) > 1e-4  # per sequence is not the batch's
 
 
-def test_absorbed_decoding_equals_the_expanded_forward():
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_absorbed_decoding_equals_the_expanded_forward(lora):
     """Token by token through the latent cache (the absorbed form) against one forward over the
-    whole sequence (keys and values expanded per head): the same logits."""
-    program = setup(small_config({}, **LATENT), VOCAB, jax.devices()[:1])
-    model = program.abstract_model.model(program.init_state(0).params)
+    whole sequence (keys and values expanded per head): the same logits. With LoRA on every
+    latent-attention matmul (B made nonzero): kv_b's adapter taken through the absorbed form too."""
+    options = dict(lora__rank=4, lora__targets="all") if lora else {}
+    program = setup(small_config({}, **LATENT, **options), VOCAB, jax.devices()[:1])
+    params = program.init_state(0).params
+    if lora:  # B at zero would hide the adapters
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, p: p + 0.3 * jax.random.normal(jax.random.key(len(path)), p.shape) if "lora_" in jax.tree_util.keystr(path) else p, params)
+        assert {k for k in params["blocks"]["attn"] if k.startswith("lora_")} == {"lora_q_a", "lora_q_b", "lora_kv_a", "lora_kv_b", "lora_o"}
+    model = program.abstract_model.model(params)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 12)).astype(np.int32)
     whole = np.asarray(model(tokens)[0])
     cache = model.init_cache(2, 12)
@@ -197,3 +205,17 @@ def test_multi_token_prediction_at_weight_zero_trains_as_without_it():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), {k: v for k, v in params.items() if k != "mtp"}, ref_params)
     weighted, _ = run_steps(small_config({}, **DEEPSEEK, model__mtp_depth=1, model__mtp_loss_weight=0.3), jax.devices()[:1], steps=3)
     assert np.abs(weighted - ref_losses).max() > 1e-4  # the control: weighted, it does reach the model
+
+
+def test_deepseek_lora_on_latent_attention_and_experts_trains_sharded_as_on_one_device():
+    """LoRA on every matmul (q_a, q_b, the fused kv_a and kv_b, o, the dense MLP, the shared and
+    routed experts) on {expert 2, fsdp 2, tensor 2}: one device's losses; only adapters move."""
+    options = dict(DEEPSEEK, lora__rank=4, lora__targets="all", optim__lr=0.03)
+    one, after = run_steps(small_config({}, **options), jax.devices()[:1], steps=3)
+    split, _ = run_steps(small_config({"expert": 2, "fsdp": 2, "tensor": 2}, **options), jax.devices()[:8], steps=3)
+    np.testing.assert_allclose(split, one, rtol=2e-5)
+    program = setup(small_config({}, **options), VOCAB, jax.devices()[:1])
+    before = jax.tree_util.tree_flatten_with_path(jax.device_get(program.init_state(0).params))[0]
+    moved = {jax.tree_util.keystr(p) for (p, a), b in zip(before, jax.tree.leaves(after)) if not np.array_equal(a, b)}
+    assert moved and all("lora_" in p for p in moved)
+    assert any("lora_kv_b" in p for p in moved) and any("lora_experts" in p for p in moved)

@@ -165,13 +165,13 @@ def test_bad_lora_settings_are_one_line(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-TARGETS = {"llama": "all", "mixtral": "all", "qwen3_moe": "all", "deepseek_v3": "experts"}  # (all: DeepSeek's dense MLPs too, which PEFT cannot take)
+TARGETS = {"llama": "all", "mixtral": "all", "qwen3_moe": "all", "deepseek_v3": "q_a,q_b,kv_a,kv_b,o,experts"}  # (all: DeepSeek's dense MLPs too, which PEFT cannot take)
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
 def lora_run(tmp_path_factory, request):
     """A tiny HF model imported, then fine-tuned with LoRA (rank 4, every target the model has:
-    Mixtral's and Qwen3-MoE's attention and experts; DeepSeek-V3's experts)
+    Mixtral's and Qwen3-MoE's attention and experts; DeepSeek-V3's latent attention and experts)
     for 3 steps on random text, in float32: (the HF directory, the torch model, the run directory)."""
     pytest.importorskip("torch", reason="torch (the test extra; Python 3.11 only) is not installed")
     from hf_models import make_hf_model

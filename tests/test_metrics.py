@@ -59,8 +59,12 @@ def test_flops_per_token_counts_the_matmuls_the_model_runs(style):
 MOE = dict(num_experts=4, experts_per_token=2, expert_mlp_dim=96)
 
 
-@pytest.mark.parametrize("targets, moe", [(("q", "k", "v", "o", "gate", "up", "down"), {}), (("q", "v"), {}), (("q", "experts"), MOE)],
-                         ids=["all", "q_v", "experts"])
+LATENT = dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+
+
+@pytest.mark.parametrize("targets, moe", [(("q", "k", "v", "o", "gate", "up", "down"), {}), (("q", "v"), {}), (("q", "experts"), MOE),
+                                          (("q_a", "q_b", "kv_a", "kv_b", "o", "gate"), LATENT)],
+                         ids=["all", "q_v", "experts", "latent"])
 def test_lora_flops_per_token_count_the_adapters_and_no_base_weight_gradients(targets, moe):
     """Under LoRA the base runs forward and input gradients (2x its forward), the adapters
     forward and backward (3x theirs): read off the two models' forward jaxprs (the experts' adapters

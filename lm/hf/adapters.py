@@ -24,9 +24,9 @@ import numpy as np
 from lm import paths
 from lm.errors import UserError
 from lm.hf import tensors
-from lm.model.lora import WEIGHTS
+from lm.model.lora import FUSED, WEIGHTS
 
-_TARGET_OF = {weight: target for target, weight in WEIGHTS.items()}
+_TARGET_OF = {(weight,): target for target, weight in WEIGHTS.items()} | {weights: target for target, weights in FUSED.items()}
 EXPERT_PARAMETERS = ["experts.gate_up_proj", "experts.down_proj"]  # PEFT's target_parameters, in its nesting order
 EXPERTS_AS_MLP = ("qwen3_moe", "deepseek_v3")  # families whose `gate_proj` targets PEFT takes for the experts'
 
@@ -56,24 +56,36 @@ def adapter_tensors(params_flat: dict, cfg) -> tuple[dict[str, np.ndarray], list
         if link.per_expert and weight == "w_gate" and f"{parent}/lora_experts/a_in" in params_flat:
             out |= _expert_tensors(params_flat, parent, link.layer_ids)
             parameters = EXPERT_PARAMETERS
-        if len(link.ours) != 1 or link.per_expert or link.copy or not link.stacked:
+        if link.per_expert or link.copy or not link.stacked:
             continue
-        target = _TARGET_OF.get(weight)
+        target = _TARGET_OF.get(tuple(path.rpartition("/")[2] for path in link.ours))
         a = params_flat.get(f"{parent}/lora_{target}/a")
         if a is None:
             continue
-        if not link.theirs.endswith(".weight") or tensors.family_of(cfg) == "gpt2":
-            raise UserError("lm.convert to_hf --adapter: PEFT's format has no place for this family's fused projections; "
-                            "export the merged model (to_hf without --adapter)")
-        b = np.asarray(params_flat[f"{parent}/lora_{target}/b"], np.float32)
+        names = ["b"] if target in WEIGHTS else [f"b_{path.rpartition('/')[2]}" for path in link.ours]
+        bs = [np.asarray(params_flat[f"{parent}/lora_{target}/{name}"], np.float32) for name in names]
         a = np.asarray(a, np.float32)
         module = "base_model.model." + link.theirs.removesuffix(".weight")
         modules.add(module.rsplit(".", 1)[-1])
         for j, layer in enumerate(link.layer_ids):
             name = module.format(i=layer)
             out[f"{name}.lora_A.weight"] = np.ascontiguousarray(a[j].reshape(-1, a.shape[-1]).T)
-            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b[j].reshape(b.shape[1], -1).T)
+            shapes = [params_flat[path].shape[1:] for path in link.ours]
+            out[f"{name}.lora_B.weight"] = np.ascontiguousarray(_lora_b(link, [b[j] for b in bs], shapes))
     return out, sorted(modules), parameters
+
+
+def _lora_b(link, bs: list[np.ndarray], weight_shapes: list[tuple]) -> np.ndarray:
+    """PEFT's lora_B [out, rank] of one layer's B(s) [rank, *out]: each laid into the first `rank`
+    inputs of a zero weight of its weight's shape, through the link's own conversion (which
+    arranges the outputs as the checkpoint does: fused, per head, rotary rows reordered), whose
+    first `rank` columns it is."""
+    rank, fakes = bs[0].shape[0], []
+    for b, shape in zip(bs, weight_shapes):
+        weight = np.zeros((int(np.prod(shape)) // int(np.prod(b.shape[1:])), *b.shape[1:]), np.float32)
+        weight[:rank] = b
+        fakes.append(weight.reshape(shape))
+    return link.to_theirs(*fakes)[:, :rank]
 
 
 def write_adapter(params_flat: dict, cfg, out: Path, base: str | None) -> Path:
@@ -82,6 +94,9 @@ def write_adapter(params_flat: dict, cfg, out: Path, base: str | None) -> Path:
 
     if not cfg.lora:
         raise UserError("lm.convert to_hf --adapter: this run has no LoRA adapters (lora.rank=0); export it without --adapter")
+    if tensors.family_of(cfg) == "gpt2":  # (its q, k, v adapters would share one fused Conv1D)
+        raise UserError("lm.convert to_hf --adapter: PEFT's format has no place for GPT-2's fused projections; "
+                        "export the merged model (to_hf without --adapter)")
     mlp_targets = [t for t in ("gate", "up", "down") if t in cfg.lora_targets]
     if cfg.moe and (cfg.dense_layers or cfg.shared_experts) and mlp_targets and tensors.family_of(cfg) in EXPERTS_AS_MLP:
         raise UserError(f"lm.convert to_hf --adapter: PEFT reads {'/'.join(mlp_targets)} adapters of a {tensors.family_of(cfg)} model as "

@@ -231,7 +231,8 @@ class ModelConfig:
 
 
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")  # lm.model.lora: attention's, the MLP's, the experts' matmuls
+# lm.model.lora: attention's (latent attention's q_a .. kv_b), the MLP's, the experts' matmuls
+LORA_TARGETS = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "gate", "up", "down", "experts")
 
 
 def parse_targets(text: str) -> tuple[str, ...]:

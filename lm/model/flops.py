@@ -54,7 +54,12 @@ def lora_params(cfg: ModelConfig) -> int:
         return 0
     d, q, kv = cfg.embed_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     widths = {"q": d + q, "k": d + kv, "v": d + kv, "o": q + d}
-    attention = 0 if cfg.latent_attention else sum(widths[t] for t in cfg.lora_targets if t in widths)
+    if cfg.latent_attention:  # (fused kv_a, kv_b: one A, a B per part)
+        h, r, qk = cfg.num_heads, cfg.kv_lora_rank, cfg.num_heads * cfg.qk_head_dim
+        widths = {"q": d + qk, "q_a": d + cfg.q_lora_rank, "q_b": cfg.q_lora_rank + qk, "kv_a": d + r + cfg.qk_rope_head_dim,
+                  "kv_b": r + h * (cfg.qk_nope_head_dim + cfg.v_head_dim), "o": h * cfg.v_head_dim + d}
+        widths = {t: n for t, n in widths.items() if t not in ("q_a", "q_b")} if not cfg.q_lora_rank else {t: n for t, n in widths.items() if t != "q"}
+    attention = sum(widths[t] for t in cfg.lora_targets if t in widths)
 
     def mlp(f: int, swiglu: bool) -> int:
         return sum(d + f for t in cfg.lora_targets if t in ("up", "down") or (t == "gate" and swiglu))

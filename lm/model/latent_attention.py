@@ -15,10 +15,13 @@ Shape suffixes as in `lm.model.layers`, and r a latent's width.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lm.model import lora
 from lm.model.attention import attention, causal_mask, training_mask, softmax
 from lm.model.config import ModelConfig
 from lm.model.layers import _param, head_norm
@@ -51,6 +54,10 @@ class LatentAttention(nnx.Module):
         # The state each matmul keeps under the policy (fp8 scales), or None: `<weight>_site`.
         for name in (("wq_a", "wq_b") if cfg.q_lora_rank else ("wq",)) + ("wkv_a", "wk_rope", "wk_b", "wv_b", "wo"):
             setattr(self, f"{name}_site", policy.site())
+        query = {"q_a": ("btd,dr->btr", self.wq_a), "q_b": ("btr,rhk->bthk", self.wq_b)} if cfg.q_lora_rank else {"q": ("btd,dhk->bthk", self.wq)}
+        lora.attach(self, cfg, {**query, "kv_a": {"wkv_a": ("btd,dr->btr", self.wkv_a), "wk_rope": ("btd,dk->btk", self.wk_rope)},
+                                "kv_b": {"wk_b": ("btr,rhk->bthk", self.wk_b), "wv_b": ("btr,rhk->bthk", self.wv_b)},
+                                "o": ("bthk,hkd->btd", self.wo)}, rngs)
 
     def _matmul(self, spec, x, name):
         return self.policy.matmul(spec, x, getattr(self, name)[...], site=getattr(self, f"{name}_site"))
@@ -60,14 +67,15 @@ class LatentAttention(nnx.Module):
         {'latent', 'k_rope'})."""
         cfg = self.cfg
         nope = cfg.qk_nope_head_dim
+        adapted = functools.partial(lora.adapted, self)
         if cfg.q_lora_rank:
-            q_latent = head_norm(self._matmul("btd,dr->btr", x_btd, "wq_a"), self.q_norm[...], LATENT_EPS)
-            q = self._matmul("btr,rhk->bthk", q_latent, "wq_b")
+            q_latent = head_norm(adapted("q_a", self._matmul("btd,dr->btr", x_btd, "wq_a"), x_btd), self.q_norm[...], LATENT_EPS)
+            q = adapted("q_b", self._matmul("btr,rhk->bthk", q_latent, "wq_b"), q_latent)
         else:
-            q = self._matmul("btd,dhk->bthk", x_btd, "wq")
-        latent = head_norm(self._matmul("btd,dr->btr", x_btd, "wkv_a"), self.kv_norm[...], LATENT_EPS)
-        latent = constrain(latent, ("batch", "length", "kv_lora"), "kv latent")
-        k_rope = self._matmul("btd,dk->btk", x_btd, "wk_rope")[:, :, None]  # b t 1 k: one rotary key for every head
+            q = adapted("q", self._matmul("btd,dhk->bthk", x_btd, "wq"), x_btd)
+        latent, k_rope = adapted("kv_a", (self._matmul("btd,dr->btr", x_btd, "wkv_a"), self._matmul("btd,dk->btk", x_btd, "wk_rope")), x_btd)
+        latent = constrain(head_norm(latent, self.kv_norm[...], LATENT_EPS), ("batch", "length", "kv_lora"), "kv latent")
+        k_rope = k_rope[:, :, None]  # b t 1 k: one rotary key for every head
         positions = jnp.arange(x_btd.shape[1])[None] if positions_bt is None else positions_bt
         freq_k, amplitude = rope_frequencies(cfg), rope_amplitude(cfg)
         q = jnp.concatenate([q[..., :nope], rope(q[..., nope:], positions, freq_k, amplitude)], axis=-1)
@@ -79,8 +87,8 @@ class LatentAttention(nnx.Module):
             # in DeepSeek-V3), then expanded per head on each shard (40,960 gathered otherwise).
             latent = constrain(latent, ("batch", "kv_length", "kv_lora"), "kv latent, whole")
             k_rope = constrain(k_rope, ("batch", "kv_length", None, "head_dim"), "rotary key, whole")
-            k_nope = self._matmul("btr,rhk->bthk", latent, "wk_b")
-            v = name_qkv(self._matmul("btr,rhk->bthk", latent, "wv_b"))
+            k_nope, v = adapted("kv_b", (self._matmul("btr,rhk->bthk", latent, "wk_b"), self._matmul("btr,rhk->bthk", latent, "wv_b")), latent)
+            v = name_qkv(v)
             k = name_qkv(jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], axis=-1))
             k = constrain(k, ("batch", "kv_length", "kv_heads", "head_dim"), "keys")
             v = constrain(v, ("batch", "kv_length", "kv_heads", "head_dim"), "values")
@@ -94,20 +102,28 @@ class LatentAttention(nnx.Module):
             mask_bts = causal_mask(positions_bt, jnp.arange(cache["latent"].shape[1])[None], cfg.sliding_window)
             out = self._absorbed(q, cache, mask_bts, scale)
         out = constrain(out, ("batch", "length", "heads", "head_dim"), "attention output")
-        return self._matmul("bthk,hkd->btd", out, "wo"), cache
+        return adapted("o", self._matmul("bthk,hkd->btd", out, "wo"), out), cache
 
     def _absorbed(self, q_bthk, cache, mask_bts, scale: float) -> jax.Array:
         """Attention over the cached latents without expanding them: each head's non-rotary query
         taken into latent space through its key up-projection, the weighted latents out through
-        its value up-projection."""
+        its value up-projection (with kv_b's LoRA adapter: its A and B taken in turn, never merged)."""
         nope, matmul = self.cfg.qk_nope_head_dim, self.policy.matmul
         latent_bsr, k_rope_bsk = self.policy.cast(cache["latent"]), self.policy.cast(cache["k_rope"])
+        adapter = getattr(self, "lora_kv_b", None)
         q_latent = matmul("bthk,rhk->bthr", q_bthk[..., :nope], self.wk_b[...], weight=False)
+        if adapter is not None:  # + s (q B_k) A^T
+            q_a = matmul("bthk,zhk->bthz", q_bthk[..., :nope], adapter.b_wk_b[...], weight=False)
+            q_latent += (adapter.scale * matmul("bthz,rz->bthr", q_a, adapter.a[...], weight=False)).astype(q_latent.dtype)
         logits = matmul("bthr,bsr->bhts", q_latent, latent_bsr, out_dtype=jnp.float32, weight=False)
         logits += matmul("bthk,bsk->bhts", q_bthk[..., nope:], k_rope_bsk, out_dtype=jnp.float32, weight=False)
         logits = jnp.where(mask_bts[:, None], logits * scale, jnp.finfo(jnp.float32).min)
         out_latent = matmul("bhts,bsr->bthr", softmax(logits), latent_bsr, weight=False)
-        return matmul("bthr,rhk->bthk", out_latent, self.wv_b[...], weight=False)
+        out = matmul("bthr,rhk->bthk", out_latent, self.wv_b[...], weight=False)
+        if adapter is not None:  # + s (o A) B_v
+            o_a = matmul("bthr,rz->bthz", out_latent, adapter.a[...], weight=False)
+            out += (adapter.scale * matmul("bthz,zhk->bthk", o_a, adapter.b_wv_b[...], weight=False)).astype(out.dtype)
+        return out
 
 
 def init_latent_cache(cfg: ModelConfig, batch: int, length: int, dtype) -> dict[str, jax.Array]:

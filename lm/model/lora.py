@@ -18,6 +18,8 @@ Targets (`lm.model.config.LORA_TARGETS`) are named by the model's matmuls, as PE
 `target_modules` name Llama's:
 
     q k v o            attention's projections (q_proj ... o_proj)
+    q_a q_b kv_a kv_b  latent attention's (DeepSeek's q_a_proj, q_b_proj, kv_a_proj_with_mqa,
+                       kv_b_proj; q and o as above): kv_a and kv_b fused matmuls, one A each
     gate up down       the MLP's (gate_proj, up_proj, down_proj; GPT-2's c_fc, c_proj as up, down)
     experts            every routed expert's three (`ExpertAdapter`: PEFT's adapters on the fused
                        `experts.gate_up_proj` / `experts.down_proj` parameters)
@@ -111,27 +113,42 @@ def _kaiming_a(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> jax.Array
     return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
 
 
-class Adapter(nnx.Module):
-    """The adapter of one matmul `einsum(spec, x, w)` whose weight has `w_shape` and logical
-    `w_axes`: A over the weight's contracted axes, B over its output axes."""
+def _axes(weight: nnx.Param) -> tuple:
+    return tuple(weight.get_metadata().get("out_sharding") or (None,) * weight.ndim)
 
-    def __init__(self, target: str, spec: str, w_shape: tuple[int, ...], w_axes: tuple[str, ...], rank: int, alpha: float, rngs: nnx.Rngs):
-        self.target = target
-        x, w, out, contracted = _letters(spec)
-        self.spec_a = f"{x},{contracted}{RANK_LETTER}->{''.join(c for c in x if c not in w)}{RANK_LETTER}"
-        self.spec_b = f"{''.join(c for c in x if c not in w)}{RANK_LETTER},{RANK_LETTER}{''.join(c for c in w if c not in x)}->{out}"
-        self.scale = alpha / rank
-        in_shape = tuple(n for n, c in zip(w_shape, w) if c in contracted)
-        in_axes = tuple(a for a, c in zip(w_axes, w) if c in contracted)
-        out_shape = tuple(n for n, c in zip(w_shape, w) if c not in contracted)
-        out_axes = tuple(a for a, c in zip(w_axes, w) if c not in contracted)
+
+class Adapter(nnx.Module):
+    """The adapter of one matmul `einsum(spec, x, w)` (`parts` = (spec, w)): A [*in, rank] over the
+    weight's contracted axes, B `b` [rank, *out] over its output axes, each under the weight's
+    logical axes. Or of several matmuls of one input that a checkpoint fuses into one
+    (`parts` = {weight name: (spec, w)}: DeepSeek's `kv_a_proj_with_mqa`, `kv_b_proj`), one A
+    and a B `b_<weight name>` for each, as PEFT adapts the fused matrix."""
+
+    def __init__(self, target: str, parts, rank: int, alpha: float, rngs: nnx.Rngs):
+        self.target, self.scale, self.fused = target, alpha / rank, isinstance(parts, dict)
+        parts = parts if self.fused else {"": parts}
+        spec, weight = next(iter(parts.values()))
+        x, w, _, contracted = _letters(spec)
+        rest = "".join(c for c in x if c not in w)  # x's axes the matmuls keep (batch, length)
+        self.spec_a = f"{x},{contracted}{RANK_LETTER}->{rest}{RANK_LETTER}"
+        in_shape = tuple(n for n, c in zip(weight.shape, w) if c in contracted)
+        in_axes = tuple(a for a, c in zip(_axes(weight), w) if c in contracted)
         self.a = LoraParam(_kaiming_a(rngs, (*in_shape, rank), math.prod(in_shape)), out_sharding=(*in_axes, "lora_rank"), eager_sharding=False)
-        self.b = LoraParam(jnp.zeros((rank, *out_shape), jnp.float32), out_sharding=("lora_rank", *out_axes), eager_sharding=False)
+        self.b_names, specs_b = tuple(f"b_{name}" if self.fused else "b" for name in parts), []
+        for b_name, (spec, weight) in zip(self.b_names, parts.values()):
+            _, w, out, _ = _letters(spec)
+            own = [(n, a) for n, a, c in zip(weight.shape, _axes(weight), w) if c not in contracted]
+            specs_b.append(f"{rest}{RANK_LETTER},{RANK_LETTER}{''.join(c for c in w if c not in x)}->{out}")
+            b = jnp.zeros((rank, *(n for n, _ in own)), jnp.float32)
+            setattr(self, b_name, LoraParam(b, out_sharding=("lora_rank", *(a for _, a in own)), eager_sharding=False))
+        self.specs_b = tuple(specs_b)
 
     def __call__(self, policy, x):
-        """(alpha / rank) (dropout(x) A) B in the compute dtype."""
+        """(alpha / rank) (dropout(x) A) B in the compute dtype (a tuple of them, fused)."""
         xa = policy.matmul(self.spec_a, _dropped(x, self.target), self.a[...])
-        return policy.matmul(self.spec_b, xa, self.b[...]) * jnp.asarray(self.scale, policy.compute_dtype)
+        scale = jnp.asarray(self.scale, policy.compute_dtype)
+        out = tuple(policy.matmul(spec, xa, getattr(self, b)[...]) * scale for spec, b in zip(self.specs_b, self.b_names))
+        return out if self.fused else out[0]
 
 
 class ExpertAdapter(nnx.Module):
@@ -156,34 +173,34 @@ class ExpertAdapter(nnx.Module):
         return tuple(getattr(self, name)[...] for name in self.FIELDS)
 
 
-def adapters(cfg, matmuls: dict[str, tuple[str, nnx.Param]], rngs: nnx.Rngs) -> dict[str, Adapter]:
-    """{target: its Adapter} for the `matmuls` ({target: (einsum spec, weight)}) that
-    `cfg.lora_targets` names (none without LoRA)."""
+def adapters(cfg, matmuls: dict, rngs: nnx.Rngs) -> dict[str, Adapter]:
+    """{target: its Adapter} for the `matmuls` ({target: (einsum spec, weight)}, or fused
+    {target: {weight name: (spec, weight)}}) that `cfg.lora_targets` names (none without LoRA)."""
     if not cfg.lora_rank:
         return {}
-    out = {}
-    for name, (spec, weight) in matmuls.items():
-        if name in cfg.lora_targets:
-            axes = tuple(weight.get_metadata().get("out_sharding") or (None,) * weight.ndim)
-            out[name] = Adapter(name, spec, weight.shape, axes, cfg.lora_rank, cfg.lora_alpha, rngs)
-    return out
+    return {name: Adapter(name, parts, cfg.lora_rank, cfg.lora_alpha, rngs) for name, parts in matmuls.items() if name in cfg.lora_targets}
 
 
-def attach(module: nnx.Module, cfg, matmuls: dict[str, tuple[str, nnx.Param]], rngs: nnx.Rngs) -> None:
+def attach(module: nnx.Module, cfg, matmuls: dict, rngs: nnx.Rngs) -> None:
     """`adapters` set on `module` as attributes `lora_<target>` (nothing without LoRA)."""
     for name, adapter in adapters(cfg, matmuls, rngs).items():
         setattr(module, f"lora_{name}", adapter)
 
 
-def adapted(module: nnx.Module, name: str, y: jax.Array, x: jax.Array) -> jax.Array:
-    """The output `y` of `module`'s matmul `name` on input `x`, plus its adapter's update where
-    it has one."""
+def adapted(module: nnx.Module, name: str, y, x: jax.Array):
+    """The output `y` of `module`'s matmul `name` on input `x` (fused: the tuple of its
+    matmuls' outputs), plus its adapter's update where it has one."""
     adapter = getattr(module, f"lora_{name}", None)
-    return y if adapter is None else y + adapter(module.policy, x).astype(y.dtype)
+    if adapter is None:
+        return y
+    update = adapter(module.policy, x)
+    return tuple(a + u.astype(a.dtype) for a, u in zip(y, update)) if adapter.fused else y + update.astype(y.dtype)
 
 
 # Each target's weight, beside its adapter `lora_<target>`: laid out (*in, *out), as A (*in, rank) and B (rank, *out).
-WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_in", "down": "w_out"}
+WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_in", "down": "w_out", "q_a": "wq_a", "q_b": "wq_b"}
+# Fused targets' weights (latent attention's), each with its B `b_<weight>` beside the shared A.
+FUSED = {"kv_a": ("wkv_a", "wk_rope"), "kv_b": ("wk_b", "wv_b")}
 # The experts' weights, each with its (A, B) in `lora_experts` (`ExpertAdapter`).
 EXPERT_WEIGHTS = {"w_gate": ("a_in", "b_gate"), "w_in": ("a_in", "b_up"), "w_out": ("a_out", "b_out")}
 
@@ -207,6 +224,7 @@ def merged(params: dict, cfg) -> dict:
     def walk(tree: dict) -> dict:
         out = {k: walk(v) if isinstance(v, dict) else v for k, v in tree.items() if not k.startswith("lora_")}
         pairs = [(weight, tree.get(f"lora_{target}"), ("a", "b")) for target, weight in WEIGHTS.items()]
+        pairs += [(weight, tree.get(f"lora_{target}"), ("a", f"b_{weight}")) for target, weights in FUSED.items() for weight in weights]
         pairs += [(weight, tree.get("lora_experts"), ab) for weight, ab in EXPERT_WEIGHTS.items()]
         for weight, adapter, (a, b) in pairs:
             if adapter is not None:
