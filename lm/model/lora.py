@@ -85,7 +85,6 @@ def _dropped(x, target: str):
         return x
     rate, keys_bt2 = state  # (the keys: the tokens' order and placement, as x's)
     salt, layer = zlib.crc32(target.encode()) & 0x7FFFFFFF, _LAYER.get()
-
     features = math.prod(x.shape[2:])
 
     def draws(key):  # one token's 16-bit draws over its features: two from each 32-bit word (half the generator's work)
