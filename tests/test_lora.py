@@ -88,16 +88,19 @@ def test_lora_dropout_masks_each_tokens_adapter_inputs_by_its_own_key():
 
 
 def test_lora_dropout_drops_the_same_values_on_any_mesh_and_microbatching():
-    """With dropout 0.1 the losses of {fsdp 2, tensor 2, data 2} and of 2 accumulated microbatches
-    equal one device's (each token's mask comes from its place in the global batch); dropout 0
-    gives other losses (negative control)."""
+    """With dropout 0.1 the losses of {fsdp 2, tensor 2, data 2}, of {context 2, data 2} (the
+    sequence reordered: the keys with it) and of 2 accumulated microbatches equal one device's
+    (each token's mask comes from its place in the global batch); dropout 0 gives other losses
+    (negative control)."""
     from conftest import run_steps
 
     options = dict(lora__rank=4, lora__dropout=0.1, optim__lr=0.03)
     one, _ = run_steps(small_config({"data": 1}, **options), jax.devices()[:1], steps=3)
     split, _ = run_steps(small_config({"fsdp": 2, "tensor": 2, "data": 2}, **options), jax.devices()[:8], steps=3)
     accumulated, _ = run_steps(small_config({"data": 1}, train__grad_accum=2, **options), jax.devices()[:1], steps=3)
+    context, _ = run_steps(small_config({"context": 2, "data": 2}, **options), jax.devices()[:4], steps=3)
     np.testing.assert_allclose(split, one, rtol=2e-5)
+    np.testing.assert_allclose(context, one, rtol=2e-5)
     np.testing.assert_allclose(accumulated, one, rtol=2e-5)
     plain, _ = run_steps(small_config({"data": 1}, **dict(options, lora__dropout=0.0)), jax.devices()[:1], steps=3)
     assert plain[0] == one[0] and np.abs(plain - one).max() > 3e-4  # (B starts at 0: the first step's loss is the base's)
