@@ -46,15 +46,16 @@ class ExpertLora(NamedTuple):
     arrays: tuple
     scale: float
 
-    def gate_up(self, matmul, x):
-        """(scale x A B_gate, scale x A B_up), float32 or x's dtype as `matmul` returns."""
+    def gate_up(self, matmul, x, gate, up):
+        """(gate + scale x A B_gate, up + scale x A B_up), in gate's and up's dtypes."""
         a_in, b_gate, b_up, _, _ = self.arrays
         xa = matmul(x, a_in).astype(x.dtype)
-        return self.scale * matmul(xa, b_gate), self.scale * matmul(xa, b_up)
+        return tuple(y + (self.scale * matmul(xa, b)).astype(y.dtype) for y, b in ((gate, b_gate), (up, b_up)))
 
-    def down(self, matmul, h):
+    def down(self, matmul, h, y):
+        """y + scale h A_out B_out, in y's dtype."""
         _, _, _, a_out, b_out = self.arrays
-        return self.scale * matmul(matmul(h, a_out).astype(h.dtype), b_out)
+        return y + (self.scale * matmul(matmul(h, a_out).astype(h.dtype), b_out)).astype(y.dtype)
 
 
 def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, lora: ExpertLora | None, dtype, implementation: str, expected_rows: int,
@@ -72,7 +73,7 @@ def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, lora: ExpertLora | 
     # The adapters' rank-wide GEMMs by ragged_dot: the Pallas kernels take widths in whole tiles.
     adapter = lambda x, w: grouped_matmul(x, w, group_sizes_e, None, "xla", expected_rows, 0, False)  # noqa: E731
     if lora is not None:
-        gate, up = (y + dy.astype(y.dtype) for y, dy in zip((gate, up), lora.gate_up(adapter, x_md.astype(dtype))))
+        gate, up = lora.gate_up(adapter, x_md.astype(dtype), gate, up)
     if implementation == "pallas" and swiglu_rows.fits(x_md.shape[0], f):  # over the rows holding tokens only
         with jax.named_scope(grouped_gemm.rows_scope(expected_rows)):
             h = swiglu_rows.swiglu(gate, up, table.end_g[-1:])
@@ -80,7 +81,7 @@ def _ragged_swiglu(x_md, group_sizes_e, w_in, w_gate, w_out, lora: ExpertLora | 
         h = (jax.nn.silu(gate.astype(F32)) * up).astype(dtype)
     y = grouped_matmul(h, w_out, group_sizes_e, table, implementation, expected_rows, group_axis, gathered_layout)
     if lora is not None:
-        y = y + lora.down(adapter, h).astype(y.dtype)
+        y = lora.down(adapter, h, y)
     return name_matmul(y, batched=False)
 
 
@@ -104,10 +105,10 @@ def _batched(x_ecd, w_in, w_gate, w_out, lora: ExpertLora | None, dtype):
     x = x_ecd.astype(dtype)
     gate, up = dot("ecd,edf->ecf", x, w_gate), dot("ecd,edf->ecf", x, w_in)
     if lora is not None:
-        gate, up = (y + dy.astype(y.dtype) for y, dy in zip((gate, up), lora.gate_up(adapter, x)))
+        gate, up = lora.gate_up(adapter, x, gate, up)
     h = (jax.nn.silu(gate) * up).astype(dtype)
     y = dot("ecf,efd->ecd", h, w_out)
-    return y if lora is None else y + lora.down(adapter, h).astype(y.dtype)
+    return y if lora is None else lora.down(adapter, h, y)
 
 
 def capacity(tokens: int, k: int, experts: int, factor: float) -> int:
