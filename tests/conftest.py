@@ -37,8 +37,16 @@ SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _token_cache(tmp_path_factory):
+def _caches(tmp_path_factory):
+    """Token stores and compiled programs cached per test process. Every compile is kept (JAX keeps
+    those over a second): the suite compiles many programs more than once (a one-device reference
+    beside each mesh, the same small model in many tests), and a kept one loads in milliseconds."""
+    import jax
+
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture

@@ -292,6 +292,7 @@ def test_the_loss_mask_through_pipelines_and_context_parallelism_equals_one_devi
         assert np.allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(a).max())
 
 
+@pytest.mark.slow
 def test_generate_chat_renders_one_user_turn_and_stops_at_the_end_of_turn(tmp_path, capsys, monkeypatch):
     """`lm.generate --chat`: the prompt is the template's rendering of one user turn with its
     generation prompt; the answer printed ends before the end-of-turn token the model sampled."""

@@ -195,6 +195,7 @@ def test_a_damaged_store_shard_is_one_line_naming_it(tmp_path, capsys):
     assert token_store.TokenStore(tmp_path / "store").num_tokens == len(data)  # restored: opens again
 
 
+@pytest.mark.slow
 def test_killed_prepare_resumes_to_the_same_store(tmp_path, small_corpus):
     """SIGKILL the parent and its workers mid-way; running again finishes the same store."""
     corpus = make_corpus(tmp_path / "corpus", files=32, size=400_000, seed=1)  # 13 MB, BPE: seconds

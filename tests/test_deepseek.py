@@ -98,6 +98,7 @@ def one_device():
      ({"expert": 4, "data": 2}, {"train__grad_accum": 2, "model__expert_bias_rate": 0.0})],
     ids=["expert2-fsdp2-tensor2", "context2-tensor2-data2-sp", "expert4-data2-accum2"],
 )
+@pytest.mark.slow
 def test_deepseek_trains_sharded_as_on_one_device(one_device, mesh, options):
     losses, params = run_steps(small_config(mesh, **{**DEEPSEEK, **MTP, **options}))
     ref_losses, ref_params = one_device if "model__expert_bias_rate" not in options else run_steps(
@@ -118,7 +119,8 @@ def test_latent_attention_pipelines_as_on_one_device(schedule):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5), params, ref_params)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zero_bubble", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_deepseek_pipelines_with_its_leading_dense_layer_and_multi_token_prediction(schedule):
     """DeepSeek's whole layout on `{stage 2, expert 2, data 2}`: its first layer dense (run with
     the embedding on the first stage), two sparse layers (one per stage), the MTP module (with
@@ -207,6 +209,7 @@ def test_multi_token_prediction_at_weight_zero_trains_as_without_it():
     assert np.abs(weighted - ref_losses).max() > 1e-4  # the control: weighted, it does reach the model
 
 
+@pytest.mark.slow
 def test_deepseek_lora_on_latent_attention_and_experts_trains_sharded_as_on_one_device():
     """LoRA on every matmul (q_a, q_b, the fused kv_a and kv_b, o, the dense MLP, the shared and
     routed experts) on {expert 2, fsdp 2, tensor 2}: one device's losses; only adapters move."""

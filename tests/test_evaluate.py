@@ -51,6 +51,7 @@ def _direct_logprobs(model, ids: list[int]) -> np.ndarray:
     return np.asarray([logp[i - 1, ids[i]] for i in range(1, len(ids))])
 
 
+@pytest.mark.slow
 def test_requests_on_the_runs_mesh_equal_the_model_on_one_device(sharded_run):
     from lm.evaluation.harness import for_run
     from lm.model.sampling import generate_ids

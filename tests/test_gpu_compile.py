@@ -159,6 +159,7 @@ def test_latent_attention_runs_cudnn_with_values_narrower_than_queries(h100s):
     assert re.search(r"= \(bf16\[\d+,4,\d+,16\]", forward) and re.search(r"\{bf16\[\d+,\d+,4,24\]\S*, bf16\[\d+,\d+,4,24\]", forward)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
 def test_latent_attention_runs_cudnn_inside_a_pipelines_vmap_over_stages(h100s):
     """Under the lockstep pipelines' vmap over stages, jax's batching rule for cuDNN attention
@@ -210,6 +211,7 @@ def test_attention_falls_back_where_cudnn_cannot_take_the_call(h100s):
     assert attention_kernel("auto", q(jax.numpy.bfloat16)) == "einsum"  # on this CPU
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_weights_per_layer_and_reduce_scatters_gradients(h100s):
     text = compiled(h100s, {"fsdp": 8}, model__num_layers=4)
     gathered = hlo.collective_shapes(text, "all-gather")
@@ -235,7 +237,7 @@ def test_fsdp_gathers_weights_per_layer_and_reduce_scatters_gradients(h100s):
 
 @pytest.mark.parametrize("mesh, overrides", [
     ({"fsdp": 4, "tensor": 2}, {"sharding__sequence_parallel": True, "model__remat": "dots_no_batch"}),
-    ({"fsdp": 4, "tensor": 2}, {"model__remat": "full", "train__grad_accum": 2}),
+    pytest.param({"fsdp": 4, "tensor": 2}, {"model__remat": "full", "train__grad_accum": 2}, marks=pytest.mark.slow),
     ({"fsdp": 8}, {"model__remat": "full"}),
 ])
 def test_the_cost_models_collective_bytes_are_the_compiled_programs(h100s, mesh, overrides):
@@ -568,6 +570,7 @@ def _llama_1b_layers(layers: int = 2, **overrides) -> str:
                                             train__grad_accum=1, **overrides), 32768, targets.devices("h100", 1))).as_text()
 
 
+@pytest.mark.slow
 def test_fp8_current_scaling_reduces_each_tensor_once_and_never_transposes_fp8_data(monkeypatch):
     """Point 3 of the fp8 issue, counted on the compiled step (`lm.compiler.passes`), the sites
     `fp8_sites=auto` picks at `llama_1b`'s widths (q, o and the MLP; k / v stay bf16). Per layer
@@ -601,6 +604,7 @@ def test_fp8_current_scaling_reduces_each_tensor_once_and_never_transposes_fp8_d
     assert before["reduction_fusions"] > current["reduction_fusions"] and before["hbm_bytes"] > current["hbm_bytes"]
 
 
+@pytest.mark.slow
 def test_fp8_weights_are_written_in_both_layouts_by_one_pass_not_copied_transposed_in_float32(monkeypatch):
     """An fp8 GEMM reads its weight with the contracted axes minor, the input-gradient GEMM with
     the free axes minor (as stored). Left to itself, XLA met the forward's need by giving the layer
@@ -681,7 +685,8 @@ def test_an_expert_parallel_mixture_of_experts_compiles_with_ragged_all_to_alls_
     assert sum(b for (op, _), b in hlo.collective_traffic(capacity).items() if op == "all-to-all") > 2**20
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pallas_grouped_gemms_compile_inside_the_lockstep_pipelines_vmap_over_stages(h100s, schedule):
     """Dropless experts on {stage: 2, expert: 4} under GPipe and 1F1B: the experts' `shard_map`
     runs inside the pipelines' vmap over stages, and so do meshlm's Pallas kernels and their
@@ -713,6 +718,7 @@ def _transposed_expert_stacks(text):
     return [k for k in kernels.table(text) if k.kind in ("transpose", "copy") and "16,128,128" in k.shape.replace("128,16,128", "16,128,128")]
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_the_experts_for_the_grouped_gemm_without_transposing_them(h100s):
     """{fsdp: 8}, dropless, bf16: each expert weight gathered along its first axis as [d, e, f]
     and its float32 gradient reduce-scattered so, each GPU's 256 tokens x 2 rows through the

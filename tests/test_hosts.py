@@ -19,6 +19,7 @@ from sharding import hosts as lm_hosts
 from sharding.stderr_guard import lost_processes
 
 
+@pytest.mark.slow
 def test_two_hosts_train_as_one_process_a_cut_link_ends_both_in_a_line_each_and_a_restart_resumes_exactly(tmp_path, small_corpus):
     work = tmp_path / "run"
     with two_hosts() as hosts:

@@ -87,6 +87,7 @@ def test_lora_dropout_masks_each_tokens_adapter_inputs_by_its_own_key():
         assert lora._dropped(x, "q") is x
 
 
+@pytest.mark.slow
 def test_lora_dropout_drops_the_same_values_on_any_mesh_and_microbatching():
     """With dropout 0.1 the losses of {fsdp 2, tensor 2, data 2}, of {context 2, data 2} (the
     sequence reordered: the keys with it) and of 2 accumulated microbatches equal one device's
@@ -249,6 +250,7 @@ def test_the_planner_gives_frozen_weights_no_gradients_or_optimizer_state():
     assert f["grads"] == f["params"]
 
 
+@pytest.mark.slow
 def test_a_lora_runs_checkpoints_hold_its_adapters_and_it_resumes_exactly(tmp_path, small_corpus):
     """Each step's checkpoint holds the adapters and their moments, the frozen base is kept once
     (`lora_base`); stopped at step 2 and resumed, the run's losses equal an unbroken run's (with

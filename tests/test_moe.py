@@ -138,6 +138,7 @@ def test_sparse_layers_anywhere_name_their_layers_and_run_as_few_scans():
     assert layer_segments(kinds(sparse_layer_ids("dense:1", 3), 3)) == [(0, 1, ("sparse",)), (1, 2, ("dense",)), (2, 3, ("sparse",))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["every:2", "dense:1"])
 def test_interleaved_dense_and_sparse_layers_train_expert_parallel_as_on_one_device(pattern):
     """Layers 1 and 3 sparse (one scan over two (dense, sparse) repeats), or layer 1 dense among
@@ -158,7 +159,8 @@ def assert_pipelined_as_accumulating(schedule: str, **extra):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b", pytest.param("1f1b_per_stage", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "1f1b_per_stage"])
 def test_interleaved_dense_and_sparse_layers_pipeline_as_on_one_device(schedule):
     """`every:2` over 4 layers on 2 stages (experts over 2 devices): each stage's chunk one
     (dense, sparse) repeat, the two stacks split over `stage` alike; the same losses and

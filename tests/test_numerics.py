@@ -249,6 +249,7 @@ def test_current_scaling_takes_each_scale_from_the_tensors_own_amax():
     assert np.abs(y_delayed - y).max() > 1e-3 * np.abs(y).max()
 
 
+@pytest.mark.slow
 def test_current_scaling_trains_sharded_as_on_one_device():
     from conftest import run_steps, small_config
 

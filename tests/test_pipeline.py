@@ -119,7 +119,8 @@ def trains_like_one_device(one_device_deep, c, loss_rel: float = 1e-6) -> str:
         # (These hung full runs of the suite until XLA:CPU's thread pools were sized for the fake
         # devices: PERFORMANCE.md, "The pipeline's ends read their own schedule columns".)
         ({"stage": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 8, "pipeline__remat": "none"}),
-        ({"stage": 2, "data": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4, "pipeline__remat": "none"}),
+        pytest.param({"stage": 2, "data": 4}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 4, "pipeline__remat": "none"},
+                     marks=pytest.mark.slow),
         ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2, "pipeline__remat": "dots",
                                                 "model__remat": "full", "sharding__sequence_parallel": True, "train__grad_accum": 2}),
         ({"stage": 2, "data": 4}, {"pipeline__schedule": "1f1b", "sharding__optimizer_over_data": True}),  # ZeRO-1
@@ -182,6 +183,7 @@ def test_evaluation_runs_the_forward_alone_under_every_schedule():
         assert flops == runs["gpipe"][1]
 
 
+@pytest.mark.slow
 def test_checkpoint_from_a_pipelined_mesh_restores_on_one_device(tmp_path, small_corpus):
     pipelined = dict(model__num_layers=4, mesh__stage=2, mesh__data=4, pipeline__schedule="1f1b")
     train(fast_config(small_corpus, train__steps=2, **pipelined), tmp_path)
@@ -284,8 +286,9 @@ def fp8_one_device():
     return fp8_states({}, jax.devices()[:1])
 
 
-@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
-                                   {"pipeline__schedule": "1f1b", "pipeline__remat": "none"}],
+@pytest.mark.parametrize("extra", [pytest.param({}, marks=pytest.mark.slow), {"pipeline__repeats": 2},
+                                   pytest.param({"pipeline__schedule": "1f1b"}, marks=pytest.mark.slow), {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
+                                   pytest.param({"pipeline__schedule": "1f1b", "pipeline__remat": "none"}, marks=pytest.mark.slow)],
                          ids=["gpipe", "circular", "1f1b", "interleaved-1f1b", "1f1b-residuals"])
 def test_fp8_in_the_pipeline_takes_each_amax_over_the_ticks_that_did_work(fp8_one_device, extra):
     """A step's amaxes are the maxima over the microbatches the stages ran (summed over ticks,
@@ -302,8 +305,8 @@ def fp8_one_device_in_two_microbatches():
     return fp8_states({}, jax.devices()[:1], train__grad_accum=2, **WHOLE_VOCABULARY)
 
 
-@pytest.mark.parametrize("extra", [{}, {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
-                                   {"pipeline__schedule": "1f1b_per_stage"}],
+@pytest.mark.parametrize("extra", [pytest.param({}, marks=pytest.mark.slow), {"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b"},
+                                   {"pipeline__schedule": "1f1b", "pipeline__repeats": 2}, {"pipeline__schedule": "1f1b_per_stage"}],
                          ids=["gpipe", "circular", "1f1b", "interleaved-1f1b", "per-stage-1f1b"])
 def test_fp8_state_under_every_schedule_is_bitwise_the_one_device_runs_at_each_of_5_steps(fp8_one_device_in_two_microbatches, extra):
     """Run freely for 5 steps on `{stage: 2}`, every pipeline leaves the fp8 state (every site's
@@ -349,8 +352,8 @@ def fp8_one_device_skipping_the_ends():
     return fp8_states({}, jax.devices()[:1], steps=2, precision__fp8_skip="0,-1")
 
 
-@pytest.mark.parametrize("extra", [{"pipeline__repeats": 2}, {"pipeline__schedule": "1f1b", "pipeline__repeats": 2},
-                                   {"pipeline__schedule": "1f1b_per_stage", "pipeline__remat": "none"}],
+@pytest.mark.parametrize("extra", [{"pipeline__repeats": 2}, pytest.param({"pipeline__schedule": "1f1b", "pipeline__repeats": 2}, marks=pytest.mark.slow),
+                                   pytest.param({"pipeline__schedule": "1f1b_per_stage", "pipeline__remat": "none"}, marks=pytest.mark.slow)],
                          ids=["circular", "interleaved-1f1b", "balanced-per-stage"])
 def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(fp8_one_device_skipping_the_ends, extra):
     """Layers 0 and 3 of 4 stay out of fp8: in a pipeline their chunks' positions choose at run

@@ -166,6 +166,7 @@ def test_per_stage_keeps_memory_flat_in_the_microbatches_and_fewer_residuals_tha
     assert max(kept) <= 1.1 * min(kept) and kept[1] < lockstep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [{}, {"pipeline__remat": "none"}], ids=["recompute", "balanced"])
 def test_fp8_in_the_per_stage_pipeline_takes_each_amax_over_the_slots_that_did_work(fp8_one_device, extra):  # noqa: F811
     ref = fp8_one_device

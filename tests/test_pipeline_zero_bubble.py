@@ -96,6 +96,7 @@ def test_zero_bubble_trains_like_one_device(one_device_deep, mesh, extra):  # no
     assert "collective-permute" in hlo and not constant_collectives(hlo) and not full_vocabulary_buffers(hlo)
 
 
+@pytest.mark.slow
 def test_zero_bubble_with_experts_matches_one_device_accumulating_alike():
     aux = dict(MOE, model__router_aux_loss_coef=0.1, model__router_z_loss_coef=0.01)
     ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **aux), jax.devices()[:1])
@@ -104,6 +105,7 @@ def test_zero_bubble_with_experts_matches_one_device_accumulating_alike():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
+@pytest.mark.slow
 def test_fp8_in_the_zero_bubble_pipeline_takes_each_amax_over_the_slots_that_did_work(fp8_one_device):  # noqa: F811
     ref = fp8_one_device
     assert_fp8_like_one_device(fp8_states({"data": -1, "stage": 2}, forced_from=ref.starts, **ZB), ref)

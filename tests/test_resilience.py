@@ -219,6 +219,7 @@ def test_too_many_nonfinite_steps_in_a_row_end_the_run(tmp_path, small_corpus):
         train(c, tmp_path, jax.devices()[:1], faults=Faults(nonfinite_steps=(2, 3)))
 
 
+@pytest.mark.slow
 def test_a_lost_peer_ends_every_survivor_in_one_line_and_all_restarted_resume(tmp_path, small_corpus):
     """Two processes started by hand, as two hosts in network namespaces where they can be made
     (else on loopback); one is SIGKILLed (a worker after a step, then the coordinator in the middle
