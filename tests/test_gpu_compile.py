@@ -625,6 +625,30 @@ def test_fp8_weights_are_written_in_both_layouts_by_one_pass_not_copied_transpos
     assert unpinned["transpose_bytes"] > 0 and unpinned["both_layouts"] < weights * layers
 
 
+@pytest.mark.slow
+def test_fp8_weights_are_quantised_once_a_step_not_once_per_microbatch(monkeypatch):
+    """With gradient accumulation the step quantises each fp8 weight stack once, before the
+    microbatch loop (one kernel a weight for all layers: `lm.model.fp8_weights`), and reduces
+    its amaxes once; the activations are still quantised per microbatch. Counted on the compiled
+    step of `llama_1b`'s GEMM shapes (2 layers, 2 microbatches of 8; `fp8_sites=auto` runs 5
+    weights a layer in fp8). Negative control: quantising inside the passes (as before) does it
+    once per layer per microbatch."""
+    from lm.program.steps import Program
+
+    layers, accum, weights = 2, 2, 5
+
+    def count():
+        c = recipe("llama_1b", model__num_layers=layers, train__batch_size=16, train__grad_accum=accum, precision__fp8="delayed")
+        return passes.count(compiled_train_step(setup(c, 32768, targets.devices("h100", 1))).as_text())
+
+    once = count()
+    monkeypatch.setattr(Program, "_fp8_weights_once", lambda self: False)
+    per_microbatch = count()
+    forward = per_microbatch["quantising"]["forward"] - once["quantising"]["forward"]
+    assert forward == weights * layers * accum - weights, (once["quantising"], per_microbatch["quantising"])
+    assert once["amax_reductions"]["backward"] < per_microbatch["amax_reductions"]["backward"]
+
+
 def test_the_fp8_transpose_count_sees_a_transposed_fp8_operand():
     """The detector above can fail: an fp8 array written again transposed is one transpose of
     fp8 data."""

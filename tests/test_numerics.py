@@ -271,3 +271,40 @@ def test_current_scaling_trains_sharded_as_on_one_device():
     # And it is not the float32 run: the fp8 rounding shows in the losses.
     plain, _ = run_steps(small_config({}, precision__compute_dtype="float32"), jax.devices()[:1], steps=2)
     assert not np.allclose(plain, ref_losses, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("scaling, mesh, observe", [("delayed", {}, False), ("current", {}, False), ("delayed", {"data": 2, "fsdp": 2, "tensor": 2}, False),
+                                                    ("delayed", {}, True)], ids=["delayed", "current", "delayed-data2-fsdp2-tensor2", "delayed-observed"])
+def test_fp8_weights_quantised_once_a_step_train_bit_for_bit_as_per_microbatch(monkeypatch, scaling, mesh, observe):
+    """With gradient accumulation the fp8 weights are quantised before the microbatches
+    (`lm.model.fp8_weights`), once a step: the same fp8 values, scales and statistics as each
+    microbatch quantising them again, so 3 steps' losses, metrics (the numerics report's
+    statistics too, observed), parameters, moments and fp8 state are bitwise the same. Scanned
+    layers, as the recipes run them (the copies are sliced layer by layer)."""
+    from conftest import small_config
+
+    from lm.model import fp8_weights
+    from lm.program.steps import Program
+
+    def run(once):
+        c = small_config(mesh, precision__compute_dtype="bfloat16", precision__fp8=scaling, train__grad_accum=2, model__scan_layers=True)
+        program = setup(c, 256, jax.devices()[:max(1, int(np.prod(list(mesh.values()))))], observe=observe)
+        assert program._fp8_weights_once()
+        with monkeypatch.context() as m:
+            if not once:
+                m.setattr(Program, "_fp8_weights_once", lambda self: False)
+            calls = []
+            m.setattr(fp8_weights, "quantised_once", lambda *a, f=fp8_weights.quantised_once: calls.append(1) or f(*a))
+            rng, state, metrics = np.random.default_rng(0), program.init_state(0), []
+            for _ in range(3):
+                tokens = rng.integers(0, 256, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
+                state, step_metrics = program.train_step(state, program.global_batch(tokens))
+                metrics.append(step_metrics)
+            assert bool(calls) == once  # traced once, for the step's one compile
+            return jax.device_get((metrics, state.params, state.opt_state, state.fp8))
+
+    once, per_microbatch = run(True), run(False)
+    assert jax.tree.structure(once) == jax.tree.structure(per_microbatch)
+    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_microbatch), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert once[0][0]["loss"] != once[0][-1]["loss"]  # it trained

@@ -23,6 +23,7 @@ from lm.model.fp8 import (
     is_suspended,
     site_matmul,
 )
+from lm.model.fp8_weights import QuantisedWeight, prequantised_site_matmul
 from lm.model.matmul import F32, has_batch_dims
 from lm.model.matmul import matmul as plain_matmul
 from sharding.remat import name_matmul
@@ -86,7 +87,9 @@ class Policy:
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
         quantize = (self.fp8 is not None and site is not None and not is_suspended()
                     and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape)))
-        if quantize and self.pin_weight_layouts and with_layout_constraint is not None:
+        prepared = w if isinstance(w, QuantisedWeight) and quantize else None  # quantised once a step (`lm.model.fp8_weights`)
+        w = w.master if isinstance(w, QuantisedWeight) else w
+        if quantize and prepared is None and self.pin_weight_layouts and with_layout_constraint is not None:
             w = with_layout_constraint(w, Layout(tuple(range(w.ndim))))
         x, w = self.cast(x), self.cast(w)
         if site is None or not (quantize or self.observe):
@@ -96,5 +99,9 @@ class Policy:
             scales = site.scale[...] if stateful else jnp.zeros(len(ROLES), F32)  # zero: each tensor's own amax
             current = self.fp8 is not None and not stateful
             mode = SiteMode(quantize, self.observe, self.compute_dtype, current, self.fp8.margin if current else 0)
-            y = site_matmul(spec, out_dtype, mode, x, w, scales, site.probe[...])
+            if prepared is None:
+                y = site_matmul(spec, out_dtype, mode, x, w, scales, site.probe[...])
+            else:
+                scales = scales.at[1].set(prepared.scale)
+                y = prequantised_site_matmul(spec, out_dtype, mode, x, w, prepared.q, prepared.stats, scales, site.probe[...])
         return name_matmul(y, batched=has_batch_dims(spec))  # what remat `dots` saves

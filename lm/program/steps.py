@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from lm.compiler import steptime, targets
-from lm.model import lora, moe, multi_token
+from lm.model import fp8_weights, lora, moe, multi_token
 from lm.model.attention import check_cudnn
 from lm.model.cross_entropy import cross_entropy
 from lm.model.fp8 import Fp8Meta, update_fp8
@@ -199,6 +199,13 @@ class Program:
         grads = sharding.per_replica(self._replica_grads, self.mesh, split=(False, True, False, False), combine=("mean", "sum", "max"))
         return grads(params, batch, fp8, loss_scale / self.mesh.shape["data"])
 
+    def _fp8_weights_once(self) -> bool:
+        """Whether the fp8 weights are quantised once a step, before the microbatches
+        (`lm.model.fp8_weights`): with gradient accumulation, not under pipelines (their stages
+        slice the weights themselves)."""
+        pipelined = self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe"
+        return self.config.train.grad_accum > 1 and self.policy.fp8 is not None and not pipelined
+
     def _replica_grads(self, params, batch, fp8=None, loss_scale=1.0):
         """`_grads` on the rows given, accumulated over `train.grad_accum` microbatches
         (statistics: amaxes, the maximum). Each microbatch's loss is differentiated divided by
@@ -208,9 +215,13 @@ class Program:
         seed = loss_scale / accum
         trainable = self.abstract_model.trainable
         trained, frozen = trainable.split(params)  # the gradients are the trained part's only
+        once = self._fp8_weights_once()
+        if once:
+            quantised = fp8_weights.quantised_once(self.abstract_model.model(params, fp8), self.policy)
 
         def scaled_loss(trained, probes, tokens):
-            objective, losses = self._loss(trainable.merge(trained, frozen), tokens, fp8, probes, seed)
+            merged = trainable.merge(trained, frozen)
+            objective, losses = self._loss(fp8_weights.attach_weights(merged, quantised) if once else merged, tokens, fp8, probes, seed)
             return objective * seed, jax.tree.map(lambda x: x / accum, losses)
 
         grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
