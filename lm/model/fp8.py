@@ -185,7 +185,7 @@ def current_scale(t: jax.Array, dtype, margin: int = 0) -> jax.Array:
     return fp8_ops.compute_scale(amax, jnp.ones((), F32), float(jnp.finfo(dtype).max), margin)
 
 
-def _quantize(t, dtype, scale, compute_dtype):
+def quantize(t, dtype, scale, compute_dtype):
     """`t / scale` rounded to the fp8 `dtype` (clipped to its range, never overflowed)."""
     return fp8_ops.quantize(t, dtype, scale, compute_dtype)
 
@@ -212,11 +212,11 @@ def _site_fwd(spec, out_dtype, mode: SiteMode, x, w, scales, probe):
     stats = [tensor_stats(t, d, s, mode.observe) for t, d, s in ((x, E4M3, scales[0]), (w, E4M3, scales[1]))]
     if not mode.quantize:
         return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(out_dtype), (x, w, scales, stats)
-    xq, wq = _quantize(x, E4M3, scales[0], mode.compute_dtype), _quantize(w, E4M3, scales[1], mode.compute_dtype)
+    xq, wq = quantize(x, E4M3, scales[0], mode.compute_dtype), quantize(w, E4M3, scales[1], mode.compute_dtype)
     return einsum(spec, xq, wq, out_dtype, scales[0] * scales[1]), (xq, wq, scales, stats)
 
 
-def _site_bwd(spec, out_dtype, mode: SiteMode, residuals, dy):
+def site_backward(spec, out_dtype, mode: SiteMode, residuals, dy):
     x, w, scales, (x_stats, w_stats) = residuals
     dy = dy.astype(mode.compute_dtype)
     if mode.quantize and mode.current:
@@ -225,10 +225,10 @@ def _site_bwd(spec, out_dtype, mode: SiteMode, residuals, dy):
     if not mode.quantize:
         dx, dw = backward(spec, x, w, dy)
     else:
-        gq = _quantize(dy, E5M2, scales[2], mode.compute_dtype)
+        gq = quantize(dy, E5M2, scales[2], mode.compute_dtype)
         cd = mode.compute_dtype
         dx, dw = backward(spec, x, w, gq, dtypes=(cd, cd), scales=(scales[2] * scales[1], scales[0] * scales[2]))
     return dx, dw, jnp.zeros_like(scales), jnp.stack([x_stats, w_stats, g_stats])
 
 
-site_matmul.defvjp(_site_fwd, _site_bwd)
+site_matmul.defvjp(_site_fwd, site_backward)

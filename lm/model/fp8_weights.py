@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 
-from lm.model.fp8 import E4M3, MatmulSite, SiteMode, _quantize, _site_bwd, current_scale, tensor_stats
+from lm.model.fp8 import E4M3, MatmulSite, SiteMode, current_scale, quantize, site_backward, tensor_stats
 from lm.model.matmul import einsum
 from sharding.remat import name_fp8_scales
 
@@ -64,13 +64,13 @@ def _prequantised_fwd(spec, out_dtype, mode: SiteMode, x, w, wq, w_stats, scales
     del w, probe
     if mode.current:  # the weight's scale came with it; g's comes in the backward pass
         scales = name_fp8_scales(jnp.stack([current_scale(x, E4M3, mode.margin), scales[1], scales[2]]))
-    xq = _quantize(x, E4M3, scales[0], mode.compute_dtype)
+    xq = quantize(x, E4M3, scales[0], mode.compute_dtype)
     stats = (tensor_stats(x, E4M3, scales[0], mode.observe), w_stats)
     return einsum(spec, xq, wq, out_dtype, scales[0] * scales[1]), (xq, wq, scales, stats)
 
 
 def _prequantised_bwd(spec, out_dtype, mode: SiteMode, residuals, dy):
-    dx, dw, dscales, dprobe = _site_bwd(spec, out_dtype, mode, residuals, dy)
+    dx, dw, dscales, dprobe = site_backward(spec, out_dtype, mode, residuals, dy)
     _, wq, _, (_, w_stats) = residuals
     return dx, dw, jnp.zeros_like(wq), jnp.zeros_like(w_stats), dscales, dprobe
 
@@ -100,7 +100,7 @@ def quantised_once(model, policy) -> dict:
             wc = policy.cast(w)
             if current:
                 scale = current_scale(wc, E4M3, policy.fp8.margin)
-            return _quantize(wc, E4M3, scale, policy.compute_dtype), scale, tensor_stats(wc, E4M3, scale, policy.observe)
+            return quantize(wc, E4M3, scale, policy.compute_dtype), scale, tensor_stats(wc, E4M3, scale, policy.observe)
 
         for _ in range(layers):
             one = jax.vmap(one)
