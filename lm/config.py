@@ -111,7 +111,8 @@ def default_config() -> ml_collections.ConfigDict:
         # gpipe (circular with repeats > 1) | 1f1b (interleaved with repeats > 1; at most 2S - 1
         # microbatches in flight) | 1f1b_per_stage (each stage its own half per slot: at most S;
         # repeats 1, no context parallelism) | zero_bubble (ZB-H1: the per-stage 1F1B with each
-        # backward split in B and W, W deferred into the bubbles; as 1f1b_per_stage's limits)
+        # backward split in B and W, W deferred into the bubbles; as 1f1b_per_stage's limits) |
+        # zbv (ZB-V: two chunks a stage in a V, the loss on stage 0; layers a multiple of 2 x stages)
         schedule="gpipe",
     )
     # optimizer_over_data: ZeRO-1, the optimizer state spread over the `data` replicas too

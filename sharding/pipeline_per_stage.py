@@ -271,11 +271,13 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
 
 
 def run_slots(staged: Callable, arrays: dict, state, sums, *, column: str, head_on: Sequence[int], dx_on: Sequence[int], params, probes,
-              embed_fn: Callable, embed_params, in_m, t_m, loss_fn: Callable, loss_params, seed, x_like, x_axes: Sequence[str | None]):
+              embed_fn: Callable, embed_params, in_m, t_m, loss_fn: Callable, loss_params, seed, x_like, x_axes: Sequence[str | None],
+              head_stage: int = -1):
     """A per-stage pipeline's slots (`staged`: every stage's work in one slot, the `shard_map`),
     with its ends around them: stage 0's embedding, the head and loss when the last stage's
     `column` is one of `head_on` (a forward), the embedding's gradient when stage 0's is one of
-    `dx_on` (its backward's last part): outside the `shard_map`, so the vocabulary stays split
+    `dx_on` (its backward's last part; `head_stage` 0: the head follows stage 0's, as in a V
+    of chunks, `sharding.pipeline_zero_bubble.pipeline_zbv`): outside the `shard_map`, so the vocabulary stays split
     over `stage` (as in the lockstep pipelines), under conditions the same on every device (the
     ends' columns of the table). The loss and every gradient, as `owning_backward` takes them."""
     m, state_axes = in_m.shape[0], ("stages", *x_axes)
@@ -285,7 +287,7 @@ def run_slots(staged: Callable, arrays: dict, state, sums, *, column: str, head_
     among = lambda value, kinds: functools.reduce(jnp.logical_or, [value == k for k in kinds])  # noqa: E731
 
     def slot(c, row):
-        first, last = row["first"], row["last"]
+        first, ending = row["first"], row["first" if head_stage == 0 else "last"]
         tokens = in_m[first["microbatch"]]
         embedded, embed_pull = jax.vjp(lambda ep: embed_fn(ep, tokens).astype(x_like.dtype), embed_params)
         state, y, dx, sums = staged(c["state"], c["sums"], params, probes, {k: v for k, v in row.items() if k not in ("first", "last")},
@@ -293,12 +295,12 @@ def run_slots(staged: Callable, arrays: dict, state, sums, *, column: str, head_
         y, dx = (constrain(a, state_axes, "pipeline stage outputs") for a in (y, dx))
 
         def head(loss, dloss, seed_dy):
-            mb_loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, microbatch(t_m, last["microbatch"])), loss_params, y[-1])
+            mb_loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, microbatch(t_m, ending["microbatch"])), loss_params, y[head_stage])
             d_mb, dy = pull(loss_cotangent(mb_loss, seed / m))
             return loss + mb_loss.astype(jnp.float32) / m, end_add(dloss, d_mb), mb_placed(dy.astype(x_like.dtype))
 
         no_head = lambda loss, dloss, seed_dy: (loss, dloss, mb_placed(seed_dy))  # noqa: E731
-        loss, dloss, seed_dy = jax.lax.cond(among(last[column], head_on), head, no_head, c["loss"], c["dloss"], c["seed_dy"])
+        loss, dloss, seed_dy = jax.lax.cond(among(ending[column], head_on), head, no_head, c["loss"], c["dloss"], c["seed_dy"])
         dembed = jax.lax.cond(among(first[column], dx_on), lambda total: end_add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
         return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": loss, "dloss": dloss, "dembed": dembed}, None
 

@@ -174,7 +174,7 @@ def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
     return sum(cell is None for cell in cells) / len(cells)
 
 
-PER_STAGE = ("1f1b_per_stage", "zero_bubble")  # the schedules whose stages each run their own work per slot
+PER_STAGE = ("1f1b_per_stage", "zero_bubble", "zbv")  # the schedules whose stages each run their own work per slot
 
 
 def balanced_zero_bubble(plan: PipelinePlan, layers: int) -> bool:
@@ -219,6 +219,11 @@ def check(stages: int, microbatches: int, repeats: int, layers: int | None = Non
         raise ShardingError(
             f"{layers} layers do not split into mesh.stage={stages} x pipeline.repeats={repeats} equal chunks; "
             f"make the layer count a multiple of {stages * repeats}"
+        )
+    if schedule == "zbv" and layers is not None and layers % (2 * stages):
+        raise ShardingError(
+            f"pipeline.schedule=zbv runs two chunks a stage: {layers} layers do not split into 2 x mesh.stage={stages} "
+            f"equal chunks; make the layer count a multiple of {2 * stages}"
         )
     if batch is not None and batch % microbatches:
         raise ShardingError(

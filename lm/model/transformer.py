@@ -37,7 +37,7 @@ from sharding import constrain
 from sharding.pipeline import Statistics, pipeline, pipeline_loss
 from sharding.pipeline_1f1b import pipeline_1f1b
 from sharding.pipeline_per_stage import pipeline_per_stage
-from sharding.pipeline_zero_bubble import pipeline_zero_bubble
+from sharding.pipeline_zero_bubble import pipeline_zbv, pipeline_zero_bubble
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan
 
@@ -195,7 +195,8 @@ class Transformer(nnx.Module):
             run = functools.partial(pipeline_loss, differentiated=False)
         else:
             run = {"gpipe": pipeline_loss, "1f1b": pipeline_1f1b, "1f1b_per_stage": pipeline_per_stage,
-                   "zero_bubble": functools.partial(pipeline_zero_bubble, split_vjp=split_vjp)}[self.pipeline.schedule]
+                   "zero_bubble": functools.partial(pipeline_zero_bubble, split_vjp=split_vjp),
+                   "zbv": functools.partial(pipeline_zbv, split_vjp=split_vjp)}[self.pipeline.schedule]
         targets = targets_bt if ahead is None else (targets_bt, *(tuple(part) for part in ahead))  # [b, t] leaves
         with moe.loss_seed(loss_scale / self.pipeline.microbatches):  # as each microbatch's loss is
             return run(
