@@ -15,7 +15,7 @@ from sharding.schedules import (
     schedule_1f1b,
     schedule_1f1b_per_stage,
 )
-from sharding.zero_bubble import costed_bubble, held_until_w, schedule_zero_bubble, slotted_bubble, waiting_for_w
+from sharding.zero_bubble import costed_bubble, held_until_w, schedule_zbv, schedule_zero_bubble, slotted_bubble, waiting_for_w
 
 
 def split_costs(plan: PipelinePlan, costs: dict[str, float] | None = None) -> dict[str, float]:
@@ -40,7 +40,7 @@ def report(plan: PipelinePlan, layers: int = 0, costs: dict[str, float] | None =
     (R + 1)S - 1 when M is large enough, S for the per-stage 1F1B and for ZB-H1 from F to W) and
     what it keeps of each (`stash`: the stage inputs, recomputing the rest, with remat `full`;
     else residuals; the zero-bubble ones also B's matmul inputs and output gradients until W, for
-    `w_stash_depth` microbatches at most)."""
+    `w_stash_depth` microbatches at most; ZB-V's depths count chunks of half a stage, `chunk_share`)."""
     if plan.stages == 1:
         return {"schedule": "none", "bubble": 0.0, "stash_depth": 0, "stash": "none"}
     kept = "stage inputs" if plan.remat == "full" else "residuals"
@@ -51,6 +51,12 @@ def report(plan: PipelinePlan, layers: int = 0, costs: dict[str, float] | None =
                 "slot_bubble": slotted_bubble(table, costs), "slot_bound_bubble": slotted_bubble(table, costs, costliest_everywhere=True),
                 "stash_depth": max(held_until_w(table)), "stash": f"{kept}; matmul inputs and output gradients from B to W",
                 "w_stash_depth": max(waiting_for_w(table))}
+    if plan.schedule == "zbv":  # two chunks a stage, each half its layers: depths counted in chunks
+        table, costs = schedule_zbv(plan.stages, plan.microbatches), split_costs(plan, costs)
+        return {"schedule": plan.schedule, "bubble": costed_bubble(table, costs), "slot_bubble": slotted_bubble(table, costs),
+                "slot_bound_bubble": slotted_bubble(table, costs, costliest_everywhere=True), "stash_depth": max(held_until_w(table)),
+                "stash": f"{kept} of half-stage chunks; matmul inputs and output gradients from B to W", "w_stash_depth": max(waiting_for_w(table)),
+                "chunk_share": 0.5}
     if plan.schedule == "1f1b_per_stage":
         balanced = balanced_slots(plan, layers)
         table = schedule_1f1b_per_stage(plan.stages, plan.microbatches, balanced)

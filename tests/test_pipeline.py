@@ -353,13 +353,15 @@ def fp8_one_device_skipping_the_ends():
 
 
 @pytest.mark.parametrize("extra", [{"pipeline__repeats": 2}, pytest.param({"pipeline__schedule": "1f1b", "pipeline__repeats": 2}, marks=pytest.mark.slow),
-                                   pytest.param({"pipeline__schedule": "1f1b_per_stage", "pipeline__remat": "none"}, marks=pytest.mark.slow)],
-                         ids=["circular", "interleaved-1f1b", "balanced-per-stage"])
+                                   pytest.param({"pipeline__schedule": "1f1b_per_stage", "pipeline__remat": "none"}, marks=pytest.mark.slow),
+                                   pytest.param({"pipeline__schedule": "zbv", "pipeline__remat": "none"}, marks=pytest.mark.slow)],
+                         ids=["circular", "interleaved-1f1b", "balanced-per-stage", "zbv"])
 def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(fp8_one_device_skipping_the_ends, extra):
     """Layers 0 and 3 of 4 stay out of fp8: in a pipeline their chunks' positions choose at run
     time, and the skipped layers' histories stay empty exactly as on one device. (Two chunks
     per stage: chunk indices from stage and repeat, in both programs, or from stage and half in
-    the balanced per-stage slots; GPipe and plain 1F1B are the one-repeat case of each.)"""
+    the balanced per-stage slots, from stage and way in ZB-V's V; GPipe and plain 1F1B are the one-repeat
+    case of each.)"""
     ref = fp8_one_device_skipping_the_ends
     run = fp8_states({"data": -1, "stage": 2}, steps=2, precision__fp8_skip="0,-1", **extra)
     history = ref.fp8[0]["blocks"]["attn"]["wq_site"]["amax_history"]

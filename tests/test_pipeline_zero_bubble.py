@@ -1,5 +1,5 @@
-"""Zero-bubble pipelines (`pipeline.schedule=zero_bubble`): each backward split in B and W, W
-deferred into the bubbles; the same losses, gradients and parameters as one device, and memory
+"""Zero-bubble pipelines (`pipeline.schedule=zero_bubble`, ZB-H1, and `zbv`, ZB-V): each backward
+split in B and W, W deferred into the bubbles; the same losses, gradients and parameters as one device, and memory
 flat in the microbatches."""
 
 import re
@@ -25,10 +25,10 @@ from lm.model.config import ModelConfig
 from lm.model.flops import flops_per_token, split_backward_flops
 from lm.program.steps import setup
 from sharding import ShardingError
-from sharding.pipeline_zero_bubble import KIND, RINGS, op_arrays
+from sharding.pipeline_zero_bubble import B_DOWN, F_DOWN, KIND, RINGS, W_DOWN, op_arrays, zbv_arrays
 from sharding.schedule_report import report
 from sharding.schedules import PipelinePlan
-from sharding.zero_bubble import held_until_w, schedule_zero_bubble
+from sharding.zero_bubble import held_until_w, schedule_zbv, schedule_zero_bubble, v_chunks
 
 ZB = dict(pipeline__schedule="zero_bubble")
 
@@ -69,6 +69,40 @@ def test_each_op_reads_the_ring_slot_its_producer_filled(stages, microbatches, k
     assert depths["taps"] <= stages and depths["cotangents"] <= 2
     assert depths["inbox"] <= stages
     assert set(depths) == set(RINGS)
+
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 8), (4, 32), (8, 20)])
+@pytest.mark.parametrize("keep_residuals", [False, True], ids=["recompute", "residuals"])
+def test_zbv_ops_read_the_ring_slot_their_producer_filled_whichever_way_it_came(stages, microbatches, keep_residuals):
+    table = schedule_zbv(stages, microbatches)
+    arrays, depths = zbv_arrays(table, keep_residuals)
+    chunks, last = v_chunks(stages), 2 * stages - 1
+    home = {c: (s, way) for s, pair in enumerate(chunks) for c, way in zip(pair, ("down", "up"))}  # chunk -> (stage, way)
+    at = {op: t for t, row in enumerate(table) for op in row if op is not None}
+    for op, t in at.items():
+        s, way = home[op.chunk]
+        assert arrays["kind"][t, s] == {"F": F_DOWN, "B": B_DOWN, "W": W_DOWN}[op.kind] + (way == "up")
+        assert arrays["microbatch"][t, s] == op.microbatch
+    for (kind, m, c), t in at.items():
+        s, way = home[c]
+        # (ring, the column it was put by, the slot it was put in, the op reading it last)
+        flows = [("taps", "taps_put", at[("B", m, c)], "W")]
+        flows += [("cotangents", f"cotangents_put_{way}", 1 + (at[("F", m, last)] if c == last else at[("B", m, c + 1)]), "B")]
+        flows += [("residuals", "residuals_put", at[("F", m, c)], "B")] if keep_residuals else []
+        flows += [("inbox", f"inbox_put_{way}", 1 + at[("F", m, c - 1)], "F" if keep_residuals else "B")] if c > 0 else []
+        if kind != "F":
+            continue
+        for ring, column, put_at, reader in flows:
+            slot, read_at = arrays[column][put_at, s], at[(reader, m, c)]
+            assert slot >= 0 and arrays[f"{ring}_get"][read_at, s] == slot, (ring, m, c)
+            puts = [arrays[k][put_at + (k == column):read_at + 1, s] for k in arrays if k.startswith(f"{ring}_put")]
+            assert all(slot not in p for p in puts), (ring, m, c)  # untouched meanwhile
+    # A stage keeps at most 2S half-stage chunks from F to W (1F1B's S stages' worth), B's taps among them.
+    assert max(held_until_w(table)) <= 2 * stages and depths["taps"] <= 2 * stages
+    assert depths["cotangents"] <= 2 and depths["residuals"] == (2 * stages if keep_residuals else 0)
+    # Recomputing, an input waits from its arrival to its B: at most one more than that count.
+    assert depths["inbox"] == (2 if keep_residuals else 2 * stages + (microbatches > stages))
 
 
 CASES = [
@@ -121,13 +155,72 @@ def test_zero_bubble_keeps_memory_flat_in_the_microbatches():
         assert max(found) <= 1.1 * min(found), (extra, found)
 
 
+ZBV, EIGHT = dict(pipeline__schedule="zbv"), dict(model__num_layers=8)  # ZB-V on 4 stages: 8 chunks of a layer
+
+
+@pytest.fixture(scope="module")
+def one_device_eight():
+    return pipelined_run(small_config({}, **EIGHT), jax.devices()[:1])[:3]
+
+
+@pytest.mark.parametrize("mesh, extra", [
+    pytest.param({"stage": 4, "data": 2}, {**EIGHT, "pipeline__microbatches": 8}, id="stage4-data2", marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline__microbatches": 4, "sharding__sequence_parallel": True, "model__remat": "dots",
+                                                        "pipeline__remat": "dots"}, id="stage2-fsdp2-tensor2-sp-residuals", marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "data": 4}, {"pipeline__microbatches": 4, "pipeline__remat": "none"}, id="stage2-data4-residuals"),
+])
+def test_zbv_trains_like_one_device(request, mesh, extra):
+    """ZB-V: two chunks a stage in a V (the layers put in V order and the gradients back), the
+    loss on stage 0: the same losses, gradients and parameters as one device."""
+    ref_losses, ref_params, (ref_loss, ref_grads) = request.getfixturevalue("one_device_eight" if EIGHT.items() <= extra.items() else "one_device_deep")
+    losses, params, (loss, grads), hlo = pipelined_run(small_config({"data": -1, **mesh}, **{**DEEP, **ZBV, **extra}))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5), params, ref_params)
+    branches = {len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)}
+    assert 7 in branches  # each stage its own op: nothing, or F, B or W of the chunk going down or coming back
+    assert "collective-permute" in hlo and not constant_collectives(hlo) and not full_vocabulary_buffers(hlo)
+
+
+@pytest.mark.slow
+def test_zbv_with_experts_matches_one_device_accumulating_alike():
+    aux = dict(MOE, **DEEP, model__router_aux_loss_coef=0.1, model__router_z_loss_coef=0.01)
+    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **aux), jax.devices()[:1])
+    losses, params = run_steps(small_config({"expert": 2, "stage": 2, "data": 2}, **ZBV, **aux))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
+
+
+@pytest.mark.slow
+def test_fp8_in_the_zbv_pipeline_takes_each_amax_over_the_slots_that_did_work(fp8_one_device):  # noqa: F811
+    ref = fp8_one_device
+    assert_fp8_like_one_device(fp8_states({"data": -1, "stage": 2}, forced_from=ref.starts, **ZBV), ref)
+
+
+@pytest.mark.slow
+def test_zbv_keeps_memory_flat_in_the_microbatches():
+    def temporaries(microbatches: int, **extra) -> int:
+        return compiled_1f1b_step(microbatches, **ZBV, **extra).memory_analysis().temp_size_in_bytes
+
+    for extra in ({}, {"pipeline__remat": "none", "model__remat": "none"}):
+        found = [temporaries(m, **extra) for m in (4, 8, 16)]
+        assert max(found) <= 1.1 * min(found), (extra, found)
+
+
+def test_zbv_refuses_layers_that_do_not_make_two_chunks_a_stage():
+    with pytest.raises(ShardingError, match=r"zbv runs two chunks a stage: 4 layers do not split into 2 x mesh.stage=4"):
+        setup(small_config({"data": -1, "stage": 4}, **DEEP, **ZBV), VOCAB)
+
+
 @pytest.mark.parametrize("mesh, extra, message", [
     ({"stage": 2}, {"pipeline__repeats": 2}, "zero_bubble does not interleave; use pipeline.repeats=1"),
     ({"stage": 2, "context": 2}, {}, r"zero_bubble does not run with context parallelism \(mesh.context=2\)"),
+    ({"stage": 2}, {**ZBV, "pipeline__repeats": 2}, "zbv does not interleave; use pipeline.repeats=1"),
 ])
 def test_zero_bubble_refuses_what_it_cannot_run(mesh, extra, message):
     with pytest.raises(ShardingError, match=message):
-        setup(small_config({"data": -1, **mesh}, **DEEP, **ZB, **extra), VOCAB)
+        setup(small_config({"data": -1, **mesh}, **DEEP, **{**ZB, **extra}), VOCAB)
 
 
 @pytest.mark.parametrize("pipeline_remat", ["full", "none"])

@@ -115,24 +115,24 @@ def test_every_listed_layout_divides_the_model_and_the_batch(small):
     assert not [lay for lay in listed if lay.tensor == 8]
     meshes = {(tuple(lay.mesh.values()), lay.sequence_parallel): lay for lay in listed}
     sample = random.Random(0).sample(sorted(meshes.values(), key=str), 10)
-    sample += [next(lay for lay in listed if lay.schedule == schedule) for schedule in ("1f1b", "1f1b_per_stage", "zero_bubble")]
+    sample += [next(lay for lay in listed if lay.schedule == schedule) for schedule in ("1f1b", "1f1b_per_stage", "zero_bubble", "zbv")]
     sample += [next(lay for lay in listed if lay.repeats > 1), next(lay for lay in listed if lay.context > 1)]
-    per_stage = ("1f1b_per_stage", "zero_bubble")
+    per_stage = ("1f1b_per_stage", "zero_bubble", "zbv")
     assert not [lay for lay in listed if lay.schedule in per_stage and (lay.repeats > 1 or lay.context > 1)]  # refused
     for lay in sample:  # setup raises on any dimension or batch the mesh does not divide
         setup(apply_overrides(config, lay.overrides()), nominal_vocab_size(config.data), jax.devices()[:8])
 
 
-ALL_SCHEDULES = ("gpipe", "1f1b", "1f1b_per_stage", "zero_bubble")
+ALL_SCHEDULES = ("gpipe", "1f1b", "1f1b_per_stage", "zero_bubble", "zbv")
 
 
-@pytest.mark.parametrize("moe_layers, mtp, pipelined", [("every:2", 0, ALL_SCHEDULES[:3]), ("from:2", 0, ALL_SCHEDULES), ("from:1", 0, ()),
+@pytest.mark.parametrize("moe_layers, mtp, pipelined", [("every:2", 0, ALL_SCHEDULES[:3]), ("from:2", 0, ALL_SCHEDULES[:4]), ("from:1", 0, ()),
                                                          ("all", 1, ALL_SCHEDULES)])
 def test_pipelines_are_listed_only_where_the_model_stages_alike(moe_layers, mtp, pipelined):
     """Of moe_tiny's 4 layers: dense among sparse ones pipeline where every chunk holds whole
     repeats of the pattern (not under zero-bubble's split backward: dropped as "not pipelined");
     DeepSeek's leading dense layers run with the embedding and the sparse ones split into the
-    stages (2 do into 2 stages; 3 into none of 2, 4, 8: "indivisible"), multi-token prediction
+    stages (2 do into 2 stages, but not into ZB-V's 4 chunks; 3 into none of 2, 4, 8: "indivisible"), multi-token prediction
     runs with the head: all as training takes them."""
     config = recipe("moe_tiny", model__moe_layers=moe_layers, model__mtp_depth=mtp)
     result = search.plan(run_of(config), 8, H100, 2**40)
@@ -264,6 +264,11 @@ def test_zero_bubble_slots_are_priced_by_their_ops_flops_and_its_taps_by_their_b
     assert zero_bubble.bubble_fraction() < per_stage.bubble_fraction()
     assert zero_bubble.step_time["total"] < per_stage.step_time["total"]
     assert zero_bubble.memory["temporaries"] > per_stage.memory["temporaries"]  # the taps
+    # ZB-V (keeping residuals): a smaller bubble than ZB-H1's, its half-stage chunks' taps fewer.
+    zbv = Cost(run, Parallelism(**lay, schedule="zbv"), H100)
+    assert zbv.bubble_fraction() == pytest.approx(report(zbv.parallelism.plan, run.model.num_layers, costs)["slot_bound_bubble"])
+    assert zbv.bubble_fraction() < zero_bubble.bubble_fraction() and zbv.step_time["total"] < zero_bubble.step_time["total"]
+    assert per_stage.memory["temporaries"] < zbv.memory["temporaries"] < zero_bubble.memory["temporaries"]
 
 
 def test_with_maxtext_remat_the_planner_picks_maxtexts_layout(capsys):

@@ -171,7 +171,7 @@ class Cost(Memory):
         lay = self.parallelism
         if lay.stage == 1:
             return 0.0
-        costs = tuple(split_backward_flops(self.run.model, self.run.seq_len, lay.remat).items()) if lay.schedule == "zero_bubble" else ()
+        costs = tuple(split_backward_flops(self.run.model, self.run.seq_len, lay.remat).items()) if lay.schedule in ("zero_bubble", "zbv") else ()
         pipelined = pipeline_report(lay.plan, self.run.model.num_layers, costs)
         # Zero-bubble slots each as long as the costliest op, as the per-stage 1F1B's are priced
         # (below) and the kernel model bounds them: the one program's slots last their longest op.

@@ -157,17 +157,17 @@ class Memory:
         saved = self.layers * kept[lay.remat] * self.local_tokens
         if lay.stage > 1:
             pipelined = pipeline_report(lay.plan, self.run.model.num_layers)
-            stash = pipelined["stash_depth"]
+            stash, share = pipelined["stash_depth"], pipelined.get("chunk_share", 1.0)  # ZB-V's depths count half-stage chunks
             # B's taps until W, for every microbatch between its B and its W, and two more sets:
             # the one B has just made and the one its branch's select writes (measured: `llama_8b`
             # {stage 4, fsdp 2} on H100s, 57 GiB of taps at depth 4 where 4 sets are 40 GiB).
             depth = pipelined.get("w_stash_depth", 0)
-            taps = (depth + 2 * (depth > 0)) * self._tap_bytes() * self.layers * self.local_tokens
+            taps = (depth + 2 * (depth > 0)) * share * self._tap_bytes() * self.layers * self.local_tokens
             if self._recomputes_ticks:  # every stage input the schedule keeps, plus one tick's layers on recompute
                 saved += stash * kept["full"] * self.local_tokens
             else:  # what a chunk's layers keep, for every chunk in flight (1F1B's residual stash),
                 # and the set a forward has just made or a backward is using, apart from the ring
-                saved *= (stash + 1) / lay.repeats
+                saved *= (stash + 1) * share / lay.repeats
             saved += taps
         # The gradients as the update takes them (spread over the replicas with ZeRO-1). Several
         # passes per step (accumulation, pipeline microbatches): a float32 accumulator too. With
