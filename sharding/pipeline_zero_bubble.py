@@ -135,16 +135,19 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
     pieces = [lambda t: t] if not balanced else [lambda t: jax.tree.map(lambda a: a[:half], t), lambda t: jax.tree.map(lambda a: a[half:], t)]
     pullbacks = [Pullbacks() for _ in pieces]
 
-    def split(j, own, x, stage):
-        """Piece j's forward with its backward in two (`split_vjp`), as `plan.remat` keeps it."""
+    def split(j, own, x, stage, mine=None):
+        """Piece j's forward with its backward in two (`split_vjp`), as `plan.remat` keeps it;
+        `mine`: the piece's parameters, sliced from `own` already."""
         fn = tick_fn if keep_residuals else stage_fn
-        return split_vjp(lambda p, x: fn(*p, x, stage * len(pieces) + j), jax.tree.map(pieces[j], own), x)
+        return split_vjp(lambda p, x: fn(*p, x, stage * len(pieces) + j), jax.tree.map(pieces[j], own) if mine is None else mine, x)
 
     def forward_saving(j, own, x, stage):
         """Piece j's forward, and the residuals its B needs (the pullback of the split's B, as
-        `plan.remat` keeps them)."""
-        y, input_backward, _ = split(j, own, x, stage)
-        return y, pullbacks[j].split(input_backward, jax.tree.map(pieces[j], own))
+        `plan.remat` keeps them). The piece's parameters are sliced once: `Pullbacks` knows them
+        among the residuals by identity, and stashes any it does not know per microbatch."""
+        mine = jax.tree.map(pieces[j], own)
+        y, input_backward, _ = split(j, own, x, stage, mine)
+        return y, pullbacks[j].split(input_backward, mine)
 
     def stage_work(state, sums, chunk, chunk_probes, row, embedded, seed_dy):
         """One slot on one stage (inside the `shard_map`, `stage` manual): its op, then
@@ -376,14 +379,15 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
     pieces = [lambda t: jax.tree.map(lambda a: a[:per_chunk], t), lambda t: jax.tree.map(lambda a: a[per_chunk:], t)]
     pullbacks = [Pullbacks(), Pullbacks()]
 
-    def split(v, own, x, stage):
+    def split(v, own, x, stage, mine=None):
         """Chunk v's (0: going down, 1: coming back) forward with its backward in two."""
         fn, index = tick_fn if keep_residuals else stage_fn, stage if v == 0 else 2 * s - 1 - stage
-        return split_vjp(lambda p, x: fn(*p, x, index), jax.tree.map(pieces[v], own), x)
+        return split_vjp(lambda p, x: fn(*p, x, index), jax.tree.map(pieces[v], own) if mine is None else mine, x)
 
-    def forward_saving(v, own, x, stage):
-        y, input_backward, _ = split(v, own, x, stage)
-        return y, pullbacks[v].split(input_backward, jax.tree.map(pieces[v], own))
+    def forward_saving(v, own, x, stage):  # the chunk's parameters sliced once, known to `Pullbacks` (as in `pipeline_zero_bubble`)
+        mine = jax.tree.map(pieces[v], own)
+        y, input_backward, _ = split(v, own, x, stage, mine)
+        return y, pullbacks[v].split(input_backward, mine)
 
     def stage_work(state, sums, chunk, chunk_probes, row, embedded, seed_dy):
         """One slot on one stage (inside the `shard_map`, `stage` manual)."""
