@@ -227,7 +227,8 @@ def test_zero_bubble_refuses_what_it_cannot_run(mesh, extra, message):
 def test_the_report_costs_f_b_and_w_and_1f1b_stays_on_its_scale(pipeline_remat):
     """Costed alike (F = B = W; recomputing, B with its forward again): at S = 4, M = 8 ZB-H1's
     bubble is at most half of 1F1B's (S - 1)/(M + S - 1), keeping no more microbatches from F to
-    W than per-stage 1F1B keeps; the slots the one program runs cost more where B is the longest."""
+    W than per-stage 1F1B keeps; the slots the one program runs cost more where B is the longest.
+    ZB-V keeping residuals: at most a quarter."""
     plan = lambda schedule: PipelinePlan(4, 8, 1, pipeline_remat, schedule)  # noqa: E731
     one_f_one_b, zero_bubble = report(plan("1f1b_per_stage")), report(plan("zero_bubble"), costs={"F": 1, "B": 1, "W": 1})
     assert one_f_one_b["bubble"] == pytest.approx(3 / 11)
@@ -237,6 +238,14 @@ def test_the_report_costs_f_b_and_w_and_1f1b_stays_on_its_scale(pipeline_remat):
         assert zero_bubble["bubble"] == pytest.approx(3 / 27) == zero_bubble["slot_bubble"]  # (S-1)/(3M+S-1)
     else:
         assert zero_bubble["slot_bubble"] > zero_bubble["bubble"]
+    # ZB-V: its depths count half-stage chunks; keeping residuals, a quarter of 1F1B's bubble at
+    # 1F1B's memory; recomputing (B a forward more, the table built for equal costs) worse than 1F1B.
+    zbv = report(plan("zbv"), costs={"F": 1, "B": 1, "W": 1})
+    assert zbv["stash_depth"] * zbv["chunk_share"] <= one_f_one_b["stash_depth"] and zbv["w_stash_depth"] * zbv["chunk_share"] <= 3
+    if pipeline_remat == "none":
+        assert zbv["bubble"] <= one_f_one_b["bubble"] / 4 and zbv["bubble"] == pytest.approx(zbv["slot_bubble"])
+    else:
+        assert zbv["bubble"] > one_f_one_b["bubble"]
 
 
 def test_split_backward_flops_add_up_to_the_layers_training_flops():
