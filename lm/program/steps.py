@@ -166,7 +166,7 @@ class Program:
     def _model_loss(self, params, inputs, targets_bt, ahead, fp8, probes, loss_scale, differentiated):
         """`_loss` of the model's inputs and targets, as `model_inputs` gives them."""
         model = self.abstract_model.model(params, fp8, probes)
-        if self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe":  # the head and loss per microbatch
+        if self._pipelined_loss:  # the head and loss per microbatch
             loss = model.pipelined_loss(cross_entropy, inputs["tokens_bt"], targets_bt, inputs.get("positions_bt"), loss_scale, differentiated, ahead)
             return (loss, {"loss": loss}) if ahead is None else (loss[0], {"loss": loss[1], "mtp_loss": loss[2]})
         with moe.loss_seed(loss_scale):
@@ -199,12 +199,17 @@ class Program:
         grads = sharding.per_replica(self._replica_grads, self.mesh, split=(False, True, False, False), combine=("mean", "sum", "max"))
         return grads(params, batch, fp8, loss_scale / self.mesh.shape["data"])
 
+    @property
+    def _pipelined_loss(self) -> bool:
+        """Whether the model's loss runs as a pipeline (any stages, or a schedule other than
+        GPipe even on one stage)."""
+        return self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe"
+
     def _fp8_weights_once(self) -> bool:
         """Whether the fp8 weights are quantised once a step, before the microbatches
         (`lm.model.fp8_weights`): with gradient accumulation, not under pipelines (their stages
         slice the weights themselves)."""
-        pipelined = self.spec.pipeline.stages > 1 or self.spec.pipeline.schedule != "gpipe"
-        return self.config.train.grad_accum > 1 and self.policy.fp8 is not None and not pipelined
+        return self.config.train.grad_accum > 1 and self.policy.fp8 is not None and not self._pipelined_loss
 
     def _replica_grads(self, params, batch, fp8=None, loss_scale=1.0):
         """`_grads` on the rows given, accumulated over `train.grad_accum` microbatches
@@ -215,13 +220,13 @@ class Program:
         seed = loss_scale / accum
         trainable = self.abstract_model.trainable
         trained, frozen = trainable.split(params)  # the gradients are the trained part's only
-        once = self._fp8_weights_once()
-        if once:
-            quantised = fp8_weights.quantised_once(self.abstract_model.model(params, fp8), self.policy)
+        quantised = fp8_weights.quantised_once(self.abstract_model.model(params, fp8), self.policy) if self._fp8_weights_once() else None
 
         def scaled_loss(trained, probes, tokens):
             merged = trainable.merge(trained, frozen)
-            objective, losses = self._loss(fp8_weights.attach_weights(merged, quantised) if once else merged, tokens, fp8, probes, seed)
+            if quantised is not None:
+                merged = fp8_weights.attach_weights(merged, quantised)
+            objective, losses = self._loss(merged, tokens, fp8, probes, seed)
             return objective * seed, jax.tree.map(lambda x: x / accum, losses)
 
         grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
