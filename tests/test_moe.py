@@ -235,10 +235,13 @@ def test_expert_parallel_program_exchanges_tokens_and_no_device_holds_every_expe
         (["--config.model.moe_layers=dense:1", "--config.mesh.stage=2", "--config.mesh.data=1"], "each chunk of 2 layers holds whole repeats of the pattern (4 layers)"),
         (["--config.model.moe_layers=every:2", "--config.mesh.stage=2", "--config.mesh.data=1", "--config.pipeline.schedule=zero_bubble"],
          "and not under pipeline.schedule=zero_bubble"),
+        (["--config.model.moe_layers=from:2", "--config.mesh.stage=2", "--config.mesh.data=1", "--config.pipeline.schedule=zbv"],
+         "the 2 sparse ones are split into 2 x mesh.stage (zbv) = 4 equal chunks"),
         (["--config.model.mtp_depth=-1"], "model.mtp_depth=-1 and model.mtp_loss_weight=0.1 must be >= 0"),
     ],
     ids=["experts-not-divisible", "too-many-per-token", "negative-capacity", "expert-axis-dense-model", "moe-layers-unreadable", "moe-layers-none",
-         "moe-layers-prefix-indivisible", "moe-layers-pipelined", "moe-layers-zero-bubble", "mtp-negative"],
+         "moe-layers-prefix-indivisible", "moe-layers-pipelined", "moe-layers-zero-bubble", "moe-layers-prefix-zbv",
+         "mtp-negative"],
 )
 def test_bad_moe_input_is_one_line(tmp_path, capsys, extra, fragment):
     result = run_cli(capsys, lm_train.main, "--config=configs/moe_tiny.py", f"--workdir={tmp_path / 'run'}", *extra)

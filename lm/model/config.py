@@ -307,7 +307,7 @@ def moe_problem(m, expert_ways: int, stages: int = 1, repeats: int = 1, schedule
     chunks, prefix = max(1, stages * repeats) * (2 if schedule == "zbv" else 1), dense_prefix(sparse, m.num_layers)  # ZB-V: two a stage
     if prefix and stages > 1 and len(sparse) % chunks:
         return (f"model.moe_layers={m.moe_layers!r}: under a pipeline the {prefix} leading dense layers run with the embedding and the "
-                f"{len(sparse)} sparse ones are split into {chunks} equal chunks (mesh.stage x pipeline.repeats, two a stage under zbv), which they are not; "
+                f"{len(sparse)} sparse ones are split into {'2 x mesh.stage (zbv)' if schedule == 'zbv' else 'mesh.stage x pipeline.repeats'} = {chunks} equal chunks, which they are not; "
                 "choose a stage count that divides them")
     chunk = m.num_layers // chunks
     if not prefix and len(sparse) < m.num_layers and stages > 1 and (chunk % layer_period(sparse, m.num_layers) or schedule in ("zero_bubble", "zbv")):
