@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import ml_collections
 import numpy as np
+from jax.experimental import multihost_utils
 
 import sharding
 from lm import config as lm_config
@@ -218,6 +219,8 @@ def import_hf(hf_dir: str | Path, workdir: str | Path, base: ml_collections.Conf
     if isinstance(tokenizer, lm_tokenizer.NoTokenizer):
         say(f"warning: {hf_dir} has no tokenizer.json; the run works on token ids (lm.generate --prompt_ids)")
     params = load_params(reader, layout)  # every check is done: now the run directory is written
+    if jax.process_count() > 1:  # by process 0, once every process has found it new (else one finds process 0's files)
+        multihost_utils.sync_global_devices("meshlm: import_hf checked")
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         if isinstance(tokenizer, lm_tokenizer.HFTokenizer):
