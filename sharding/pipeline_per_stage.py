@@ -277,7 +277,7 @@ def run_slots(staged: Callable, arrays: dict, state, sums, *, column: str, head_
     with its ends around them: stage 0's embedding, the head and loss when the last stage's
     `column` is one of `head_on` (a forward), the embedding's gradient when stage 0's is one of
     `dx_on` (its backward's last part; `head_stage` 0: the head follows stage 0's, as in a V
-    of chunks, `sharding.pipeline_zero_bubble.pipeline_zbv`): outside the `shard_map`, so the vocabulary stays split
+    of chunks, `sharding.pipeline_zbv`): outside the `shard_map`, so the vocabulary stays split
     over `stage` (as in the lockstep pipelines), under conditions the same on every device (the
     ends' columns of the table). The loss and every gradient, as `owning_backward` takes them."""
     m, state_axes = in_m.shape[0], ("stages", *x_axes)

@@ -26,7 +26,8 @@ from sharding.pipeline_1f1b import Pullbacks
 from lm.model.flops import flops_per_token, split_backward_flops
 from lm.program.steps import setup
 from sharding import ShardingError
-from sharding.pipeline_zero_bubble import B_DOWN, F_DOWN, KIND, RINGS, W_DOWN, op_arrays, zbv_arrays
+from sharding.pipeline_zbv import B_DOWN, F_DOWN, W_DOWN, zbv_arrays
+from sharding.pipeline_zero_bubble import KIND, RINGS, op_arrays
 from sharding.schedule_report import report
 from sharding.schedules import PipelinePlan
 from sharding.zero_bubble import held_until_w, schedule_zbv, schedule_zero_bubble, v_chunks

@@ -37,7 +37,8 @@ from sharding import constrain
 from sharding.pipeline import Statistics, pipeline, pipeline_loss
 from sharding.pipeline_1f1b import pipeline_1f1b
 from sharding.pipeline_per_stage import pipeline_per_stage
-from sharding.pipeline_zero_bubble import pipeline_zbv, pipeline_zero_bubble
+from sharding.pipeline_zbv import pipeline_zbv
+from sharding.pipeline_zero_bubble import pipeline_zero_bubble
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan
 
