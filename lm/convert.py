@@ -37,7 +37,8 @@ def main(argv: list[str]) -> None:
             workdir = import_hf(args.hf, args.workdir, args.config_base, args.config_overrides)
         say(f"imported {args.hf} -> {workdir} (step-0 checkpoint in {workdir / 'checkpoints'}); train with: python -m lm.train --workdir={workdir}")
         return
-    parser = Parser(prog="python -m lm.convert to_hf", description="Export a meshlm run as a Hugging Face model.", with_config=False)
+    parser = Parser(prog="python -m lm.convert to_hf", description="Export a meshlm run as a Hugging Face model.", with_config=False,
+                    distributed=True)
     parser.add_argument("--workdir", required=True, help="the run to export")
     parser.add_argument("--out", required=True, help="the new model directory")
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the run's parameter dtype)")

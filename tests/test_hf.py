@@ -491,6 +491,28 @@ def test_multi_process_import_and_export(tmp_path, hf_dirs):
         assert exported[name].tobytes() == original[name].tobytes(), name
 
 
+def test_lm_convert_to_hf_over_two_processes_writes_what_one_process_writes(tmp_path, capsys):
+    """A LoRA run whose weights an FSDP mesh splits over two processes' devices: `lm.convert
+    to_hf` under `lm.launch` gathers them, process 0 writes, the other finds no directory in its
+    way; the adapters and the merged model are the files one process writes."""
+    from lm import train
+
+    run = tmp_path / "run"
+    result = run_cli(capsys, train.main, "--config=configs/tiny.py", f"--workdir={run}", "--config.train.steps=2", "--config.lora.rank=4",
+                     "--config.mesh.data=1", "--config.mesh.fsdp=-1", "--config.model.num_layers=2")
+    assert result.returncode == 0, result.stderr
+    for name, extra in (("adapter", ["--adapter"]), ("merged", [])):
+        one = run_cli(capsys, convert.main, "to_hf", f"--workdir={run}", f"--out={tmp_path / name}-one", *extra)
+        assert one.returncode == 0, one.stderr
+        two = run_module("lm.launch", "--processes=2", "--devices_per_process=2", "--", sys.executable, "-m", "lm.convert", "to_hf",
+                         f"--workdir={run}", f"--out={tmp_path / name}", *extra, timeout=300)
+        assert two.returncode == 0, two.stdout[-3000:]
+        written = sorted(f.name for f in (tmp_path / name).iterdir())
+        assert written == sorted(f.name for f in (tmp_path / f"{name}-one").iterdir()) and len(written) >= 2
+        for f in written:
+            assert (tmp_path / name / f).read_bytes() == (tmp_path / f"{name}-one" / f).read_bytes(), f
+
+
 def test_rope_settings_read_in_both_spellings_and_written_for_the_installed_version(monkeypatch):
     from lm.hf import export_config
     from lm.hf import format as hf

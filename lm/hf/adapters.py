@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-from lm import paths
 from lm.errors import UserError
 from lm.hf import tensors
 from lm.model.lora import FUSED, WEIGHTS
@@ -88,8 +87,9 @@ def _lora_b(link, bs: list[np.ndarray], weight_shapes: list[tuple]) -> np.ndarra
     return link.to_theirs(*fakes)[:, :rank]
 
 
-def write_adapter(params_flat: dict, cfg, out: Path, base: str | None) -> Path:
-    """`out` (a new directory) holding the run's adapters as PEFT writes them."""
+def write_adapter(params_flat: dict, cfg, out: Path, base: str | None, write: bool = True) -> Path:
+    """`out` (a new directory, checked by the caller) holding the run's adapters as PEFT writes
+    them; `write` False: the same checks, nothing written (the other processes of a run over several)."""
     from safetensors.numpy import save_file
 
     if not cfg.lora:
@@ -103,7 +103,8 @@ def write_adapter(params_flat: dict, cfg, out: Path, base: str | None) -> Path:
                         "the experts' fused ones, so this run's dense-MLP adapters have no place in its format; export the merged "
                         "model (to_hf without --adapter), or train with lora.targets naming no gate, up, down")
     weights, modules, parameters = adapter_tensors(params_flat, cfg)
-    out = paths.new_output_dir(out, "--out")
+    if not write:
+        return out
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {

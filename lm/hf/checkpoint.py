@@ -241,17 +241,20 @@ def export_hf(workdir: str | Path, out: str | Path, dtype: str | None = None, ma
     max_bytes = parse_size(max_shard_size)
     config, tokenizer, layout, restored = _restore_for_export(workdir, step)
     cfg = layout.spec.model
+    # Every process checks `out` is new before the first gather, which they make together: so
+    # process 0, which writes, cannot have begun to when another checks.
+    out = paths.new_output_dir(out, "--out")
     if adapter:
-        return write_adapter(_flat(jax.device_get(restored["params"])), cfg, out, config.init.from_hf)
+        return write_adapter(_flat(jax.tree.map(_fetch, restored["params"])), cfg, out, config.init.from_hf,
+                             write=jax.process_index() == 0)
     if cfg.lora:
-        restored = {**restored, "params": lora.merged(jax.device_get(restored["params"]), cfg)}
+        restored = {**restored, "params": lora.merged(jax.tree.map(_fetch, restored["params"]), cfg)}
     dtype = dtype or config.precision.param_dtype
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"--dtype={dtype!r} is not one of float32, bfloat16, float16")
     kept = Path(workdir) / HF_CONFIG
     base = json.loads(kept.read_text()) if kept.is_file() else None
     hf_config = export_config.hf_config(cfg, dtype, base)  # a model without an HF equivalent fails here, before writing
-    out = paths.new_output_dir(out, "--out")
     lead = jax.process_index() == 0
     if lead:
         out.mkdir(parents=True, exist_ok=True)
