@@ -122,6 +122,19 @@ def slot_arrays(table: Sequence[Sequence[Step]], keep_residuals: bool = False) -
     return out, inbox.depth, residuals.depth
 
 
+def put(ring, slot, x):
+    """Entry `slot` of a ring (leading axis) set to `x`, in place; slot -1: none. (A conditional
+    around the update copies the ring whole, and a scatter that drops an update past the ring's
+    end compiles to the same select inside the update, with more rematerialised: both seen in the
+    deviceless H100 program.)"""
+    at = jnp.maximum(slot, 0)
+    return jax.tree.map(lambda r, a: r.at[at].set(jnp.where(slot >= 0, a, r[at])), ring, x)
+
+
+def get(ring, slot):
+    return jax.tree.map(lambda r: r[jnp.maximum(slot, 0)], ring)
+
+
 def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, embed_fn: Callable, embed_params, inputs,
                        loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None], batch_axes: Sequence[str | None],
                        probes=None, probes_axes=None, seed=1.0):
@@ -225,13 +238,9 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         out = jax.lax.switch(row["half"], halves, state, row, embedded, seed_dy, chunk, chunk_probes)
         c = dict(state)
         sums = add_piece(row, sums, out["dchunk"], out["dprobes"])
-        def keep(ring, slot, x):  # one entry read and written (in place), not the ring selected whole
-            at = jnp.maximum(slot, 0)
-            return ring.at[at].set(jnp.where(slot >= 0, x, ring[at]))
-
-        c["stash"] = [[keep(ring, row["keep"], r) for ring, r in zip(rings, made)] for rings, made in zip(c["stash"], out["residuals"])]
+        c["stash"] = [[put(ring, row["keep"], r) for ring, r in zip(rings, made)] for rings, made in zip(c["stash"], out["residuals"])]
         # The activation that arrived this slot waits (after this slot's reads freed their slots).
-        c["inbox"] = keep(c["inbox"], row["store"], c["recv_x"])
+        c["inbox"] = put(c["inbox"], row["store"], c["recv_x"])
         c["mid"] = out["mid"]
         c["recv_x"] = jax.lax.ppermute(out["y"], "stage", [(i, i + 1) for i in range(s - 1)])
         c["recv_dx"] = jax.lax.ppermute(out["dx"], "stage", [(i + 1, i) for i in range(s - 1)])

@@ -10,9 +10,10 @@ owns its matmuls, and `sharding` never imports `lm`); W, later, turns those into
 gradients. Every stage keeps four rings of per-microbatch arrays, each slot numbered ahead of
 time from the table (`op_arrays`): activations from their arrival until used (until B when
 recomputing: `pipeline.remat` full; until F when keeping residuals), cotangents from their
-arrival until B, F's residuals until B (keeping them), B's taps until W. Recomputing with an
-even number of layers per stage, B runs in two halves in consecutive slots (B1 the later
-layers, from the input F kept for them; B2 the earlier), so a slot holds about one forward. The embedding, the head
+arrival until B, F's residuals until B (keeping them), B's taps until W. With an even number of
+layers per stage, B runs in two halves in consecutive slots (B1 the later layers, from F's
+residuals of them or, recomputing, from the input F kept for them; B2 the earlier), so a slot
+holds about one forward. The embedding, the head
 and the loss run between the `shard_map`s, where `stage` is automatic, as in the per-stage
 1F1B: the vocabulary stays split over the stages.
 """
@@ -30,7 +31,7 @@ from sharding.constraints import active_mesh, constrain, constrain_leading, manu
 from sharding.mesh import ShardingError
 from sharding.pipeline import owning_backward, split_microbatches
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_per_stage import _Rings, run_slots
+from sharding.pipeline_per_stage import _Rings, get, put, run_slots
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan, balanced_zero_bubble, check
 from sharding.zero_bubble import Op, is_balanced, schedule_zero_bubble
@@ -106,23 +107,12 @@ def number_op(out: dict[str, np.ndarray], rings: dict[str, _Rings], t: int, s: i
     return frees
 
 
-def put(ring, slot, x):
-    """Entry `slot` of a ring (leading axis) set to `x`, in place; slot -1: none (a conditional
-    that picked the ring or its update would copy it whole)."""
-    at = jnp.maximum(slot, 0)
-    return jax.tree.map(lambda r, a: r.at[at].set(jnp.where(slot >= 0, a, r[at])), ring, x)
-
-
-def get(ring, slot):
-    return jax.tree.map(lambda r: r[jnp.maximum(slot, 0)], ring)
-
-
 def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, split_vjp: Callable, embed_fn: Callable,
                          embed_params, inputs, loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None],
                          batch_axes: Sequence[str | None], probes=None, probes_axes=None, seed=1.0):
     """What `sharding.pipeline_per_stage.pipeline_per_stage` computes (same arguments), by
     `schedule_zero_bubble` (ZB-H1): each stage's backward run as B, then W in a later slot;
-    recomputing with an even number of layers per stage, B in halves (`balanced_zero_bubble`: B1 the chunk's
+    with an even number of layers per stage, B in halves (`balanced_zero_bubble`: B1 the chunk's
     later layers, B2 its earlier ones, in consecutive slots). `split_vjp(fn, params, x)` gives
     `(y, input_backward, weight_backward)` as `lm.model.split_backward.split_vjp` does. Needs the
     mesh in force to have the `stage` axis."""

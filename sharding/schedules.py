@@ -178,11 +178,13 @@ PER_STAGE = ("1f1b_per_stage", "zero_bubble", "zbv")  # the schedules whose stag
 
 
 def balanced_zero_bubble(plan: PipelinePlan, layers: int) -> bool:
-    """Whether a zero-bubble pipeline runs each B in two halves (B1, B2): recomputing (its B is
-    then a forward and an input gradient) and when each stage's `layers` (0: not known) halve,
-    so that a slot holds about one forward's work. Keeping residuals it does not pay: measured
-    on the deviceless H100 `llama_8b` (PERFORMANCE.md, "Pipelines"), 2% slower and 15 GiB more."""
-    return plan.schedule == "zero_bubble" and plan.remat == "full" and layers > 0 and layers % (2 * plan.stages) == 0
+    """Whether a zero-bubble pipeline runs each B in two halves (B1, B2): when each stage's
+    `layers` (0: not known) halve, so that a slot holds about one forward's work (B is a forward
+    and an input gradient when recomputing, an input gradient of about a forward's cost and
+    more where attention's backward weighs). Keeping residuals it pays too since a piece's
+    weights are no longer stashed per microbatch: deviceless H100 `llama_8b` {stage 4, fsdp 2}
+    M = 8 (PERFORMANCE.md, "Pipelines"), 5,919 -> 5,560 ms and 73.5 -> 67.0 GiB."""
+    return plan.schedule == "zero_bubble" and layers > 0 and layers % (2 * plan.stages) == 0
 
 
 def balanced_slots(plan: PipelinePlan, layers: int) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from sharding.mesh import MESH_AXES
-from sharding.schedules import PipelinePlan, balanced_slots
+from sharding.schedules import PipelinePlan, balanced_slots, balanced_zero_bubble
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Parallelism:
         return out
 
     def name(self, layers: int = 0) -> str:
-        """A short description; with the model's `layers`, a balanced per-stage 1F1B says so."""
+        """A short description; with the model's `layers`, a balanced per-stage 1F1B or ZB-H1 says so."""
         mesh = " ".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "one device"
         parts = [mesh, f"remat={self.remat}"]
         if self.sequence_parallel:
@@ -67,7 +67,7 @@ class Parallelism:
             parts.append(f"accum={self.grad_accum}")
         if self.stage > 1:
             kind = self.schedule if self.repeats == 1 else {"gpipe": "circular", "1f1b": "interleaved 1f1b"}[self.schedule]
-            kind = f"balanced {kind}" if balanced_slots(self.plan, layers) else kind
+            kind = f"balanced {kind}" if balanced_slots(self.plan, layers) or balanced_zero_bubble(self.plan, layers) else kind
             parts.append(f"{kind} M={self.microbatches}" + (f" R={self.repeats}" if self.repeats > 1 else ""))
             if self.pipeline_remat != "full":
                 parts.append(f"pipeline remat={self.pipeline_remat}")
