@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,7 @@ from sharding.schedules import (
 # A slot's work: a forward, or a backward piece (BACKWARD + `Step.part`: the whole chunk's, its
 # later layers', its earlier layers').
 IDLE, FORWARD, BACKWARD, LATER, EARLIER = 0, 1, 2, 3, 4
+STAGE, WHOLE = PartitionSpec("stage"), PartitionSpec()  # an array split over the stages, or whole on each
 
 
 def f32_of(tree):
@@ -135,6 +137,47 @@ def get(ring, slot):
     return jax.tree.map(lambda r: r[jnp.maximum(slot, 0)], ring)
 
 
+def stage_mesh(plan: PipelinePlan, params) -> dict:
+    """`jax.shard_map`'s mesh argument for a per-stage program (none nested in a manual `data`,
+    `sharding.per_replica`: the mesh in context), once the mesh in force is found to have the
+    plan's stages and the plan buildable over `params`' stacked layers."""
+    mesh = active_mesh()
+    if mesh is None or mesh.shape.get("stage") != plan.stages:
+        raise ShardingError(f"pipeline.schedule={plan.schedule} runs under a mesh whose `stage` axis has the plan's {plan.stages} stages")
+    check(plan.stages, plan.microbatches, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule=plan.schedule,
+          context=mesh.shape.get("context", 1))
+    return {} if manual_axes() else {"mesh": mesh}
+
+
+def over_stages(fn: Callable, in_mesh: dict, split: int, whole: int = 0) -> Callable:
+    """`fn` run by each stage (`stage` manual): its first `split` arguments and its results split
+    over `stage`, the next `whole` arguments whole."""
+    return jax.shard_map(fn, **in_mesh, axis_names={"stage"}, check_vma=False, in_specs=(STAGE,) * split + (WHOLE,) * whole,
+                         out_specs=STAGE)
+
+
+class Microbatches(NamedTuple):
+    inputs: jax.Array  # [M, ...]
+    targets: jax.Array  # [M, ...]
+    x_like: jax.ShapeDtypeStruct  # one microbatch embedded
+
+
+def microbatches(inputs, targets, m: int, batch_axes: Sequence[str | None], embed_fn: Callable, embed_params) -> Microbatches:
+    in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
+    return Microbatches(in_m, split_microbatches(targets, m, batch_axes, "pipeline targets"),
+                        jax.eval_shape(lambda: embed_fn(embed_params, in_m[0])))
+
+
+def stage_zeros(stages: int, shape: Sequence[int], dtype) -> jax.Array:
+    """Zeros `[stages, *shape]`, split over `stage`: a per-stage program's state."""
+    return constrain_leading(jnp.zeros((stages, *shape), dtype), "stages", "pipeline per-stage state")
+
+
+def ring_zeros(stages: int, depth: int, like) -> jax.Array:
+    """A ring per stage `[stages, depth, ...]` of entries shaped like `like` (`[1, ...]`: one stage's)."""
+    return stage_zeros(stages, (max(depth, 1), *like.shape[1:]), like.dtype)
+
+
 def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, embed_fn: Callable, embed_params, inputs,
                        loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None], batch_axes: Sequence[str | None],
                        probes=None, probes_axes=None, seed=1.0):
@@ -145,13 +188,9 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     whatever the number of microbatches. Needs the mesh in force (`sharding.activate`) to have the
     `stage` axis."""
     m, s = plan.microbatches, plan.stages
-    mesh = active_mesh()
-    if mesh is None or mesh.shape.get("stage") != s:
-        raise ShardingError(f"pipeline.schedule=1f1b_per_stage runs under a mesh whose `stage` axis has the plan's {s} stages")
-    check(s, m, plan.repeats, jax.tree.leaves(params)[0].shape[0], schedule="1f1b_per_stage", context=mesh.shape.get("context", 1))
+    in_mesh = stage_mesh(plan, params)
     layers = jax.tree.leaves(params)[0].shape[0]
     keep_residuals, tick_fn = plan.remat != "full", remat(stage_fn, plan.remat)
-    in_mesh = {} if manual_axes() else {"mesh": mesh}  # nested in a manual `data` (sharding.per_replica): the mesh in context
     balanced = balanced_slots(plan, layers)
     arrays, inbox_depth, stash_depth = slot_arrays(schedule_1f1b_per_stage(s, m, balanced), keep_residuals)
     # The chunk's layers as the forward runs them and the backward's parts take them: all of
@@ -159,7 +198,6 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
     half = layers // s // 2
     pieces = [lambda t: t] if not balanced else [lambda t: jax.tree.map(lambda a: a[:half], t), lambda t: jax.tree.map(lambda a: a[half:], t)]
     pullbacks = [Pullbacks() for _ in pieces]
-    per_stage, whole = PartitionSpec("stage"), PartitionSpec()
     f32 = lambda tree, fill=0.0: jax.tree.map(lambda a: jnp.full(a.shape, fill, jnp.float32), tree)  # noqa: E731
 
     def forward_saving(j, chunk, chunk_probes, x, stage):
@@ -247,10 +285,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         return (*jax.tree.map(lambda a: a[None], (c, out["y"], out["dx"])), sums)
 
     def run(params, probes, embed_params, loss_params, seed, inputs, targets):
-        in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
-        t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
-        x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
-        stacked = lambda shape, dtype: constrain_leading(jnp.zeros((s, *shape), dtype), "stages", "pipeline per-stage state")  # noqa: E731
+        mb = microbatches(inputs, targets, m, batch_axes, embed_fn, embed_params)
         stash = []
         if keep_residuals:  # per piece, a ring per residual array that varies, its shapes from one stage's forward
             def residuals(chunk, chunk_probes, x):
@@ -260,36 +295,34 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
                     x, saved = forward_saving(j, chunk, chunk_probes, x, 0)
                     out.append([r[None] for r in pullbacks[j].stashed(saved)])
                 return out
-            shapes = jax.eval_shape(jax.shard_map(residuals, **in_mesh, axis_names={"stage"}, check_vma=False,
-                                                  in_specs=(per_stage, per_stage, whole), out_specs=per_stage),
-                                    params, probes, jnp.zeros(x_like.shape, x_like.dtype))
-            stash = [[stacked((stash_depth, *a.shape[1:]), a.dtype) for a in piece] for piece in shapes]
-        state = {"inbox": stacked((max(inbox_depth, 1), *x_like.shape), x_like.dtype), "stash": stash,
-                 **{k: stacked(x_like.shape, x_like.dtype) for k in ("recv_x", "recv_dx", "mid")}}
-        placed = lambda tree, axes, fill=0.0: None if tree is None else jax.tree.map(  # noqa: E731  sums placed as the arrays
-            lambda a, ax: constrain(jnp.full(a.shape, fill, jnp.float32), tuple(ax), "pipeline gradient sums"), tree, axes)
-        sums = placed(params, params_axes), placed(probes, probes_axes, -jnp.inf)
-        staged = jax.shard_map(stage_work, **in_mesh, axis_names={"stage"}, check_vma=False,
-                               in_specs=(per_stage,) * 5 + (whole, whole), out_specs=per_stage)
-
-        return run_slots(staged, arrays, state, sums, column="half", head_on=(FORWARD,), dx_on=(BACKWARD, EARLIER), params=params,
-                         probes=probes, embed_fn=embed_fn, embed_params=embed_params, in_m=in_m, t_m=t_m, loss_fn=loss_fn,
-                         loss_params=loss_params, seed=seed, x_like=x_like, x_axes=x_axes)
+            shapes = jax.eval_shape(over_stages(residuals, in_mesh, 2, 1), params, probes, jnp.zeros(mb.x_like.shape, mb.x_like.dtype))
+            stash = [[ring_zeros(s, stash_depth, a) for a in piece] for piece in shapes]
+        state = {"inbox": ring_zeros(s, inbox_depth, jnp.zeros((1, *mb.x_like.shape), mb.x_like.dtype)), "stash": stash,
+                 **{k: stage_zeros(s, mb.x_like.shape, mb.x_like.dtype) for k in ("recv_x", "recv_dx", "mid")}}
+        return run_slots(over_stages(stage_work, in_mesh, 5, 2), arrays, state, column="half", head_on=(FORWARD,), dx_on=(BACKWARD, EARLIER),
+                         params=params, params_axes=params_axes, probes=probes, probes_axes=probes_axes, embed_fn=embed_fn,
+                         embed_params=embed_params, mb=mb, loss_fn=loss_fn, loss_params=loss_params, seed=seed, x_axes=x_axes)
 
     return owning_backward(run, (params, probes, embed_params, loss_params), seed, (inputs, targets), statistics=(1,))
 
 
-def run_slots(staged: Callable, arrays: dict, state, sums, *, column: str, head_on: Sequence[int], dx_on: Sequence[int], params, probes,
-              embed_fn: Callable, embed_params, in_m, t_m, loss_fn: Callable, loss_params, seed, x_like, x_axes: Sequence[str | None],
-              head_stage: int = -1):
+def run_slots(staged: Callable, arrays: dict, state, *, column: str, head_on: Sequence[int], dx_on: Sequence[int], params, params_axes,
+              probes, probes_axes, embed_fn: Callable, embed_params, mb: Microbatches, loss_fn: Callable, loss_params, seed,
+              x_axes: Sequence[str | None], head_stage: int = -1):
     """A per-stage pipeline's slots (`staged`: every stage's work in one slot, the `shard_map`),
     with its ends around them: stage 0's embedding, the head and loss when the last stage's
     `column` is one of `head_on` (a forward), the embedding's gradient when stage 0's is one of
     `dx_on` (its backward's last part; `head_stage` 0: the head follows stage 0's, as in a V
     of chunks, `sharding.pipeline_zbv`): outside the `shard_map`, so the vocabulary stays split
     over `stage` (as in the lockstep pipelines), under conditions the same on every device (the
-    ends' columns of the table). The loss and every gradient, as `owning_backward` takes them."""
+    ends' columns of the table). The gradients are summed in float32, placed as `params` and
+    `probes` (the probes' statistics: maxima). The loss and every gradient, as `owning_backward`
+    takes them."""
+    in_m, t_m, x_like = mb
     m, state_axes = in_m.shape[0], ("stages", *x_axes)
+    placed = lambda tree, axes, fill=0.0: None if tree is None else jax.tree.map(  # noqa: E731
+        lambda a, ax: constrain(jnp.full(a.shape, fill, jnp.float32), tuple(ax), "pipeline gradient sums"), tree, axes)
+    sums = placed(params, params_axes), placed(probes, probes_axes, -jnp.inf)
     # The sums pass through the conditions (a branch that made fresh zeros would leave them
     # unplaced, which XLA refuses inside a manual `data`: sharding.per_replica).
     mb_placed = lambda x_mb: constrain(x_mb, x_axes, "pipeline microbatch")  # noqa: E731

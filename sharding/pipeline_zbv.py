@@ -12,16 +12,15 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from sharding.constraints import active_mesh, constrain, constrain_leading, manual_axes
+from sharding.constraints import constrain
 from sharding.mesh import ShardingError
-from sharding.pipeline import owning_backward, split_microbatches
+from sharding.pipeline import owning_backward
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_per_stage import _Rings, run_slots
-from sharding.pipeline_zero_bubble import get, number_op, put
+from sharding.pipeline_per_stage import _Rings, get, microbatches, over_stages, put, ring_zeros, run_slots, stage_mesh, stage_zeros
+from sharding.pipeline_zero_bubble import number_op
 from sharding.remat import remat
-from sharding.schedules import PipelinePlan, check
+from sharding.schedules import PipelinePlan
 from sharding.zero_bubble import Op, schedule_zbv, v_chunks
 
 # ZB-V's ops: each kind on the stage's chunk going down (these) or coming back (these + 1).
@@ -96,15 +95,10 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
     ending it (the head and the loss follow its output); every backward as B, then W in a later
     slot. Activations and cotangents go both ways each slot (four `ppermute`s)."""
     m, s = plan.microbatches, plan.stages
-    mesh = active_mesh()
-    if mesh is None or mesh.shape.get("stage") != s:
-        raise ShardingError(f"pipeline.schedule={plan.schedule} runs under a mesh whose `stage` axis has the plan's {s} stages")
+    in_mesh = stage_mesh(plan, params)
     layers = jax.tree.leaves(params)[0].shape[0]
-    check(s, m, plan.repeats, layers, schedule=plan.schedule, context=mesh.shape.get("context", 1))
     keep_residuals, tick_fn = plan.remat != "full", remat(stage_fn, plan.remat)
-    in_mesh = {} if manual_axes() else {"mesh": mesh}
     arrays, depths = zbv_arrays(schedule_zbv(s, m), keep_residuals)
-    per_stage, whole = PartitionSpec("stage"), PartitionSpec()
     per_chunk = layers // (2 * s)
     pieces = [lambda t: jax.tree.map(lambda a: a[:per_chunk], t), lambda t: jax.tree.map(lambda a: a[per_chunk:], t)]
     pullbacks = [Pullbacks(), Pullbacks()]
@@ -188,11 +182,8 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
         return (*jax.tree.map(lambda a: a[None], (c, y, dx)), sums)
 
     def run(params, probes, embed_params, loss_params, seed, inputs, targets):
-        in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
-        t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
-        x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
-        stacked = lambda shape, dtype: constrain_leading(jnp.zeros((s, *shape), dtype), "stages", "pipeline per-stage state")  # noqa: E731
-        ring = lambda depth, a: stacked((max(depth, 1), *a.shape[1:]), a.dtype)  # noqa: E731  [stages, depth, ...] from [1, ...]
+        mb = microbatches(inputs, targets, m, batch_axes, embed_fn, embed_params)
+        activation = jnp.zeros((1, *mb.x_like.shape), mb.x_like.dtype)
 
         def shapes(chunk, chunk_probes, x):  # each chunk's stashed residuals and taps (eval_shape only)
             own, out = (chunk, chunk_probes), []
@@ -204,26 +195,18 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
                 out.append((saved, split(v, own, x, 0)[1](jnp.zeros_like(x))[2]))
             return jax.tree.map(lambda a: a[None], out)
 
-        stage_shard = jax.shard_map(shapes, **in_mesh, axis_names={"stage"}, check_vma=False, in_specs=(per_stage, per_stage, whole),
-                                    out_specs=per_stage)
-        down_chunk, up_chunk = jax.eval_shape(stage_shard, params, probes, jnp.zeros(x_like.shape, x_like.dtype))
+        down_chunk, up_chunk = jax.eval_shape(over_stages(shapes, in_mesh, 2, 1), params, probes, activation[0])
         if jax.tree.structure(down_chunk) != jax.tree.structure(up_chunk) or jax.tree.leaves(down_chunk) != jax.tree.leaves(up_chunk):
             raise ShardingError("pipeline.schedule=zbv needs a stage's two chunks alike (they share its rings); "
                                 "use pipeline.schedule=zero_bubble")
         saved, taps = down_chunk
-        activation = jnp.zeros((1, *x_like.shape), x_like.dtype)
-        state = {"inbox": ring(depths["inbox"], activation), "cotangents": ring(depths["cotangents"], activation),
-                 "residuals": jax.tree.map(lambda a: ring(depths["residuals"], a), saved),
-                 "taps": jax.tree.map(lambda a: ring(depths["taps"], a), taps),
-                 **{k: stacked(x_like.shape, x_like.dtype) for k in ("own_y", "own_dx", "x_above", "x_below", "dx_above", "dx_below")}}
-        placed = lambda tree, axes, fill=0.0: None if tree is None else jax.tree.map(  # noqa: E731
-            lambda a, ax: constrain(jnp.full(a.shape, fill, jnp.float32), tuple(ax), "pipeline gradient sums"), tree, axes)
-        sums = placed(params, params_axes), placed(probes, probes_axes, -jnp.inf)
-        staged = jax.shard_map(stage_work, **in_mesh, axis_names={"stage"}, check_vma=False,
-                               in_specs=(per_stage,) * 5 + (whole, whole), out_specs=per_stage)
-        return run_slots(staged, arrays, state, sums, column="kind", head_on=(F_DOWN + 1,), dx_on=(B_DOWN,), head_stage=0, params=params,
-                         probes=probes, embed_fn=embed_fn, embed_params=embed_params, in_m=in_m, t_m=t_m, loss_fn=loss_fn,
-                         loss_params=loss_params, seed=seed, x_like=x_like, x_axes=x_axes)
+        state = {"inbox": ring_zeros(s, depths["inbox"], activation), "cotangents": ring_zeros(s, depths["cotangents"], activation),
+                 "residuals": jax.tree.map(lambda a: ring_zeros(s, depths["residuals"], a), saved),
+                 "taps": jax.tree.map(lambda a: ring_zeros(s, depths["taps"], a), taps),
+                 **{k: stage_zeros(s, mb.x_like.shape, mb.x_like.dtype) for k in ("own_y", "own_dx", "x_above", "x_below", "dx_above", "dx_below")}}
+        return run_slots(over_stages(stage_work, in_mesh, 5, 2), arrays, state, column="kind", head_on=(F_DOWN + 1,), dx_on=(B_DOWN,),
+                         head_stage=0, params=params, params_axes=params_axes, probes=probes, probes_axes=probes_axes, embed_fn=embed_fn,
+                         embed_params=embed_params, mb=mb, loss_fn=loss_fn, loss_params=loss_params, seed=seed, x_axes=x_axes)
 
     ordered = v_order(params, params_axes, s), v_order(probes, probes_axes, s)
     return owning_backward(run, (*ordered, embed_params, loss_params), seed, (inputs, targets), statistics=(1,))

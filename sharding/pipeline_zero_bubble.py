@@ -25,15 +25,12 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from sharding.constraints import active_mesh, constrain, constrain_leading, manual_axes
-from sharding.mesh import ShardingError
-from sharding.pipeline import owning_backward, split_microbatches
+from sharding.pipeline import owning_backward
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_per_stage import _Rings, get, put, run_slots
+from sharding.pipeline_per_stage import _Rings, get, microbatches, over_stages, put, ring_zeros, run_slots, stage_mesh, stage_zeros
 from sharding.remat import remat
-from sharding.schedules import PipelinePlan, balanced_zero_bubble, check
+from sharding.schedules import PipelinePlan, balanced_zero_bubble
 from sharding.zero_bubble import Op, is_balanced, schedule_zero_bubble
 
 IDLE, F, B, W, B1, B2 = 0, 1, 2, 3, 4, 5
@@ -117,16 +114,11 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
     `(y, input_backward, weight_backward)` as `lm.model.split_backward.split_vjp` does. Needs the
     mesh in force to have the `stage` axis."""
     m, s = plan.microbatches, plan.stages
-    mesh = active_mesh()
-    if mesh is None or mesh.shape.get("stage") != s:
-        raise ShardingError(f"pipeline.schedule={plan.schedule} runs under a mesh whose `stage` axis has the plan's {s} stages")
+    in_mesh = stage_mesh(plan, params)
     layers = jax.tree.leaves(params)[0].shape[0]
-    check(s, m, plan.repeats, layers, schedule=plan.schedule, context=mesh.shape.get("context", 1))
     keep_residuals, tick_fn = plan.remat != "full", remat(stage_fn, plan.remat)
-    in_mesh = {} if manual_axes() else {"mesh": mesh}  # nested in a manual `data` (sharding.per_replica): the mesh in context
     balanced = balanced_zero_bubble(plan, layers)
     arrays, depths = op_arrays(schedule_zero_bubble(s, m, balanced), keep_residuals)
-    per_stage, whole = PartitionSpec("stage"), PartitionSpec()
     # The chunk's layers as its pieces: all of them, or (balanced) its earlier and its later half,
     # sub-chunks 2s and 2s + 1 of the model (as in `sharding.pipeline_per_stage`).
     half = layers // s // 2
@@ -248,11 +240,8 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
         return (*jax.tree.map(lambda a: a[None], (c, y, dx)), sums)
 
     def run(params, probes, embed_params, loss_params, seed, inputs, targets):
-        in_m = split_microbatches(inputs, m, batch_axes, "pipeline inputs")
-        t_m = split_microbatches(targets, m, batch_axes, "pipeline targets")
-        x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
-        stacked = lambda shape, dtype: constrain_leading(jnp.zeros((s, *shape), dtype), "stages", "pipeline per-stage state")  # noqa: E731
-        ring = lambda depth, a: stacked((max(depth, 1), *a.shape[1:]), a.dtype)  # noqa: E731  [stages, depth, ...] from [1, ...]
+        mb = microbatches(inputs, targets, m, batch_axes, embed_fn, embed_params)
+        activation = jnp.zeros((1, *mb.x_like.shape), mb.x_like.dtype)
 
         def shapes(chunk, chunk_probes, x):  # one stage's residuals and taps, per piece (eval_shape only)
             own, saved, taps = (chunk, chunk_probes), [], []
@@ -264,24 +253,14 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
                 x = split(j, own, x, 0)[0]
             return jax.tree.map(lambda a: a[None], (saved, taps))
 
-        stage_shard = jax.shard_map(shapes, **in_mesh, axis_names={"stage"}, check_vma=False, in_specs=(per_stage, per_stage, whole),
-                                    out_specs=per_stage)
-        saved, taps = jax.eval_shape(stage_shard, params, probes, jnp.zeros(x_like.shape, x_like.dtype))
-        state = {"inbox": ring(depths["inbox"], jnp.zeros((1, *x_like.shape), x_like.dtype)),
-                 "cotangents": ring(depths["cotangents"], jnp.zeros((1, *x_like.shape), x_like.dtype)),
-                 "residuals": jax.tree.map(lambda a: ring(depths["residuals"], a), saved),
-                 "halfway": ring(depths["halfway"], jnp.zeros((1, *x_like.shape), x_like.dtype)) if balanced and not keep_residuals else [],
-                 "taps": jax.tree.map(lambda a: ring(depths["taps"], a), taps),
-                 **{k: stacked(x_like.shape, x_like.dtype) for k in ("recv_x", "recv_dx", "mid")}}
-        placed = lambda tree, axes, fill=0.0: None if tree is None else jax.tree.map(  # noqa: E731
-            lambda a, ax: constrain(jnp.full(a.shape, fill, jnp.float32), tuple(ax), "pipeline gradient sums"), tree, axes)
-        sums = placed(params, params_axes), placed(probes, probes_axes, -jnp.inf)
-
-        staged = jax.shard_map(stage_work, **in_mesh, axis_names={"stage"}, check_vma=False,
-                               in_specs=(per_stage,) * 5 + (whole, whole), out_specs=per_stage)
-
-        return run_slots(staged, arrays, state, sums, column="kind", head_on=(F,), dx_on=(B, B2), params=params, probes=probes,
-                         embed_fn=embed_fn, embed_params=embed_params, in_m=in_m, t_m=t_m, loss_fn=loss_fn, loss_params=loss_params,
-                         seed=seed, x_like=x_like, x_axes=x_axes)
+        saved, taps = jax.eval_shape(over_stages(shapes, in_mesh, 2, 1), params, probes, activation[0])
+        state = {"inbox": ring_zeros(s, depths["inbox"], activation), "cotangents": ring_zeros(s, depths["cotangents"], activation),
+                 "residuals": jax.tree.map(lambda a: ring_zeros(s, depths["residuals"], a), saved),
+                 "halfway": ring_zeros(s, depths["halfway"], activation) if balanced and not keep_residuals else [],
+                 "taps": jax.tree.map(lambda a: ring_zeros(s, depths["taps"], a), taps),
+                 **{k: stage_zeros(s, mb.x_like.shape, mb.x_like.dtype) for k in ("recv_x", "recv_dx", "mid")}}
+        return run_slots(over_stages(stage_work, in_mesh, 5, 2), arrays, state, column="kind", head_on=(F,), dx_on=(B, B2), params=params,
+                         params_axes=params_axes, probes=probes, probes_axes=probes_axes, embed_fn=embed_fn, embed_params=embed_params,
+                         mb=mb, loss_fn=loss_fn, loss_params=loss_params, seed=seed, x_axes=x_axes)
 
     return owning_backward(run, (params, probes, embed_params, loss_params), seed, (inputs, targets), statistics=(1,))
