@@ -33,6 +33,7 @@ from sharding.schedules import PipelinePlan
 from sharding.zero_bubble import held_until_w, schedule_zbv, schedule_zero_bubble, v_chunks
 
 ZB = dict(pipeline__schedule="zero_bubble")
+ZBV, EIGHT = dict(pipeline__schedule="zbv"), dict(model__num_layers=8)  # ZB-V on 4 stages: 8 chunks of a layer
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 8), (4, 32), (8, 20)])
@@ -133,31 +134,33 @@ def test_zero_bubble_trains_like_one_device(one_device_deep, mesh, extra):  # no
 
 
 @pytest.mark.slow
-def test_zero_bubble_with_experts_matches_one_device_accumulating_alike():
-    aux = dict(MOE, model__router_aux_loss_coef=0.1, model__router_z_loss_coef=0.01)
+@pytest.mark.parametrize("schedule, model", [(ZB, {}), (ZBV, DEEP)], ids=["zero_bubble", "zbv"])
+def test_split_backward_with_experts_matches_one_device_accumulating_alike(schedule, model):
+    aux = dict(MOE, **model, model__router_aux_loss_coef=0.1, model__router_z_loss_coef=0.01)
     ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **aux), jax.devices()[:1])
-    losses, params = run_steps(small_config({"expert": 2, "stage": 2, "data": 2}, **ZB, **aux))
+    losses, params = run_steps(small_config({"expert": 2, "stage": 2, "data": 2}, **schedule, **aux))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
 @pytest.mark.slow
-def test_fp8_in_the_zero_bubble_pipeline_takes_each_amax_over_the_slots_that_did_work(fp8_one_device):  # noqa: F811
+@pytest.mark.parametrize("schedule", [ZB, ZBV], ids=["zero_bubble", "zbv"])
+def test_fp8_in_split_backward_pipelines_takes_each_amax_over_the_slots_that_did_work(fp8_one_device, schedule):  # noqa: F811
     ref = fp8_one_device
-    assert_fp8_like_one_device(fp8_states({"data": -1, "stage": 2}, forced_from=ref.starts, **ZB), ref)
+    assert_fp8_like_one_device(fp8_states({"data": -1, "stage": 2}, forced_from=ref.starts, **schedule), ref)
 
 
 @pytest.mark.slow
-def test_zero_bubble_keeps_memory_flat_in_the_microbatches():
+@pytest.mark.parametrize("schedule", [ZB, ZBV], ids=["zero_bubble", "zbv"])
+def test_split_backward_pipelines_keep_memory_flat_in_the_microbatches(schedule):
     def temporaries(microbatches: int, **extra) -> int:
-        return compiled_1f1b_step(microbatches, **ZB, **extra).memory_analysis().temp_size_in_bytes
+        return compiled_1f1b_step(microbatches, **schedule, **extra).memory_analysis().temp_size_in_bytes
 
     for extra in ({}, {"pipeline__remat": "none", "model__remat": "none"}):
         found = [temporaries(m, **extra) for m in (4, 8, 16)]
         assert max(found) <= 1.1 * min(found), (extra, found)
 
 
-ZBV, EIGHT = dict(pipeline__schedule="zbv"), dict(model__num_layers=8)  # ZB-V on 4 stages: 8 chunks of a layer
 
 
 @pytest.fixture(scope="module")
@@ -183,31 +186,6 @@ def test_zbv_trains_like_one_device(request, mesh, extra):
     branches = {len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)}
     assert 7 in branches  # each stage its own op: nothing, or F, B or W of the chunk going down or coming back
     assert "collective-permute" in hlo and not constant_collectives(hlo) and not full_vocabulary_buffers(hlo)
-
-
-@pytest.mark.slow
-def test_zbv_with_experts_matches_one_device_accumulating_alike():
-    aux = dict(MOE, **DEEP, model__router_aux_loss_coef=0.1, model__router_z_loss_coef=0.01)
-    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **aux), jax.devices()[:1])
-    losses, params = run_steps(small_config({"expert": 2, "stage": 2, "data": 2}, **ZBV, **aux))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
-
-
-@pytest.mark.slow
-def test_fp8_in_the_zbv_pipeline_takes_each_amax_over_the_slots_that_did_work(fp8_one_device):  # noqa: F811
-    ref = fp8_one_device
-    assert_fp8_like_one_device(fp8_states({"data": -1, "stage": 2}, forced_from=ref.starts, **ZBV), ref)
-
-
-@pytest.mark.slow
-def test_zbv_keeps_memory_flat_in_the_microbatches():
-    def temporaries(microbatches: int, **extra) -> int:
-        return compiled_1f1b_step(microbatches, **ZBV, **extra).memory_analysis().temp_size_in_bytes
-
-    for extra in ({}, {"pipeline__remat": "none", "model__remat": "none"}):
-        found = [temporaries(m, **extra) for m in (4, 8, 16)]
-        assert max(found) <= 1.1 * min(found), (extra, found)
 
 
 @pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
