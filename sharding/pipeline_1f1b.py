@@ -21,6 +21,7 @@ from jax.extend import core as jax_core
 
 from sharding.pipeline import end_add, end_zeros, loss_cotangent, microbatch, owning_backward, split_microbatches, stage_chunks, with_ends, zero_loss
 from sharding.remat import remat
+from sharding.conditions import known_share
 from sharding.constraints import constrain, constrain_leading, vmap_over
 from sharding.schedules import PipelinePlan, Step, check, phases, schedule_1f1b
 
@@ -178,7 +179,12 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
             loss, pull = jax.vjp(lambda lp, y: loss_fn(lp, y, targets_mb), loss_params, y_mb)
             return loss, *pull(loss_cotangent(loss, seed / m))
 
-        def backward_half(c, row):
+        # The ends' conditions, on a row of the table's columns (traced) or on a phase's rows (numpy: their share of true).
+        leaves_first_chunk = lambda row: (row["first"]["backward"] >= 0) & (row["first"]["backward_repeat"] == 0)  # noqa: E731
+        entering = lambda row: (row["first"]["forward"] >= 0) & (row["first"]["forward_repeat"] == 0)  # noqa: E731
+        leaving = lambda row: (row["last"]["forward"] >= 0) & (row["last"]["forward_repeat"] == r - 1)  # noqa: E731
+
+        def backward_half(c, row, rows):
             """Every stage's backward of its microbatch (masked where it has none); the input
             cotangents one stage back (stage 0's to the last stage, for its previous repeat)."""
             on, repeat, first = row["backward"] >= 0, row["backward_repeat"], row["first"]
@@ -200,20 +206,20 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
                 (d_embed,) = jax.vjp(lambda ep: embed_fn(ep, in_m[jnp.maximum(first["backward"], 0)]), embed_params)[1](dx[0])
                 return end_add(total, d_embed)
 
-            leaves_first_chunk = (first["backward"] >= 0) & (first["backward_repeat"] == 0)
-            c["embed_grads"] = jax.lax.cond(leaves_first_chunk, embed_grads, lambda total: total, c["embed_grads"])
+            with known_share(leaves_first_chunk(rows)):
+                c["embed_grads"] = jax.lax.cond(leaves_first_chunk(row), embed_grads, lambda total: total, c["embed_grads"])
             c["bwd_in"] = constrain(jnp.roll(dx, -1, axis=0), state_axes, "pipeline stage cotangents")  # a collective-permute
             return c
 
-        def forward_half(c, row):
+        def forward_half(c, row, rows):
             """Stage 0 embeds a microbatch entering its first chunk, every stage runs its forward
             and stashes its input, the last applies the head and loss after the last chunk and
             seeds the cotangent its backward starts from next tick; activations one stage on."""
             on, repeat, first, last = row["forward"] >= 0, row["forward_repeat"], row["first"], row["last"]
-            entering = (first["forward"] >= 0) & (first["forward_repeat"] == 0)
             # (Both branches' results placed alike: XLA refuses a conditional whose do not match.)
             embedded = lambda: embed_fn(embed_params, in_m[jnp.maximum(first["forward"], 0)]).astype(c["fwd_in"].dtype)  # noqa: E731
-            entered = jax.lax.cond(entering, lambda: mb_placed(embedded()), lambda: mb_placed(c["fwd_in"][0]))
+            with known_share(entering(rows)):
+                entered = jax.lax.cond(entering(row), lambda: mb_placed(embedded()), lambda: mb_placed(c["fwd_in"][0]))
             fwd_in = c["fwd_in"].at[0].set(entered)
             keep = lambda ring, slot, x_mb, on: ring.at[slot].set(jnp.where(on, x_mb, ring[slot]))  # noqa: E731
             if keep_residuals:
@@ -224,21 +230,22 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
                 y = vmap_over(stage_forward, "stages")(chunks, probe_chunks, repeat, stages, fwd_in)
                 c["stash"] = constrain(jax.vmap(keep)(c["stash"], row["forward_slot"], fwd_in, on), stash_axes, "pipeline stash")
             y = constrain(y, state_axes, "pipeline stage outputs")
-            leaving = (last["forward"] >= 0) & (last["forward_repeat"] == r - 1)
 
             def head_and_seed(loss, loss_grads, seeded):
                 mb_loss, dloss_params, dy = head(loss_params, y[-1], microbatch(t_m, jnp.maximum(last["forward"], 0)))
                 return loss + mb_loss.astype(jnp.float32) / m, end_add(loss_grads, dloss_params), mb_placed(dy.astype(seeded.dtype))
 
             unchanged = lambda loss, loss_grads, seeded: (loss, loss_grads, mb_placed(seeded))  # noqa: E731
-            c["loss"], c["loss_grads"], seeded = jax.lax.cond(leaving, head_and_seed, unchanged, c["loss"], c["loss_grads"], c["bwd_in"][-1])
+            with known_share(leaving(rows)):
+                c["loss"], c["loss_grads"], seeded = jax.lax.cond(leaving(row), head_and_seed, unchanged, c["loss"], c["loss_grads"],
+                                                                  c["bwd_in"][-1])
             c["bwd_in"] = constrain(c["bwd_in"].at[-1].set(seeded), state_axes, "pipeline stage cotangents")
             c["fwd_in"] = constrain(jnp.roll(y, 1, axis=0), state_axes, "pipeline stage inputs")  # a collective-permute
             return c
 
-        def tick(c, row, forwards: bool, backwards: bool):
-            c = backward_half(dict(c), row) if backwards else c
-            return (forward_half(dict(c), row) if forwards else c), None
+        def tick(c, row, rows, forwards: bool, backwards: bool):
+            c = backward_half(dict(c), row, rows) if backwards else c
+            return (forward_half(dict(c), row, rows) if forwards else c), None
 
         x_like = jax.eval_shape(lambda: embed_fn(embed_params, in_m[0]))
         held = constrain(jnp.zeros((s, *x_like.shape), x_like.dtype), state_axes, "pipeline stage inputs")
@@ -260,8 +267,8 @@ def pipeline_1f1b(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *
         # each tick running only the halves some stage works in (the schedule's own bubble).
         columns = with_ends(arrays)
         for start, stop, forwards, backwards in phases(table):
-            rows = jax.tree.map(lambda v: jnp.asarray(v[start:stop]), columns)
-            c, _ = jax.lax.scan(functools.partial(tick, forwards=forwards, backwards=backwards), c, rows)
+            rows = jax.tree.map(lambda v: v[start:stop], columns)
+            c, _ = jax.lax.scan(functools.partial(tick, rows=rows, forwards=forwards, backwards=backwards), c, jax.tree.map(jnp.asarray, rows))
         like = lambda tree, ref: jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), tree, ref)  # noqa: E731
         stats = None if probes is None else like(swap(c["stats"]), probes)
         found = like(swap(c["grads"]), params), stats, like(c["embed_grads"], embed_params), like(c["loss_grads"], loss_params)

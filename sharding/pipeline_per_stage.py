@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from sharding.conditions import known_share
 from sharding.mesh import ShardingError
 from sharding.pipeline import end_add, end_zeros, loss_cotangent, microbatch, owning_backward, split_microbatches, with_ends, zero_loss
 from sharding.pipeline_1f1b import Pullbacks
@@ -327,6 +328,7 @@ def run_slots(staged: Callable, arrays: dict, state, *, column: str, head_on: Se
     # unplaced, which XLA refuses inside a manual `data`: sharding.per_replica).
     mb_placed = lambda x_mb: constrain(x_mb, x_axes, "pipeline microbatch")  # noqa: E731
     among = lambda value, kinds: functools.reduce(jnp.logical_or, [value == k for k in kinds])  # noqa: E731
+    ends = with_ends(arrays)
 
     def slot(c, row):
         first, ending = row["first"], row["first" if head_stage == 0 else "last"]
@@ -342,13 +344,16 @@ def run_slots(staged: Callable, arrays: dict, state, *, column: str, head_on: Se
             return loss + mb_loss.astype(jnp.float32) / m, end_add(dloss, d_mb), mb_placed(dy.astype(x_like.dtype))
 
         no_head = lambda loss, dloss, seed_dy: (loss, dloss, mb_placed(seed_dy))  # noqa: E731
-        loss, dloss, seed_dy = jax.lax.cond(among(ending[column], head_on), head, no_head, c["loss"], c["dloss"], c["seed_dy"])
-        dembed = jax.lax.cond(among(first[column], dx_on), lambda total: end_add(total, embed_pull(dx[0])[0]), lambda total: total, c["dembed"])
+        with known_share(np.isin(ends["first" if head_stage == 0 else "last"][column], head_on)):
+            loss, dloss, seed_dy = jax.lax.cond(among(ending[column], head_on), head, no_head, c["loss"], c["dloss"], c["seed_dy"])
+        with known_share(np.isin(ends["first"][column], dx_on)):
+            dembed = jax.lax.cond(among(first[column], dx_on), lambda total: end_add(total, embed_pull(dx[0])[0]), lambda total: total,
+                                  c["dembed"])
         return {"state": state, "sums": sums, "seed_dy": seed_dy, "loss": loss, "dloss": dloss, "dembed": dembed}, None
 
     c = {"state": state, "sums": sums, "seed_dy": jnp.zeros(x_like.shape, x_like.dtype), "loss": zero_loss(loss_fn, loss_params, x_like, t_m),
          "dloss": end_zeros(loss_params), "dembed": end_zeros(embed_params)}
-    c, _ = jax.lax.scan(slot, c, jax.tree.map(jnp.asarray, with_ends(arrays)))
+    c, _ = jax.lax.scan(slot, c, jax.tree.map(jnp.asarray, ends))
     like = lambda tree, ref: jax.tree.map(lambda g, p: g.astype(p.dtype), tree, ref)  # noqa: E731
     dparams, stats = c["sums"]
     stats = None if probes is None else like(stats, probes)

@@ -164,3 +164,40 @@ def test_the_refit_finds_the_grouped_gemm_its_own_efficiency_and_leaves_it_the_d
     assert with_grouped["grouped_gemm"] == pytest.approx(0.40, abs=0.02) and with_grouped["gemm"] == pytest.approx(0.75, abs=0.02)
     without = steptime.fit([case({"gemm", "attention", "elementwise"})], dev)
     assert without["grouped_gemm"] == without["gemm"] == pytest.approx(0.75, abs=0.02)
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_a_condition_named_with_its_share_of_runs_is_charged_that_share(named):
+    """A pipeline's ends run under conditions alike on every device and true in a share of the
+    loop's runs that the table fixes (`sharding.conditions.known_share`): the kernel table counts
+    the true branch's kernels that share of the runs and the collective traffic likewise; a
+    condition not named is charged its costliest branch every run (the bound it must assume)."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec
+
+    from sharding.conditions import known_share
+
+    holds = np.arange(12) % 4 == 0  # 3 runs of 12
+
+    def step(x, flags):
+        def body(c, flag):
+            heavy = lambda c: jax.lax.psum(jnp.tanh(c @ c.T @ c), "x")  # noqa: E731
+            with known_share(holds) if named else contextlib.nullcontext():
+                return jax.lax.cond(flag, heavy, lambda c: c, c), None
+        return jax.lax.scan(body, x, flags)[0]
+
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    split = jax.shard_map(step, mesh=mesh, in_specs=(PartitionSpec("x"), PartitionSpec()), out_specs=PartitionSpec("x"), check_vma=False)
+    # The two cases' programs differ in width: JAX's caches key a program without its op_names,
+    # so the same program would come back named as the other case left it.
+    width = 64 if named else 48
+    x = jax.device_put(jnp.ones((128, width)), jax.sharding.NamedSharding(mesh, PartitionSpec("x")))
+    text = jax.jit(split).lower(x, holds).compile().as_text()
+    assert ("cond_true_3_of_12/cond\"" in text) == named
+    heavy = [k for k in kernels.table(text) if k.flops >= 2 * 64 * width**2]
+    assert heavy and all(k.count == (3 if named else 12) for k in heavy)
+    assert hlo.collective_traffic(text) == {("all-reduce", 2): (3 if named else 12) * 64 * width * 4}

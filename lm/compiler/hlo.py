@@ -16,6 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+from sharding.conditions import share_of
+
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?([a-z0-9]+)\[[^\]]*\]")
 _PARAMETER = re.compile(r"([\w.\-]+):\s*\(?([a-z0-9]+)\[")
 _CALL = re.compile(r"=\s*\(?([a-z0-9]+)\[[^=]*?\s(dot|custom-call)\(([^)]*)\)")
@@ -184,13 +186,21 @@ def _collective_bytes(line: str) -> tuple[tuple[str, int], int] | None:
     return (op, n), sum(sizes)
 
 
+def true_and_false(text: str, branches: list[str]) -> tuple[str, str]:
+    """A two-way conditional's true and false computations, from its instruction's text: named
+    so, or by index (`lax.cond`'s index is its predicate, its branches false then true)."""
+    true = re.search(r"true_computation=%?([\w.\-]+)", text)
+    false = re.search(r"false_computation=%?([\w.\-]+)", text)
+    return (true.group(1), false.group(1)) if true and false else (branches[1], branches[0])
+
+
 def collective_traffic(hlo: str) -> Counter:
     """{(op, replica group size): bytes per step}: what each all-gather, reduce-scatter and
     all-reduce moves on each device (`_collective_bytes`), a while loop's body counted its known
     trip count times, called computations (fusions, async wrappers) once per call, and of a
     conditional's branches the costliest, as if it ran every time: an upper bound, exact where
-    one branch is the rule (`optax.apply_if_finite`'s update), over where the condition picks
-    which ticks run it (the 1F1B pipeline's ends)."""
+    one branch is the rule (`optax.apply_if_finite`'s update); a condition named with its share
+    of true runs (`sharding.conditions`: the pipelines' ends) each branch by its share."""
     module = {name: (header, body) for name, header, body in computations(hlo)}
     memo: dict[str, Counter] = {}
 
@@ -208,7 +218,14 @@ def collective_traffic(hlo: str) -> Counter:
                     total[key] += times * b
             listed = re.search(r"branch_computations=\{([^}]*)\}", line)
             branches = re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
-            if branches:
+            share = share_of(line) if " conditional(" in line and len(branches) == 2 else None
+            if share is not None:  # each branch its share of the runs (sharding.conditions)
+                taken, other = true_and_false(line, branches)
+                for key, b in traffic(taken).items():
+                    total[key] += share * b
+                for key, b in traffic(other).items():
+                    total[key] += (1 - share) * b
+            elif branches:
                 total += max((traffic(b) for b in branches), key=lambda t: sum(t.values()))
         memo[name] = total
         return total

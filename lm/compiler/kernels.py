@@ -19,8 +19,9 @@ import math
 import re
 from typing import NamedTuple
 
-from lm.compiler.hlo import buffer_bytes, buffers
+from lm.compiler.hlo import buffer_bytes, buffers, true_and_false
 from lm.compiler.hlo_module import CONTROL, NO_KERNEL, ROW_KERNELS, Instruction, Module, backend_config, config_value, dims_of
+from sharding.conditions import share_of
 
 # Workspace buffers of library calls: scratch, not data the kernel streams.
 _WORKSPACE = {"s8", "u8"}
@@ -35,7 +36,7 @@ RIDGE = 300.0
 class Kernel(NamedTuple):
     name: str
     kind: str  # gemm, gemm_fp8, attention, elementwise, reduction, transpose, copy, collective, ...
-    count: int  # runs per step
+    count: float  # runs per step (a fraction of a loop's where a named condition picks its branch's share)
     flops: float  # per run
     bytes: float  # HBM bytes read and written per run
     shape: str  # its result type, for a person reading the table
@@ -155,10 +156,10 @@ def kernel_bytes(module: Module, i: Instruction) -> float:
 def table(hlo: str) -> list[Kernel]:
     """Every kernel of the step, with its runs per step (loops' trip counts applied)."""
     module = Module(hlo)
-    counts: dict[tuple[str, str], int] = {}
+    counts: dict[tuple[str, str], float] = {}
     found: dict[tuple[str, str], Instruction] = {}
 
-    def walk(computation: str, times: int, seen: tuple[str, ...] = ()):
+    def walk(computation: str, times: float, seen: tuple[str, ...] = ()):
         for i in module.bodies.get(computation, []):
             if i.op in NO_KERNEL or i.op.endswith("-done"):
                 continue
@@ -176,6 +177,12 @@ def table(hlo: str) -> list[Kernel]:
                 listed = re.search(r"branch_computations=\{([^}]*)\}", i.rest)
                 branches = (re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed
                             else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", i.rest) or i.called)
+                share = share_of(i.rest) if i.op == "conditional" and len(branches) == 2 else None
+                if share is not None:  # each branch its share of the runs (sharding.conditions)
+                    true, false = true_and_false(i.rest, branches)
+                    walk(true, times * share, seen + (computation,))
+                    walk(false, times * (1 - share), seen + (computation,))
+                    continue
                 if branches:  # the costliest branch, as if it ran every time
                     walk(max(branches, key=lambda b: branch_cost(b, seen + (computation,))), times, seen + (computation,))
                 continue

@@ -150,7 +150,7 @@ def describe(param_rows: list[report.Row], summary: dict) -> str:
                      f"(XLA's cost analysis: {xla.get('flops', 0) / 1e12:.2f} TFLOP, "
                      f"{xla.get('bytes accessed', 0) / 1e9:.2f} GB)")
         lines.append(f"  {'ms/step':>8} {'share':>6} {'runs':>5} {'kind':10} {'GFLOP/run':>10} {'MB/run':>9}  kernel, result")
-        lines += [f"  {1e3 * r['seconds_per_step']:8.2f} {100 * r['share']:5.1f}% {r['count']:5d} {r['kind']:10} "
+        lines += [f"  {1e3 * r['seconds_per_step']:8.2f} {100 * r['share']:5.1f}% {round(r['count']):5d} {r['kind']:10} "
                   f"{r['flops_per_run'] / 1e9:10.2f} {r['bytes_per_run'] / 1e6:9.1f}  {r['name']}, {r['shape']}" for r in timed["top"]]
     if grouped := summary.get("grouped_gemm"):
         line = (f"grouped GEMM (model.grouped_gemm={grouped['setting']}): {grouped['implementation']}, {grouped['kernels']} kernels a step, "
