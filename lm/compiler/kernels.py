@@ -2,7 +2,9 @@
 it runs per step, its FLOPs and the HBM bytes it reads and writes (`table`).
 
 A kernel is an instruction of the entry computation or of a computation it runs (a while loop's
-body, its known trip count times; a conditional's costliest branch, weighing FLOPs and bytes): a fusion, a library call
+body, its known trip count times; a conditional's costliest branch, weighing FLOPs and bytes, or
+each branch its share of the runs where the program names the condition with it,
+`sharding.conditions`): a fusion, a library call
 (cuBLAS / cuBLASLt GEMMs incl. fp8, cuDNN attention), a copy or transpose, a collective. Its bytes
 come from the kernel's own operands and results, not its inner ops, except where a fusion reads
 a slice of an operand (`dynamic-slice` of a layer's weights out of the stacked ones) or updates
