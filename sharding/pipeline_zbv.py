@@ -1,7 +1,7 @@
 """ZB-V in one SPMD program (`pipeline.schedule=zbv`): the layers in 2S chunks, stage s running
 chunk s on the way down and chunk 2S - 1 - s on the way back (`sharding.zero_bubble.v_chunks`),
 each backward as B, then W in a later slot, run slot by slot as `sharding.pipeline_zero_bubble`
-runs ZB-H1 (its ring helpers `put` and `get`). The last stage turns each microbatch round on the
+runs ZB-H1 (on `sharding.pipeline_slots`). The last stage turns each microbatch round on the
 device; stage 0 ends it, the head and loss following its output between the `shard_map`s.
 """
 
@@ -17,8 +17,7 @@ from sharding.constraints import constrain
 from sharding.mesh import ShardingError
 from sharding.pipeline import owning_backward
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_per_stage import _Rings, get, microbatches, over_stages, put, ring_zeros, run_slots, stage_mesh, stage_zeros
-from sharding.pipeline_zero_bubble import number_op
+from sharding.pipeline_slots import Rings, get, microbatches, number_op, over_stages, put, ring_zeros, run_slots, stage_mesh, stage_zeros
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan
 from sharding.zero_bubble import Op, schedule_zbv, v_chunks
@@ -41,7 +40,7 @@ def zbv_arrays(table: Sequence[Sequence[Op | None]], keep_residuals: bool) -> tu
     arrivals = [f"{ring}_put_{way}" for ring in ("inbox", "cotangents") for way in ("down", "up")]
     names = ["kind", "microbatch", "inbox_get", "cotangents_get", "residuals_put", "residuals_get", "taps_put", "taps_get", *arrivals]
     out = {k: np.full((slots, stages), 0 if k in ("kind", "microbatch") else -1, np.int32) for k in names}
-    rings = {ring: _Rings(stages) for ring in V_RINGS}
+    rings = {ring: Rings(stages) for ring in V_RINGS}
 
     def sent(t: int, s: int, kind: str, chunk: int) -> int | None:  # the microbatch of stage s's op in slot t - 1, if `kind` of `chunk`
         op = table[t - 1][s] if t > 0 else None

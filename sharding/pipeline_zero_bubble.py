@@ -28,7 +28,7 @@ import numpy as np
 
 from sharding.pipeline import owning_backward
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_per_stage import _Rings, get, microbatches, over_stages, put, ring_zeros, run_slots, stage_mesh, stage_zeros
+from sharding.pipeline_slots import Rings, get, microbatches, number_op, over_stages, put, ring_zeros, run_slots, stage_mesh, stage_zeros
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan, balanced_zero_bubble
 from sharding.zero_bubble import Op, is_balanced, schedule_zero_bubble
@@ -65,7 +65,7 @@ def op_arrays(table: Sequence[Sequence[Op | None]], keep_residuals: bool) -> tup
     slots, stages, balanced = len(table), len(table[0]), is_balanced(table)
     names = ["kind", "microbatch", "taps_put_earlier"] + [f"{ring}_{way}" for ring in RINGS for way in ("put", "get")]
     out = {k: np.full((slots, stages), 0 if k in ("kind", "microbatch") else -1, np.int32) for k in names}
-    rings = {ring: _Rings(stages) for ring in RINGS}
+    rings = {ring: Rings(stages) for ring in RINGS}
     for t, row in enumerate(table):
         frees = []
         for s, op in enumerate(row):
@@ -88,20 +88,6 @@ def op_arrays(table: Sequence[Sequence[Op | None]], keep_residuals: bool) -> tup
         for ring, s, m in frees:  # free from the next slot on
             rings[ring].release(s, m)
     return out, {ring: rings[ring].depth for ring in RINGS}
-
-
-def number_op(out: dict[str, np.ndarray], rings: dict[str, _Rings], t: int, s: int, key, reads: list[tuple[str, bool]],
-              fills: list[str]) -> list[tuple[str, int, object]]:
-    """Stage s's op in slot t: the ring entries it `<ring>_get`s (those it reads last, returned
-    to be freed after the slot) and the ones it `<ring>_put`s, held under `key`."""
-    frees = []
-    for ring, last_use in reads:
-        out[f"{ring}_get"][t, s] = rings[ring].held[s][key]
-        if last_use:
-            frees.append((ring, s, key))
-    for ring in fills:
-        out[f"{ring}_put"][t, s] = rings[ring].take(s, key)
-    return frees
 
 
 def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, split_vjp: Callable, embed_fn: Callable,
