@@ -49,7 +49,8 @@ def main() -> None:
         measured = run[sweep][batch] if batch else run.get(name)
         if not measured or not measured.get("ok"):
             continue
-        config = load(str(ROOT / config_file), dict(f.removeprefix("--config.").split("=", 1) for f in flags))
+        # The runs so far (2026-11-26 / 27) ran the layers scanned, the recipes' way then.
+        config = load(str(ROOT / config_file), {"model.scan_layers": "True", **dict(f.removeprefix("--config.").split("=", 1) for f in flags)})
         program = setup(config, nominal_vocab_size(config.data), devices)
         import jax
         import numpy as np

@@ -519,7 +519,7 @@ def test_the_step_time_model_predicts_the_real_h100_run_from_a_deviceless_compil
     for case, remat in (("bf16_cudnn_b8", "full"), ("bf16_cudnn_b8_remat_dots", "dots")):
         config = load(str(ROOT / "configs" / "llama_1b.py"), {
             "precision.compute_dtype": "bfloat16", "model.attention": "cudnn", "train.batch_size": "8", "train.grad_accum": "1",
-            "model.remat": remat})
+            "model.remat": remat, "model.scan_layers": "True"})  # the layers scanned, as the kit ran them then
         text = compiled_train_step(setup(config, nominal_vocab_size(config.data), device)).as_text()
         predicted = steptime.predict(text, "h100").step_s
         assert abs(predicted / measured[case]["step_time_s"] - 1) < 0.10, (case, predicted, measured[case]["step_time_s"])
@@ -647,6 +647,38 @@ def test_fp8_weights_are_quantised_once_a_step_not_once_per_microbatch(monkeypat
     forward = per_microbatch["quantising"]["forward"] - once["quantising"]["forward"]
     assert forward == weights * layers * accum - weights, (once["quantising"], per_microbatch["quantising"])
     assert once["amax_reductions"]["backward"] < per_microbatch["amax_reductions"]["backward"]
+
+
+@pytest.mark.slow
+def test_bf16_weights_are_cast_once_a_step_not_once_per_microbatch(monkeypatch):
+    """With gradient accumulation in bf16 the step casts each block matmul's float32 weights
+    before the microbatch loop (`lm.model.cast_weights`): kernels writing a weight's bf16 copy
+    run once a step per weight, not per layer per microbatch (and again in remat's recomputed
+    forward). Counted on the compiled step of `llama_1b`'s shapes (2 layers, scanned, 2
+    microbatches of 8, remat `dots`). Negative control: casting inside the passes."""
+    from lm.compiler import kernels
+    from lm.program.steps import Program
+
+    layers, accum = 2, 2
+    weights = {(2048, 32, 64), (2048, 8, 64), (32, 64, 2048), (2048, 8192), (8192, 2048)}  # q; k and v; o; gate and up; down
+
+    def cast_runs():
+        c = recipe("llama_1b", model__num_layers=layers, model__scan_layers=True, train__batch_size=16, train__grad_accum=accum)
+        text = compiled_train_step(setup(c, 32768, targets.devices("h100", 1))).as_text()
+        runs = 0
+        for k in kernels.table(text):
+            m = re.match(r"\(?bf16\[([\d,]+)\]", k.shape)
+            dims = tuple(int(d) for d in m.group(1).split(",")) if m else ()
+            op_name = re.search(rf'%?{re.escape(k.name)} = [^\n]*op_name="([^"]*)"', text)
+            if dims[:1] in ((1,), (layers,)) and dims[1:] in weights and op_name and op_name.group(1).endswith("convert_element_type"):
+                runs += k.count  # one layer's weight or the stack's, cast to bf16
+        return runs
+
+    once = cast_runs()
+    monkeypatch.setattr(Program, "_weights_cast_once", lambda self: False)
+    per_microbatch = cast_runs()
+    assert 0 < once <= 7, once  # a run per weight stack: q, k, v, o, gate, up, down
+    assert per_microbatch >= 7 * layers * accum, per_microbatch
 
 
 def test_the_fp8_transpose_count_sees_a_transposed_fp8_operand():

@@ -308,3 +308,43 @@ def test_fp8_weights_quantised_once_a_step_train_bit_for_bit_as_per_microbatch(m
     for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_microbatch), strict=True):
         np.testing.assert_array_equal(a, b)
     assert once[0][0]["loss"] != once[0][-1]["loss"]  # it trained
+
+
+@pytest.mark.parametrize("mesh, overrides", [({}, {"model__scan_layers": True}), ({}, {"model__scan_layers": False}),
+                                             ({"fsdp": 2, "tensor": 2}, {"model__scan_layers": True}),
+                                             ({}, {"lora__rank": 4, "lora__targets": "all", "model__kv_lora_rank": 16, "model__q_lora_rank": 24,
+                                                   "model__qk_nope_head_dim": 16, "model__qk_rope_head_dim": 8, "model__v_head_dim": 12})],
+                         ids=["scanned", "unrolled", "fsdp2-tensor2", "lora-latent"])
+def test_weights_cast_once_a_step_train_bit_for_bit_as_per_microbatch(monkeypatch, mesh, overrides):
+    """With gradient accumulation in bf16 the block matmuls' weights are cast before the
+    microbatches (`lm.model.cast_weights`), once a step, their gradient the cast's: 3 steps'
+    losses, metrics, parameters and moments are bitwise those of each microbatch casting them
+    again (the negative control: the cast is made, and the program does run differently: it is
+    traced with the copies)."""
+    from conftest import small_config
+
+    from lm.model import cast_weights
+    from lm.program.steps import Program
+
+    def run(once):
+        c = small_config(mesh, precision__compute_dtype="bfloat16", train__grad_accum=2, **overrides)
+        program = setup(c, 256, jax.devices()[:max(1, int(np.prod(list(mesh.values()))))])
+        assert program._weights_cast_once()
+        with monkeypatch.context() as m:
+            if not once:
+                m.setattr(Program, "_weights_cast_once", lambda self: False)
+            made = []
+            m.setattr(cast_weights, "cast_once", lambda *a, f=cast_weights.cast_once: made.append(f(*a)) or made[-1])
+            rng, state, metrics = np.random.default_rng(0), program.init_state(0), []
+            for _ in range(3):
+                tokens = rng.integers(0, 256, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
+                state, step_metrics = program.train_step(state, program.global_batch(tokens))
+                metrics.append(step_metrics)
+            assert bool(made) == once and (not once or len(made[0]) >= 4)  # the attention's and the MLP's weights
+            return jax.device_get((metrics, state.params, state.opt_state))
+
+    once, per_microbatch = run(True), run(False)
+    assert jax.tree.structure(once) == jax.tree.structure(per_microbatch)
+    for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_microbatch), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert once[0][0]["loss"] != once[0][-1]["loss"]  # it trained

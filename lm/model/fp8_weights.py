@@ -9,7 +9,7 @@ e4m3 copy, the scale that copy was rounded under and the weight's statistics vec
 layer scans slice as they slice the weight, and `Policy.matmul` hands to
 `prequantised_site_matmul`: the same GEMMs on the same fp8 values as `site_matmul`, bit for bit,
 with the weight's gradient still the matmul's (`attach_weights` puts the differentiated weights
-back in each pass).
+back in each pass: `lm.model.cast_weights.attach_weights`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, traverse_util
+from flax import nnx
 
 from lm.model.fp8 import E4M3, MatmulSite, SiteMode, current_scale, quantize, site_backward, tensor_stats
 from lm.model.matmul import einsum
@@ -38,6 +38,9 @@ class QuantisedWeight:
         if index is not Ellipsis:
             raise TypeError("a QuantisedWeight is read whole (variable[...])")
         return self
+
+    def with_master(self, master) -> QuantisedWeight:
+        return QuantisedWeight(master, self.q, self.scale, self.stats)
 
     @property
     def shape(self):
@@ -107,12 +110,3 @@ def quantised_once(model, policy) -> dict:
         q, scale, stats = one(w, jnp.zeros(site.probe.shape[:-2], jnp.float32) if current else site.scale[...][..., 1])
         out[(*path[:-1], name)] = QuantisedWeight(w, q, scale, stats)
     return out
-
-
-def attach_weights(params: dict, quantised: dict) -> dict:
-    """`params` (a nested dict) with each weight of `quantised` (from `quantised_once`) as its
-    `QuantisedWeight`, the weight in `params` its master (differentiated, in a pass)."""
-    flat = traverse_util.flatten_dict(params)
-    for path, w in quantised.items():
-        flat[path] = QuantisedWeight(flat[path], w.q, w.scale, w.stats)
-    return traverse_util.unflatten_dict(flat)

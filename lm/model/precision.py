@@ -23,6 +23,7 @@ from lm.model.fp8 import (
     is_suspended,
     site_matmul,
 )
+from lm.model.cast_weights import CastWeight, compute_copy
 from lm.model.fp8_weights import QuantisedWeight, prequantised_site_matmul
 from lm.model.matmul import F32, has_batch_dims
 from lm.model.matmul import matmul as plain_matmul
@@ -88,7 +89,7 @@ class Policy:
         quantize = (self.fp8 is not None and site is not None and not is_suspended()
                     and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape)))
         prepared = w if isinstance(w, QuantisedWeight) and quantize else None  # quantised once a step (`lm.model.fp8_weights`)
-        w = w.master if isinstance(w, QuantisedWeight) else w
+        w = w.master if isinstance(w, QuantisedWeight) else compute_copy(w) if isinstance(w, CastWeight) else w
         if quantize and prepared is None and self.pin_weight_layouts and with_layout_constraint is not None:
             w = with_layout_constraint(w, Layout(tuple(range(w.ndim))))
         x, w = self.cast(x), self.cast(w)

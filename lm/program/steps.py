@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import sharding
 from lm.compiler import steptime, targets
-from lm.model import fp8_weights, lora, moe, multi_token
+from lm.model import cast_weights, fp8_weights, lora, moe, multi_token
 from lm.model.attention import check_cudnn
 from lm.model.cross_entropy import cross_entropy
 from lm.model.fp8 import Fp8Meta, update_fp8
@@ -211,6 +211,13 @@ class Program:
         slice the weights themselves)."""
         return self.config.train.grad_accum > 1 and self.policy.fp8 is not None and not self._pipelined_loss
 
+    def _weights_cast_once(self) -> bool:
+        """Whether the block matmuls' weights are cast to the compute dtype once a step, before
+        the microbatches (`lm.model.cast_weights`): as `_fp8_weights_once`, without fp8, where
+        the compute dtype is not the parameters'."""
+        return (self.config.train.grad_accum > 1 and self.policy.fp8 is None and not self._pipelined_loss
+                and self.policy.compute_dtype != self.policy.param_dtype)
+
     def _replica_grads(self, params, batch, fp8=None, loss_scale=1.0):
         """`_grads` on the rows given, accumulated over `train.grad_accum` microbatches
         (statistics: amaxes, the maximum). Each microbatch's loss is differentiated divided by
@@ -220,12 +227,16 @@ class Program:
         seed = loss_scale / accum
         trainable = self.abstract_model.trainable
         trained, frozen = trainable.split(params)  # the gradients are the trained part's only
-        quantised = fp8_weights.quantised_once(self.abstract_model.model(params, fp8), self.policy) if self._fp8_weights_once() else None
+        prepared = None  # the weights' copies for the step, made before the microbatches
+        if self._fp8_weights_once():
+            prepared = fp8_weights.quantised_once(self.abstract_model.model(params, fp8), self.policy)
+        elif self._weights_cast_once():
+            prepared = cast_weights.cast_once(self.abstract_model.model(params, fp8), self.policy)
 
         def scaled_loss(trained, probes, tokens):
             merged = trainable.merge(trained, frozen)
-            if quantised is not None:
-                merged = fp8_weights.attach_weights(merged, quantised)
+            if prepared is not None:
+                merged = cast_weights.attach_weights(merged, prepared)
             objective, losses = self._loss(merged, tokens, fp8, probes, seed)
             return objective * seed, jax.tree.map(lambda x: x / accum, losses)
 
