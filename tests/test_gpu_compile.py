@@ -630,7 +630,7 @@ def test_fp8_weights_are_quantised_once_a_step_not_once_per_microbatch(monkeypat
     """With gradient accumulation the step quantises each fp8 weight stack once, before the
     microbatch loop (one kernel a weight for all layers: `lm.model.fp8_weights`), and reduces
     its amaxes once; the activations are still quantised per microbatch. Counted on the compiled
-    step of `llama_1b`'s GEMM shapes (2 layers, 2 microbatches of 8; `fp8_sites=auto` runs 5
+    step of `llama_1b`'s GEMM shapes (2 layers scanned, 2 microbatches of 8; `fp8_sites=auto` runs 5
     weights a layer in fp8). Negative control: quantising inside the passes (as before) does it
     once per layer per microbatch."""
     from lm.program.steps import Program
@@ -638,7 +638,8 @@ def test_fp8_weights_are_quantised_once_a_step_not_once_per_microbatch(monkeypat
     layers, accum, weights = 2, 2, 5
 
     def count():
-        c = recipe("llama_1b", model__num_layers=layers, train__batch_size=16, train__grad_accum=accum, precision__fp8="delayed")
+        c = recipe("llama_1b", model__num_layers=layers, model__scan_layers=True, train__batch_size=16, train__grad_accum=accum,
+                   precision__fp8="delayed")
         return passes.count(compiled_train_step(setup(c, 32768, targets.devices("h100", 1))).as_text())
 
     once = count()
