@@ -3,7 +3,8 @@
 One vocabulary for the layer stack and the pipeline: `none` keeps every intermediate (no
 `jax.checkpoint`), `full` keeps only the inputs (and fp8 scales) and recomputes the rest, `dots` keeps matmul
 outputs and flash attention's (cuDNN's output and softmax statistics, which its backward
-needs), `dots_no_batch` keeps the outputs of matmuls without dot batch dimensions (the
+needs), `dots_and_inputs` keeps those and the matmuls' computed inputs (the norms' outputs, the rotated queries and keys, the MLP's product: tagged with
+`name_matmul_input`), so the backward recomputes nothing but the residual adds, `dots_no_batch` keeps the outputs of matmuls without dot batch dimensions (the
 projections, not attention's scores; attention is recomputed), `qkv_proj` keeps only the query / key / value projections
 (tagged with `name_qkv`; MaxText's choice for its large GPU recipes). Matmuls are `dot_general`s, or outputs tagged with
 `name_matmul`.
@@ -16,11 +17,12 @@ from collections.abc import Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-REMAT = ("none", "full", "dots", "dots_no_batch", "qkv_proj")
+REMAT = ("none", "full", "dots", "dots_and_inputs", "dots_no_batch", "qkv_proj")
 # Names for matmul outputs, so the `dots` policies find matmuls that JAX's own policies cannot see
 # (a matmul behind a custom VJP is no `dot_general` to `checkpoint_dots`).
 MATMUL, BATCHED_MATMUL = "matmul", "batched_matmul"  # without / with dot_general batch dims
 QKV = "qkv_proj"
+MATMUL_INPUT = "matmul_input"  # an input a matmul reads that a layer computed (a norm's output, rotated queries)
 # An fp8 site's scales under current scaling (a few floats, each from a whole tensor's amax): every
 # policy keeps them, so a recomputed forward quantises with them instead of reducing its tensors again.
 FP8_SCALES = "fp8_scales"
@@ -34,15 +36,17 @@ def _saves_flash_attention(prim, *_, **__) -> bool:
     return prim.name in FLASH_ATTENTION_FORWARD
 
 
+_DOTS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots,
+        jax.checkpoint_policies.save_only_these_names(MATMUL, BATCHED_MATMUL, FP8_SCALES),
+    ),
+    _saves_flash_attention,
+)
 _SAVEABLE = {
     "full": jax.checkpoint_policies.save_only_these_names(FP8_SCALES),  # nothing else
-    "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.save_from_both_policies(
-            jax.checkpoint_policies.checkpoint_dots,
-            jax.checkpoint_policies.save_only_these_names(MATMUL, BATCHED_MATMUL, FP8_SCALES),
-        ),
-        _saves_flash_attention,
-    ),
+    "dots": _DOTS,
+    "dots_and_inputs": jax.checkpoint_policies.save_from_both_policies(_DOTS, jax.checkpoint_policies.save_only_these_names(MATMUL_INPUT)),
     "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable, jax.checkpoint_policies.save_only_these_names(MATMUL, FP8_SCALES)
     ),
@@ -53,6 +57,11 @@ _SAVEABLE = {
 def name_matmul(y: jax.Array, batched: bool) -> jax.Array:
     """`y`, tagged as a matmul's output (batched: its dot has batch dimensions, as attention's)."""
     return checkpoint_name(y, BATCHED_MATMUL if batched else MATMUL)
+
+
+def name_matmul_input(y: jax.Array) -> jax.Array:
+    """`y`, tagged as a computed input of a matmul (what remat `dots_and_inputs` keeps beside `dots`)."""
+    return checkpoint_name(y, MATMUL_INPUT)
 
 
 def name_fp8_scales(scales: jax.Array) -> jax.Array:

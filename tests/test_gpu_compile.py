@@ -185,6 +185,25 @@ def test_remat_dots_keeps_flash_attention_so_its_forward_runs_once_a_layer(h100s
     assert all(calls["__cudnn$fmhaSoftmaxBackward"] == 2 for calls in forwards.values())
 
 
+def test_remat_dots_and_inputs_recomputes_no_norm_or_rotation_in_the_backward(h100s):
+    """`dots` recomputes each layer's norm outputs and rotated queries and keys in the backward:
+    kernels under `rematted_computation` writing activations (the negative control);
+    `dots_and_inputs` keeps them and the MLP's product, so no such kernel is left (bf16, two
+    layers unrolled, `{fsdp: 8}`)."""
+    from lm.compiler import kernels
+
+    def recomputed(remat):
+        c = small_config({"fsdp": 8}, model__remat=remat, model__scan_layers=False, precision__compute_dtype="bfloat16")
+        text = compiled(h100s, {"fsdp": 8}, model__remat=remat, model__scan_layers=False, precision__compute_dtype="bfloat16")
+        shapes = {k.name: k.shape for k in kernels.table(text)}
+        activation = f"[{c.train.batch_size // 8},{c.train.seq_len},"  # a device's rows: [batch, length, ...]
+        return [(shapes[m.group(1)], m.group(2)) for m in re.finditer(r'%?([\w.\-]+) = [^\n]*op_name="[^"]*rematted_computation/([^"]*)"', text)
+                if activation in shapes.get(m.group(1), "")]
+
+    dots, kept = recomputed("dots"), recomputed("dots_and_inputs")
+    assert len(dots) >= 2 * 2 and not kept, (dots, kept)  # per layer at least the rotated queries and keys
+
+
 def test_attention_falls_back_where_cudnn_cannot_take_the_call(h100s):
     mesh = jax.sharding.Mesh(np.asarray(h100s).reshape(8), ("data",))
     q = lambda dtype, k=64: jax.ShapeDtypeStruct((2, 16, 4, k), dtype)  # noqa: E731

@@ -22,7 +22,7 @@ from lm.model.config import ModelConfig
 from lm.model.precision import Policy
 from lm.model.rope import rope, rope_frequencies
 from sharding import constrain
-from sharding.remat import name_qkv
+from sharding.remat import name_matmul_input, name_qkv
 
 # The residual stream's logical axes (the embedded tokens', each block's input and output).
 STACK_AXES = ("layers", "unstaged_layers")  # the leading axis of stacked layers' weights: a batch axis of their matrices
@@ -84,11 +84,13 @@ class Norm(nnx.Module):
         x = x_btd.astype(jnp.float32)
         if self.cfg.norm == "layernorm":
             x = x - jnp.mean(x, axis=-1, keepdims=True)
+        # Only the output named (remat `dots_and_inputs` keeps it): naming the statistic too split
+        # the forward's one fused pass in two and made the backward slower (deviceless H100).
         y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.cfg.norm_eps)
         y = y * self.scale[...]
         if self.cfg.norm == "layernorm":
             y = y + self.bias[...]
-        return self.policy.cast(y)
+        return name_matmul_input(self.policy.cast(y))
 
 
 def head_norm(x_bthk: jax.Array, scale_k: jax.Array, eps: float) -> jax.Array:
@@ -162,7 +164,7 @@ class Attention(nnx.Module):
         if cfg.position == "rope":
             freq_k = rope_frequencies(cfg)
             rope_positions = jnp.arange(x_btd.shape[1])[None] if positions_bt is None else positions_bt
-            q, k = rope(q, rope_positions, freq_k), rope(k, rope_positions, freq_k)
+            q, k = name_matmul_input(rope(q, rope_positions, freq_k)), name_matmul_input(rope(k, rope_positions, freq_k))
         q = constrain(q, ("batch", "length", "heads", "head_dim"), "queries")
         if cache is None:
             # Queries stay split along the sequence (over `context`); keys and values are whole
@@ -220,7 +222,7 @@ class Mlp(nnx.Module):
             h = jax.nn.silu(gate) * h
         else:
             h = jax.nn.gelu(h)
-        h = constrain(self.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden")
+        h = name_matmul_input(constrain(self.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden"))
         y = lora.adapted(self, "down", self.policy.matmul("btf,fd->btd", h, self.w_out[...], site=self.w_out_site), h)
         if cfg.use_bias:
             y = add_bias(y, self.b_out[...])

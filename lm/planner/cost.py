@@ -89,14 +89,14 @@ class Cost(Memory):
         tokens = run.batch * run.seq_len / lay.gpus
         block, attention = self._forward_flops()
         qkv = 2 * m.num_layers * qkv_params(m)
-        recompute = {"none": 0.0, "dots": 0.0, "dots_no_batch": 0.0, "qkv_proj": block - qkv, "full": block}[lay.remat]
+        recompute = {"none": 0.0, "dots": 0.0, "dots_and_inputs": 0.0, "dots_no_batch": 0.0, "qkv_proj": block - qkv, "full": block}[lay.remat]
         recompute_attention = attention if lay.remat in ("full", "qkv_proj", "dots_no_batch") else 0.0
         if self._recomputes_ticks:  # each tick is recomputed whole in the backward
             recompute, recompute_attention = recompute + block, recompute_attention + attention
         # The experts' GEMMs cost `expert_work` times their active FLOPs (the busiest device's
         # share, or what the grouped matmul computes: `_expert_work`).
         experts = 2 * m.num_layers * run.expert_active_params * (self._expert_work() - 1)
-        recomputed_experts = experts if lay.remat != "none" and lay.remat != "dots" else 0.0
+        recomputed_experts = experts if lay.remat not in ("none", "dots", "dots_and_inputs") else 0.0
         return {
             "block": tokens * (3 * (block + experts) + recompute + recomputed_experts),
             "head": tokens * 6 * m.embed_dim * m.vocab_size,
