@@ -212,9 +212,7 @@ class Program:
         return self.config.train.grad_accum > 1 and self.policy.fp8 is not None and not self._pipelined_loss
 
     def _weights_cast_once(self) -> bool:
-        """Whether the block matmuls' weights are cast to the compute dtype once a step, before
-        the microbatches (`lm.model.cast_weights`): as `_fp8_weights_once`, without fp8, where
-        the compute dtype is not the parameters'."""
+        """As `_fp8_weights_once`, without fp8: the weights cast once a step (`lm.model.cast_weights`)."""
         return (self.config.train.grad_accum > 1 and self.policy.fp8 is None and not self._pipelined_loss
                 and self.policy.compute_dtype != self.policy.param_dtype)
 
@@ -227,11 +225,9 @@ class Program:
         seed = loss_scale / accum
         trainable = self.abstract_model.trainable
         trained, frozen = trainable.split(params)  # the gradients are the trained part's only
-        prepared = None  # the weights' copies for the step, made before the microbatches
-        if self._fp8_weights_once():
-            prepared = fp8_weights.quantised_once(self.abstract_model.model(params, fp8), self.policy)
-        elif self._weights_cast_once():
-            prepared = cast_weights.cast_once(self.abstract_model.model(params, fp8), self.policy)
+        # The weights' copies for the step, made before the microbatches (fp8, or the compute dtype).
+        prepare = fp8_weights.quantised_once if self._fp8_weights_once() else cast_weights.cast_once if self._weights_cast_once() else None
+        prepared = None if prepare is None else prepare(self.abstract_model.model(params, fp8), self.policy)
 
         def scaled_loss(trained, probes, tokens):
             merged = trainable.merge(trained, frozen)
