@@ -20,21 +20,27 @@ import jax
 from flax import nnx, traverse_util
 
 
-class CastWeight:
-    """A weight (`master`, differentiated) with its copy in the compute dtype for the step
-    (`cast`). Its arrays share the weight's leading layer axes, so layer scans slice it as they
-    slice the weight; `variable[...]` gives it back whole."""
+class StepWeight:
+    """A weight (`master`, differentiated) with copies of it made for the step, before the
+    microbatch loop (`copies`, by subclass). Its arrays share the weight's leading layer axes, so
+    layer scans slice it as they slice the weight; `variable[...]` gives it back whole. Each
+    subclass is a pytree: the master, then its copies."""
 
-    def __init__(self, master, cast):
-        self.master, self.cast = master, cast
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_pytree_node(cls, lambda w: ((w.master, *w.copies()), None), lambda _, leaves: cls(*leaves))
+
+    def copies(self) -> tuple:
+        raise NotImplementedError
 
     def __getitem__(self, index):
         if index is not Ellipsis:
-            raise TypeError("a CastWeight is read whole (variable[...])")
+            raise TypeError(f"a {type(self).__name__} is read whole (variable[...])")
         return self
 
-    def with_master(self, master) -> CastWeight:
-        return CastWeight(master, self.cast)
+    def with_master(self, master) -> StepWeight:
+        """The same copies around `master` (the differentiated weight of a pass)."""
+        return type(self)(master, *self.copies())
 
     @property
     def shape(self):
@@ -45,7 +51,14 @@ class CastWeight:
         return self.master.dtype
 
 
-jax.tree_util.register_pytree_node(CastWeight, lambda w: ((w.master, w.cast), None), lambda _, leaves: CastWeight(*leaves))
+class CastWeight(StepWeight):
+    """A weight with its copy in the compute dtype for the step (`cast`)."""
+
+    def __init__(self, master, cast):
+        self.master, self.cast = master, cast
+
+    def copies(self) -> tuple:
+        return (self.cast,)
 
 
 @jax.custom_vjp

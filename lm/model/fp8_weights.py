@@ -20,40 +20,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lm.model.cast_weights import StepWeight
 from lm.model.fp8 import E4M3, MatmulSite, SiteMode, current_scale, quantize, site_backward, tensor_stats
 from lm.model.matmul import einsum
 from sharding.remat import name_fp8_scales
 
 
-class QuantisedWeight:
-    """A weight with its fp8 copy for the step: `master` (differentiated), `q` (e4m3, `master`
-    in the compute dtype over `scale`), `scale` and `stats` (the weight role's statistics
-    vector). Its arrays share the weight's leading layer axes, so layer scans slice it as they
-    slice the weight; `variable[...]` gives it back whole."""
+class QuantisedWeight(StepWeight):
+    """A weight with its fp8 copy for the step: `q` (e4m3, `master` in the compute dtype over
+    `scale`), `scale` and `stats` (the weight role's statistics vector)."""
 
     def __init__(self, master, q, scale, stats):
         self.master, self.q, self.scale, self.stats = master, q, scale, stats
 
-    def __getitem__(self, index):
-        if index is not Ellipsis:
-            raise TypeError("a QuantisedWeight is read whole (variable[...])")
-        return self
-
-    def with_master(self, master) -> QuantisedWeight:
-        return QuantisedWeight(master, self.q, self.scale, self.stats)
-
-    @property
-    def shape(self):
-        return self.master.shape
-
-    @property
-    def dtype(self):
-        return self.master.dtype
-
-
-jax.tree_util.register_pytree_node(
-    QuantisedWeight, lambda w: ((w.master, w.q, w.scale, w.stats), None), lambda _, leaves: QuantisedWeight(*leaves)
-)
+    def copies(self) -> tuple:
+        return self.q, self.scale, self.stats
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
