@@ -139,7 +139,7 @@ def default_config() -> ml_collections.ConfigDict:
 
 def shape_fields(c: ml_collections.ConfigDict) -> dict:
     """The fields that decide parameter shapes: a checkpoint only resumes when they match."""
-    fields = {f"model.{k}": v for k, v in c.model.items() if k not in ("remat", "scan_layers", "attention")}
+    fields = {f"model.{k}": v for k, v in c.model.items() if k not in ("remat", "scan_layers", "attention", "loss_chunks")}
     fields["data.tokenizer"] = c.data.tokenizer
     if c.data.tokenizer == "bpe":
         fields["data.vocab_size"] = c.data.vocab_size

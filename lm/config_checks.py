@@ -41,7 +41,7 @@ _CHOICES = {
 
 _POSITIVE = (
     "model.num_layers", "model.embed_dim", "model.num_heads", "model.num_kv_heads", "model.mlp_dim",
-    "model.vocab_multiple", "model.expert_dispatch_chunks", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
+    "model.vocab_multiple", "model.expert_dispatch_chunks", "model.loss_chunks", "train.steps", "train.batch_size", "train.seq_len", "train.grad_accum",
     "train.log_every", "train.eval_every", "train.eval_batches", "train.max_consecutive_nonfinite", "train.spike_window", "train.spike_steps",
     "train.spike_max_rollbacks", "optim.muon_ns_steps", "eval.every_steps", "eval.batch_size", "pipeline.repeats", "checkpoint.every_steps",
     "checkpoint.keep", "data.vocab_size",
@@ -126,6 +126,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
         )
     if m.mtp_depth < 0 or m.mtp_loss_weight < 0:
         raise UserError(f"model.mtp_depth={m.mtp_depth} and model.mtp_loss_weight={m.mtp_loss_weight} must be >= 0")
+    if c.train.seq_len % m.loss_chunks:
+        raise UserError(f"model.loss_chunks={m.loss_chunks} does not divide train.seq_len={c.train.seq_len}")
+    if m.loss_chunks > 1 and m.mtp_depth and m.mtp_loss_weight:
+        raise UserError(f"model.loss_chunks={m.loss_chunks} with multi-token prediction (model.mtp_depth={m.mtp_depth}) is not "
+                        "supported yet; use model.loss_chunks=1")
     if problem := moe_problem(m, c.mesh.expert, c.mesh.stage, c.pipeline.repeats, c.pipeline.schedule):
         raise UserError(problem)
     width = (m.expert_mlp_dim or m.mlp_dim) // max(1, c.mesh.tensor)

@@ -31,8 +31,9 @@ def train_cli(capsys, *argv):
         (["--config.mesh.data=16"], ["needs 16 devices but 8 are available"]),
         (["--config.train.steps=abc"], ["not a valid int"]),
         (["--config.model.attention=cudnn"], ["model.attention=cudnn needs a GPU target (this program is for cpu)", "or xla"]),
+        (["--config.model.loss_chunks=3"], ["model.loss_chunks=3 does not divide train.seq_len=128"]),
     ],
-    ids=["unknown-key", "missing-data", "mesh-too-large", "bad-value", "cudnn-on-cpu"],
+    ids=["unknown-key", "missing-data", "mesh-too-large", "bad-value", "cudnn-on-cpu", "loss-chunks"],
 )
 def test_bad_input(tmp_path, capsys, extra, fragments):
     assert_one_line_error(train_cli(capsys, f"--workdir={tmp_path / 'run'}", *extra), *fragments)

@@ -199,3 +199,32 @@ def test_the_cross_entropys_backward_equals_autodiffs_of_optax():
     assert float(cross_entropy(logits, targets)) == pytest.approx(float(jnp.mean(reference(logits, targets))), rel=1e-6)
     others = jax.grad(lambda l: jnp.sum(token_cross_entropy(l, (targets + 1) % 40) * weights))(logits)
     assert float(jnp.max(jnp.abs(others - theirs))) > 0.1
+
+
+@pytest.mark.parametrize("chunks", [2, 4, 16])
+def test_the_chunked_loss_equals_the_plain_one_in_value_and_gradient(chunks):
+    """`chunked_cross_entropy` (`model.loss_chunks`): the head and loss a piece of the positions
+    at a time, each piece's gradients made in the forward, against the plain head and
+    `cross_entropy`, in float32 to 1e-6: the mean loss, the input's and the head weight's
+    gradients, with loss weights and padding ids past the used vocabulary; the backward scales
+    by the cotangent over the seed it was told (twice the seed: twice the gradients)."""
+    from lm.model.cross_entropy import chunked_cross_entropy, cross_entropy
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    x, w = jax.random.normal(k1, (2, 16, 8), jnp.float32), jax.random.normal(k2, (8, 48), jnp.float32)
+    targets, weights = jax.random.randint(k3, (2, 16), 0, 40), jax.random.uniform(k4, (2, 16))
+
+    def head(x, w):
+        logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
+        return jnp.where(jnp.arange(48) < 40, logits, jnp.finfo(jnp.float32).min)
+
+    seed = 0.25
+    for given in (targets, (targets, weights)):
+        plain, plain_grads = jax.value_and_grad(lambda x, w: cross_entropy(head(x, w), given) * seed, (0, 1))(x, w)  # noqa: B023
+        loss_fn = jax.jit(lambda x, w, g: chunked_cross_entropy(head, x, w, given, chunks, seed) * g)  # noqa: B023
+        for g in (seed, 2 * seed):
+            value, grads = jax.value_and_grad(loss_fn, (0, 1))(x, w, g)
+            assert float(value) == pytest.approx(float(plain) * g / seed, rel=1e-6)
+            for ours, theirs in zip(grads, plain_grads, strict=True):
+                np.testing.assert_allclose(ours, theirs * g / seed, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(theirs))))
+    assert float(chunked_cross_entropy(head, x, w, targets, chunks)) != pytest.approx(float(cross_entropy(head(x, w), (targets, weights))), rel=1e-3)

@@ -348,3 +348,33 @@ def test_weights_cast_once_a_step_train_bit_for_bit_as_per_microbatch(monkeypatc
     for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_microbatch), strict=True):
         np.testing.assert_array_equal(a, b)
     assert once[0][0]["loss"] != once[0][-1]["loss"]  # it trained
+
+
+@pytest.mark.parametrize("mesh, overrides", [({}, {"train__grad_accum": 2}), ({"fsdp": 2, "tensor": 2}, {}),
+                                             ({"stage": 2, "data": 2}, {"pipeline__schedule": "1f1b", "pipeline__microbatches": 2}),
+                                             ({}, {"precision__compute_dtype": "float16"})],
+                         ids=["accumulated", "fsdp2-tensor2", "1f1b-stage2-data2", "float16-loss-scaled"])
+def test_the_chunked_loss_trains_as_the_plain_one(mesh, overrides):
+    """`model.loss_chunks=4` against 1: three steps' losses equal in float32 (1e-6 relative) and
+    the parameters after them to 3e-5 (AdamW moves a weight whose gradient is near zero by up to
+    the learning rate on a last-bit difference, as the pipelines' tests allow); under float16
+    with dynamic loss scaling, within float16's rounding. The chunked head is given the backward's seed (the
+    loss scale over the microbatches) and the plain one its cotangent: the same gradients."""
+    from conftest import small_config
+
+    def run(chunks):
+        c = small_config(mesh, model__loss_chunks=chunks, **overrides)
+        program = setup(c, 256, jax.devices()[:max(1, int(np.prod(list(mesh.values()))))])
+        rng, state, losses = np.random.default_rng(0), program.init_state(0), []
+        for _ in range(3):
+            tokens = rng.integers(0, 256, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
+            state, metrics = program.train_step(state, program.global_batch(tokens))
+            losses.append(float(metrics["loss"]))
+        return losses, jax.device_get(state.params)
+
+    (chunked, params), (plain, plain_params) = run(4), run(1)
+    half = overrides.get("precision__compute_dtype") == "float16"
+    np.testing.assert_allclose(chunked, plain, rtol=1e-3 if half else 1e-6)
+    assert chunked[0] != chunked[-1]
+    for ours, theirs in zip(jax.tree.leaves(params), jax.tree.leaves(plain_params), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-3 if half else 3e-5)

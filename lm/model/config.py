@@ -98,6 +98,10 @@ class ModelConfig:
     # GPU where it applies, einsum on CPU) | cudnn | xla | einsum.
     remat: str = "none"
     scan_layers: bool = True
+    # > 1: the head and its loss run over this many pieces of each sequence, each piece's
+    # gradients made in its forward (lm.model.cross_entropy.chunked_cross_entropy): the float32
+    # [batch, length, vocabulary] logits never exist whole. The same loss and gradients.
+    loss_chunks: int = 1
     attention: str = "auto"
     real_vocab_size: int = 0  # ids from here to vocab_size are padding, never predicted; 0: none
     # LoRA adapters (lm.model.lora), from the `lora` group: rank 0 is none.

@@ -19,6 +19,7 @@ from lm.errors import UserError
 from lm.model import attention, lora, moe, multi_token
 from lm.model.block import Block
 from lm.model.config import ModelConfig, shortest_period
+from lm.model.cross_entropy import chunked_cross_entropy
 from lm.model.fp8 import Probe
 from lm.model.latent_attention import init_latent_cache
 from lm.model.layer_stack import StackRunner, layer_segments
@@ -96,6 +97,14 @@ class Transformer(nnx.Module):
         x = self._embed(tokens_bt, positions_bt)
         x, cache = self._layers(x, positions_bt, cache, cache_index, segments_bt)
         return self._head(self.final_norm(x), self._head_weight()), cache
+
+    def chunked_loss(self, targets_bt, seed, tokens_bt, segments_bt=None, positions_bt=None) -> jax.Array:
+        """The mean cross entropy of `cross_entropy(self(tokens_bt, ...)[0], targets_bt)` with the
+        head and loss run `model.loss_chunks` pieces at a time (`chunked_cross_entropy`: the
+        float32 logits never whole); `seed`: the cotangent the caller's backward starts from."""
+        positions_bt, segments_bt = placed_positions(positions_bt, segments_bt)
+        x, _ = self._layers(self._embed(tokens_bt, positions_bt), positions_bt, None, 0, segments_bt)
+        return chunked_cross_entropy(self._head, self.final_norm(x), self._head_weight(), targets_bt, self.cfg.loss_chunks, seed)
 
     def train_logits(self, tokens_bt, mtp_tokens_dbt, segments_bt=None, positions_bt=None) -> tuple[jax.Array, list[jax.Array]]:
         """(the model's float32 logits [b, t, v], each multi-token prediction depth's [b, t, v]):
@@ -176,6 +185,8 @@ class Transformer(nnx.Module):
         def head_loss(head_params, y_btd, targets_mb):  # and multi-token prediction: on the last stage
             norm, weight, mtp_params = head_params
             h = nnx.merge(norm_graph, norm)(y_btd)
+            if mtp_params is None and self.cfg.loss_chunks > 1:  # each microbatch's backward starts from loss_scale / microbatches
+                return chunked_cross_entropy(self._head, h, weight, targets_mb, self.cfg.loss_chunks, loss_scale / self.pipeline.microbatches)
             if mtp_params is None:
                 return loss_fn(self._head(h, weight), targets_mb)
             targets, mtp_tokens_dbt, mtp_targets_dbt, valid_dbt = targets_mb
