@@ -88,6 +88,8 @@ def cases(main: str) -> list[Case]:
         Case(f"fp8_{main}_b8", [*FP8, *attention(main), *b8, FULL], True),
         Case(f"bf16_{main}_b64", [*BF16, *attention(main), "--config.train.batch_size=64", FULL], True),
         Case(f"bf16_{main}_recipe", [*RECIPE, *attention(main)], True),  # the recipe's layout as it is
+        # Attention at head dim 128 (16 heads, 4 KV heads: the same width and FLOPs) against the recipe's 64.
+        Case(f"bf16_{main}_recipe_head_dim_128", [*RECIPE, *attention(main), "--config.model.num_heads=16", "--config.model.num_kv_heads=4"], True),
         Case(f"wide_bf16_{main}", [*BF16, *attention(main)], True, config=WIDE),
         Case(f"wide_fp8_{main}", [*FP8, *attention(main)], True, config=WIDE),
         *compare,

@@ -313,6 +313,23 @@ def test_the_losss_backward_writes_the_vocabulary_wide_cotangent_once_in_bf16(h1
     assert len(float32_vocab_passes(autodiffed)) == 2
 
 
+def test_the_chunked_loss_never_holds_the_float32_logits_whole(h100s):
+    """`model.loss_chunks=4`: no float32 array as large as the per-device logits [2 x 128 tokens,
+    vocabulary 640] (a vocabulary no other width shares) anywhere in the compiled step: the
+    largest vocabulary-wide one is the head weight's float32 gradient [embed 128, 640]; and less
+    temporary memory. The plain loss (the negative control) has them whole."""
+    import re
+
+    def largest_float32_vocab_array(text):  # elements of the largest f32 array whose last dimension is the vocabulary
+        return max((int(np.prod([int(d) for d in dims.split(",")])) for dims in re.findall(r"f32\[([0-9,]+)\]", text)
+                    if dims.split(",")[-1] == "640"), default=0)
+
+    plain, chunked = (compiled_train_step(setup(small_config({"fsdp": 8}, model__loss_chunks=chunks), 640, h100s)) for chunks in (1, 4))
+    assert largest_float32_vocab_array(plain.as_text()) >= 2 * 128 * 640
+    assert largest_float32_vocab_array(chunked.as_text()) == 128 * 640
+    assert chunked.memory_analysis().temp_size_in_bytes < plain.memory_analysis().temp_size_in_bytes
+
+
 def test_tensor_parallel_partial_sums_are_reduce_scattered_in_bf16(h100s):
     """Under tensor + sequence parallelism the row-parallel matmuls' partial sums (and the input
     gradients') are reduce-scattered in the compute dtype, as Megatron does; no activation-sized

@@ -201,9 +201,13 @@ class Memory:
 
     def _logits_bytes(self) -> float:
         """The float32 logits alive at once, split over `stage` x `tensor` (the vocabulary rule): a
-        microbatch's (every pipeline runs the head one microbatch at a time)."""
-        lay, vocab = self.parallelism, self.run.model.vocab_size
-        return self.local_tokens * vocab / (lay.stage * lay.tensor) * 4
+        microbatch's (every pipeline runs the head one microbatch at a time); in `model.loss_chunks`
+        pieces, one piece's beside the float32 head gradient the pieces add into."""
+        lay, m = self.parallelism, self.run.model
+        logits = self.local_tokens * m.vocab_size / (lay.stage * lay.tensor) * 4
+        if m.loss_chunks == 1:
+            return logits
+        return logits / m.loss_chunks + m.vocab_size * m.embed_dim / (lay.stage * lay.tensor) * 4
 
     def _weight_copies(self) -> float:
         """The blocks' weights in the compute dtype (every local shard cast), plus under FSDP a
