@@ -105,6 +105,9 @@ def predict(hlo: str, target: str, c: dict[str, float] | None = None) -> Predict
 # pass (read 2, write 1) and the copy in the other layout a backward GEMM takes (read 1, write 1).
 FP8_PASS_BYTES = 7
 FP8_PASS_LAUNCHES = 9  # three passes for each of x, w and g
+# An input another site quantises too (q / k / v, gate / up): XLA writes every site's fp8 copies of
+# it, both layouts, from one pass (seen in the compiled programs), so this site adds its writes alone.
+FP8_SHARED_INPUT_BYTES = 2
 
 
 def gemm_dims(spec: str, x_shape: tuple, w_shape: tuple) -> tuple[int, int, int]:
@@ -116,9 +119,10 @@ def gemm_dims(spec: str, x_shape: tuple, w_shape: tuple) -> tuple[int, int, int]
     return prod([a for a in xs if a not in ws]), prod([a for a in xs if a in ws and a not in out]), prod([a for a in ws if a not in xs])
 
 
-def fp8_site_seconds(m: int, k: int, n: int, dev: Device, c: dict[str, float]) -> tuple[float, float]:
+def fp8_site_seconds(m: int, k: int, n: int, dev: Device, c: dict[str, float], shared_input: bool = False) -> tuple[float, float]:
     """(bf16, fp8) seconds of one site's three GEMMs (forward, dx, dw) on one device, fp8 with
-    its extra passes over x [m, k], w [k, n] and g [m, n]."""
+    its extra passes over x [m, k], w [k, n] and g [m, n]; `shared_input`: x's passes are
+    another site's, this one adds its copies' writes."""
     memory = dev.bandwidth * c["memory"]
 
     def gemm(a, b, d, flops, efficiency, in_bytes):
@@ -126,7 +130,8 @@ def fp8_site_seconds(m: int, k: int, n: int, dev: Device, c: dict[str, float]) -
 
     shapes = ((m, k, n), (m, n, k), (k, m, n))
     bf16 = sum(gemm(*s, dev.bf16_flops, c["gemm"], 2) for s in shapes)
-    passes = FP8_PASS_BYTES * (m * k + k * n + m * n) / memory + FP8_PASS_LAUNCHES * c["overhead_s"]
+    x_bytes = FP8_SHARED_INPUT_BYTES if shared_input else FP8_PASS_BYTES
+    passes = (x_bytes * m * k + FP8_PASS_BYTES * (k * n + m * n)) / memory + FP8_PASS_LAUNCHES * c["overhead_s"]
     return bf16, sum(gemm(*s, dev.fp8_flops, c["gemm_fp8"], 1) for s in shapes) + passes
 
 
@@ -142,12 +147,13 @@ class Fp8SiteChoice:
     weight_split: int = 1
     decisions: dict = dataclasses.field(default_factory=dict)
 
-    def __call__(self, spec: str, x_shape: tuple, w_shape: tuple) -> bool:
+    def __call__(self, spec: str, x_shape: tuple, w_shape: tuple, shared_input: bool = False) -> bool:
         m, k, n = gemm_dims(spec, tuple(x_shape), tuple(w_shape))
         m = max(1, m // self.tokens_split)
         n = max(1, n // self.weight_split)
-        bf16, fp8 = fp8_site_seconds(m, k, n, device(self.target), constants())
-        self.decisions[f"{spec} {list(x_shape)} x {list(w_shape)}"] = {"fp8": fp8 < bf16, "bf16_s": bf16, "fp8_s": fp8, "mkn": [m, k, n]}
+        bf16, fp8 = fp8_site_seconds(m, k, n, device(self.target), constants(), shared_input)
+        site = f"{spec} {list(x_shape)} x {list(w_shape)}" + (" (input shared)" if shared_input else "")
+        self.decisions[site] = {"fp8": fp8 < bf16, "bf16_s": bf16, "fp8_s": fp8, "mkn": [m, k, n]}
         return fp8 < bf16
 
 

@@ -45,7 +45,7 @@ class Policy:
     observe: bool = False  # every site records OBSERVED_STATS for the numerics report (`lm.numerics`)
     # precision.fp8_sites=auto: (einsum, x shape, w shape) -> does fp8 pay at this site? Set by the
     # program for its GPU target (`lm.compiler.steptime.Fp8SiteChoice`); None: every site.
-    fp8_choice: Callable[[str, tuple, tuple], bool] | None = None
+    fp8_choice: Callable[[str, tuple, tuple, bool], bool] | None = None
     # An fp8 GEMM reads its weight with the contracted axes minor; left free, XLA gives the layer
     # loop the float32 weight stack in that layout (a transposed copy of every weight, each
     # step). Pinned to the stored layout, each weight is transposed as it is quantised. Set by the
@@ -79,15 +79,17 @@ class Policy:
         return self.fp8.layer_mask(num_layers) if self.fp8 else [False] * num_layers
 
     def matmul(self, spec: str, x: jax.Array, w: jax.Array, out_dtype=None, site: MatmulSite | None = None,
-               weight: bool = True) -> jax.Array:
+               weight: bool = True, shares_input: bool = False) -> jax.Array:
         """`einsum(spec, x, w)` on compute-dtype inputs, accumulated in float32 forward and
         backward; the result is in `out_dtype` (default: the compute dtype). At a `site`, in fp8
         when the policy says so (and no `fp8_suspended()` is in force). `weight`: whether w is a
         weight, whose gradient a split backward defers (`lm.model.split_backward`), or an
-        activation (attention's keys and values)."""
+        activation (attention's keys and values). `shares_input`: the site before this one read
+        the same x (k and v after q, gate after up), so x's fp8 passes are shared (the choice's
+        price)."""
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
         quantize = (self.fp8 is not None and site is not None and not is_suspended()
-                    and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape)))
+                    and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape, shares_input)))
         prepared = w if isinstance(w, QuantisedWeight) and quantize else None  # quantised once a step (`lm.model.fp8_weights`)
         w = w.master if isinstance(w, QuantisedWeight) else compute_copy(w) if isinstance(w, CastWeight) else w
         if quantize and prepared is None and self.pin_weight_layouts and with_layout_constraint is not None:
