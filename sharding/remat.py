@@ -3,8 +3,8 @@
 One vocabulary for the layer stack and the pipeline: `none` keeps every intermediate (no
 `jax.checkpoint`), `full` keeps only the inputs (and fp8 scales) and recomputes the rest, `dots` keeps matmul
 outputs and flash attention's (cuDNN's output and softmax statistics, which its backward
-needs), `dots_and_inputs` keeps those and the matmuls' computed inputs (the norms' outputs, the rotated queries and keys, the MLP's product: tagged with
-`name_matmul_input`), so the backward recomputes nothing but the residual adds, `dots_no_batch` keeps the outputs of matmuls without dot batch dimensions (the
+needs), `dots_and_inputs` keeps those and the matmuls' computed inputs whose recompute costs passes of its own (the norms' outputs, the rotated queries
+and keys: tagged with `name_matmul_input`; not the MLP's product, which the backward remakes inside the pass that reads gate and up anyway), `dots_no_batch` keeps the outputs of matmuls without dot batch dimensions (the
 projections, not attention's scores; attention is recomputed), `qkv_proj` keeps only the query / key / value projections
 (tagged with `name_qkv`; MaxText's choice for its large GPU recipes). Matmuls are `dot_general`s, or outputs tagged with
 `name_matmul`.

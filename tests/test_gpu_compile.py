@@ -188,8 +188,9 @@ def test_remat_dots_keeps_flash_attention_so_its_forward_runs_once_a_layer(h100s
 def test_remat_dots_and_inputs_recomputes_no_norm_or_rotation_in_the_backward(h100s):
     """`dots` recomputes each layer's norm outputs and rotated queries and keys in the backward:
     kernels under `rematted_computation` writing activations (the negative control);
-    `dots_and_inputs` keeps them and the MLP's product, so no such kernel is left (bf16, two
-    layers unrolled, `{fsdp: 8}`)."""
+    `dots_and_inputs` keeps them, so no such kernel is left (the MLP's product, which it does not
+    keep, is remade inside the backward's pass over gate and up; bf16, two layers unrolled,
+    `{fsdp: 8}`)."""
     from lm.compiler import kernels
 
     def recomputed(remat):

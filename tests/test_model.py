@@ -72,7 +72,7 @@ def test_remat_policies_keep_what_they_say():
         return jax.jit(jax.grad(loss)).lower(params, tokens(b=8, t=32)).compile().memory_analysis().temp_size_in_bytes
 
     none, inputs, dots, qkv, full = (temp_bytes(r) for r in ("none", "dots_and_inputs", "dots", "qkv_proj", "full"))
-    assert none > inputs > dots > qkv > full  # dots_and_inputs: the norms' outputs, rotated q / k, the MLP's product too
+    assert none > inputs > dots > qkv > full  # dots_and_inputs: the norms' outputs, rotated q / k, not the MLP's product
 
 
 def test_remat_dots_and_inputs_gives_the_gradients_dots_gives():

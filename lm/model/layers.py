@@ -223,7 +223,7 @@ class Mlp(nnx.Module):
             h = jax.nn.silu(gate) * h
         else:
             h = jax.nn.gelu(h)
-        h = name_matmul_input(constrain(self.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden"))
+        h = constrain(self.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden")
         y = lora.adapted(self, "down", self.policy.matmul("btf,fd->btd", h, self.w_out[...], site=self.w_out_site), h)
         if cfg.use_bias:
             y = add_bias(y, self.b_out[...])

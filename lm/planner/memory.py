@@ -140,9 +140,9 @@ class Memory:
             "dots_no_batch": matmul_outputs,
             # Attention's output too: einsum attention's matmuls, or flash attention's results by name.
             "dots": matmul_outputs + q * e + (scores if cpu else statistics),
-            # And the matmuls' computed inputs: both norms' outputs and the MLP's product (the
-            # rotated queries and keys replace the projections).
-            "dots_and_inputs": matmul_outputs + q * e + (scores if cpu else statistics) + 2 * d * e / sp + f * e,
+            # And the matmuls' computed inputs: both norms' outputs (the rotated queries and keys
+            # replace the projections).
+            "dots_and_inputs": matmul_outputs + q * e + (scores if cpu else statistics) + 2 * d * e / sp,
             # Both norms' float32 input, normalised and scaled copies and their output; queries,
             # keys, values and the attention output; the MLP's projections, activation internals
             # and product.
