@@ -92,7 +92,7 @@ def chunked_cross_entropy(head: Callable, x_btd: jax.Array, w: jax.Array, target
     the cotangent the caller will start from (a float16 loss scale must reach the logits'
     gradients while they are made). `head(x, w)`: float32 logits of the compute-dtype `x`."""
     targets_bt, weights_bt = _targets_and_weights(targets_bt)
-    b, t, d = x_btd.shape
+    b, t = x_btd.shape[:2]
     count = b * t
 
     def pieces(a):  # [b, t, ...] -> [c, b, t / c, ...]
