@@ -98,13 +98,20 @@ class Transformer(nnx.Module):
         x, cache = self._layers(x, positions_bt, cache, cache_index, segments_bt)
         return self._head(self.final_norm(x), self._head_weight()), cache
 
-    def chunked_loss(self, targets_bt, seed, tokens_bt, segments_bt=None, positions_bt=None) -> jax.Array:
-        """The mean cross entropy of `cross_entropy(self(tokens_bt, ...)[0], targets_bt)` with the
-        head and loss run `model.loss_chunks` pieces at a time (`chunked_cross_entropy`: the
-        float32 logits never whole); `seed`: the cotangent the caller's backward starts from."""
+    def train_loss(self, loss_fn, targets_bt, seed, tokens_bt, segments_bt=None, positions_bt=None) -> jax.Array:
+        """`loss_fn(self(tokens_bt, ...)[0], targets_bt)` through `_head_loss`; `seed`: the
+        cotangent the caller's backward starts from."""
         positions_bt, segments_bt = placed_positions(positions_bt, segments_bt)
         x, _ = self._layers(self._embed(tokens_bt, positions_bt), positions_bt, None, 0, segments_bt)
-        return chunked_cross_entropy(self._head, self.final_norm(x), self._head_weight(), targets_bt, self.cfg.loss_chunks, seed)
+        return self._head_loss(loss_fn, self.final_norm(x), self._head_weight(), targets_bt, seed)
+
+    def _head_loss(self, loss_fn, normed_btd, head_weight, targets_bt, seed) -> jax.Array:
+        """`loss_fn` (the mean cross entropy) of the head's logits; with `model.loss_chunks` > 1 the
+        head and cross entropy a piece of each sequence at a time (`chunked_cross_entropy`: the
+        float32 logits never whole), its backward told it starts from `seed`."""
+        if self.cfg.loss_chunks > 1:
+            return chunked_cross_entropy(self._head, normed_btd, head_weight, targets_bt, self.cfg.loss_chunks, seed)
+        return loss_fn(self._head(normed_btd, head_weight), targets_bt)
 
     def train_logits(self, tokens_bt, mtp_tokens_dbt, segments_bt=None, positions_bt=None) -> tuple[jax.Array, list[jax.Array]]:
         """(the model's float32 logits [b, t, v], each multi-token prediction depth's [b, t, v]):
@@ -185,10 +192,8 @@ class Transformer(nnx.Module):
         def head_loss(head_params, y_btd, targets_mb):  # and multi-token prediction: on the last stage
             norm, weight, mtp_params = head_params
             h = nnx.merge(norm_graph, norm)(y_btd)
-            if mtp_params is None and self.cfg.loss_chunks > 1:  # each microbatch's backward starts from loss_scale / microbatches
-                return chunked_cross_entropy(self._head, h, weight, targets_mb, self.cfg.loss_chunks, loss_scale / self.pipeline.microbatches)
-            if mtp_params is None:
-                return loss_fn(self._head(h, weight), targets_mb)
+            if mtp_params is None:  # each microbatch's backward starts from loss_scale / microbatches
+                return self._head_loss(loss_fn, h, weight, targets_mb, loss_scale / self.pipeline.microbatches)
             targets, mtp_tokens_dbt, mtp_targets_dbt, valid_dbt = targets_mb
             modules, statistics, mtp_tables = mtp_params
             mtp_logits = self._mtp_logits(h, (mtp_graph, modules, statistics.probes), mtp_tables, weight, mtp_tokens_dbt, rows(y_btd), None)

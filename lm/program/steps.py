@@ -171,11 +171,7 @@ class Program:
             return (loss, {"loss": loss}) if ahead is None else (loss[0], {"loss": loss[1], "mtp_loss": loss[2]})
         with moe.loss_seed(loss_scale):
             if ahead is None:
-                if self.model_cfg.loss_chunks > 1:
-                    loss = model.chunked_loss(targets_bt, loss_scale, **inputs)
-                else:
-                    logits, _ = model(**inputs)
-                    loss = cross_entropy(logits, targets_bt)
+                loss = model.train_loss(cross_entropy, targets_bt, loss_scale, **inputs)
                 return loss, {"loss": loss}
             mtp_tokens_dbt, mtp_targets_dbt, valid_dbt = ahead
             logits, mtp_logits = model.train_logits(mtp_tokens_dbt=mtp_tokens_dbt, **inputs)
