@@ -50,23 +50,31 @@ def calibration() -> dict:
     return json.loads(data_file("calibration.json").read_text())
 
 
-def compiler_key() -> str:
-    """Which XLA memory coefficients are fitted on: jax's minor version (`jax0.12`). XLA's memory
-    use moves between releases (jax 0.12's per-stage 1F1B temporaries: 37% below 0.10's)."""
-    major, minor = importlib.metadata.version("jax").split(".")[:2]
+def compiler_key(jax_version: str | None = None) -> str:
+    """Which XLA memory coefficients are fitted on: jax's minor version (`jax0.12`), of
+    `jax_version` or else of the installed jax. XLA's memory use moves between releases (jax
+    0.12's per-stage 1F1B temporaries: 37% below 0.10's)."""
+    major, minor = (jax_version or installed_jax()).split(".")[:2]
     return f"jax{major}.{minor}"
 
 
-def memory_coefficients(constants: dict, platform: str) -> dict:
-    """`platform`'s temporaries coefficients fitted on this jax's XLA, else on the nearest
-    release fitted."""
+@functools.cache
+def installed_jax() -> str:
+    """jax's version, read once: its metadata takes milliseconds to parse, and the planner asks
+    for each of the up to 100,000 layouts it prices (most of `lm.plan --gpus=512`'s time)."""
+    return importlib.metadata.version("jax")
+
+
+def memory_coefficients(constants: dict, platform: str, jax_version: str | None = None) -> dict:
+    """`platform`'s temporaries coefficients fitted on this jax's XLA (or `jax_version`'s), else
+    on the nearest release fitted."""
     fitted = constants["memory"][platform]
 
     def release(key: str) -> tuple[int, int]:
         major, minor = key.removeprefix("jax").split(".")
         return int(major), int(minor)
 
-    here = release(compiler_key())
+    here = release(compiler_key(jax_version))
     return fitted[min(fitted, key=lambda key: (abs(release(key)[0] - here[0]), abs(release(key)[1] - here[1])))]
 
 
