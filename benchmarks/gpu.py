@@ -212,14 +212,14 @@ def run_bench(config: str, overrides: list[str], steps: int, timeout: float, hlo
     return {"ok": False, "wall_s": wall, "out_of_memory": out_of_memory, "error": (errors or done.stderr.splitlines() or ["?"])[-1][-600:]}
 
 
-def grouped_gemm_results(shape: str, timeout: float) -> dict:
+def grouped_gemm_results(shape: str, reps: int, timeout: float) -> dict:
     """benchmarks/grouped_gemm.py at `shape` (a name or rows,experts,d,f) in its own process (the
     GPU left to it), and on GPUs once more with cuDNN's grouped GEMM behind `ragged_dot`."""
     named = ["--shape=" + shape] if "," not in shape else [f"--{k}={v}" for k, v in zip(("rows", "experts", "d", "f"), shape.split(","))]
     results = {}
     variants = {"": []} | ({"cudnn_fusion": ["--implementations=xla", "--xla_ragged_dot_fusion"]} if _on_gpu() else {})
     for variant, extra in variants.items():
-        command = [sys.executable, str(ROOT / "benchmarks" / "grouped_gemm.py"), *named, *extra]
+        command = [sys.executable, str(ROOT / "benchmarks" / "grouped_gemm.py"), *named, f"--reps={reps}", *extra]
         try:
             done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=CHILD_ENV)
             lines = done.stdout.strip().splitlines()
@@ -281,6 +281,8 @@ def main() -> None:
     parser.add_argument("--grouped_gemm", default="mixtral;qwen3_30b_a3b",
                         help="';'-separated shapes of the grouped GEMM benchmark (benchmarks/grouped_gemm.py): names or "
                              "rows,experts,d,f; empty: skip it")
+    parser.add_argument("--grouped_gemm_reps", type=int, default=10,
+                        help="calls per timed round of the grouped GEMMs (1 for a rehearsal: Pallas' CPU interpreter is slow)")
     parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all), e.g. for a rehearsal")
     args = parser.parse_args()
     chosen = cases(args.attention)
@@ -305,7 +307,7 @@ def main() -> None:
     save("device", device_info(out))
     save("matmul_peak_flops", matmul_peaks(args.matmul_size))
     for shape in filter(None, args.grouped_gemm.split(";")):  # MoE's grouped GEMMs against a dense GEMM of the same work
-        save(f"grouped_gemm_{shape.replace(',', 'x')}", grouped_gemm_results(shape, args.case_timeout_s))
+        save(f"grouped_gemm_{shape.replace(',', 'x')}", grouped_gemm_results(shape, args.grouped_gemm_reps, args.case_timeout_s))
     hlo_root = out / "hlo"  # each case's optimised train step, beside gpu.json
     for case in chosen:
         if time.perf_counter() - began > args.budget_s:

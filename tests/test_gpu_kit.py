@@ -16,7 +16,8 @@ from lm.planner import search as plan
 @pytest.mark.slow
 def test_the_gpu_kit_runs_end_to_end_and_writes_its_json(tmp_path):
     result = run_module("benchmarks.gpu", "--config=configs/tiny.py", f"--out={tmp_path}", "--steps=2", "--matmul_size=128",
-                        "--cases=bf16_cudnn_b8,bf16_xla_b8", "--max_batch=16", "--grouped_gemm=256,4,128,128", timeout=900,
+                        "--cases=bf16_cudnn_b8,bf16_xla_b8", "--max_batch=16", "--grouped_gemm=256,4,128,128",
+                        "--grouped_gemm_reps=1", timeout=900,
                         env_extra={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla_cache")})  # not the kit's /tmp default
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
