@@ -80,6 +80,7 @@ def model_gemms(text: str) -> list[hlo.Gemm]:
     return [g for g in hlo.gemms(text) if BLOCK_SPEC.search(g.op_name)]
 
 
+@pytest.mark.slow
 def test_bf16_matmuls_are_bf16_gemms_accumulating_in_float32(h100s):
     gemms = model_gemms(compiled(h100s, {"fsdp": 8}))
     # Every model matmul is a GEMM (XLA may merge the q, k and v projections into one, named for
@@ -174,6 +175,7 @@ def test_latent_attention_runs_cudnn_inside_a_pipelines_vmap_over_stages(h100s):
     assert re.search(r"= \(bf16\[\d+,4,\d+,16\]", forward)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
 def test_remat_dots_keeps_flash_attention_so_its_forward_runs_once_a_layer(h100s):
     """cuDNN attention is no dot_general: `dots` saves its results by name, so the backward does
@@ -331,6 +333,7 @@ def test_the_chunked_loss_never_holds_the_float32_logits_whole(h100s):
     assert chunked.memory_analysis().temp_size_in_bytes < plain.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_tensor_parallel_partial_sums_are_reduce_scattered_in_bf16(h100s):
     """Under tensor + sequence parallelism the row-parallel matmuls' partial sums (and the input
     gradients') are reduce-scattered in the compute dtype, as Megatron does; no activation-sized
@@ -361,6 +364,7 @@ def test_gpu_compiles_get_meshlm_compiler_options(h100s):
     assert targets.compiler_options(jax.devices("cpu")[0]) == {}
 
 
+@pytest.mark.slow
 def test_compile_only_programs_take_their_kernels_from_xlas_kernel_cache(h100s):
     """XLA rewrites the cache file only when it compiled a kernel the file lacked: the same program
     compiled again leaves it untouched. (The first recompile still adds a kernel or two: XLA's
@@ -415,6 +419,7 @@ def test_overlap_counts_the_collectives_with_a_gemm_between_start_and_done():
     assert hlo.overlapped_collectives(SCHEDULED) == {"all-gather": 1}
 
 
+@pytest.mark.slow
 def test_a_step_near_the_memory_limit_keeps_its_collectives_beside_compute(monkeypatch):
     """XLA:GPU schedules for 80% of the device unless told otherwise: the train step of MaxText's
     llama_70b layout on 128 H100s needs 70 GiB, more than that, and left most of its all-gathers
@@ -484,6 +489,7 @@ def test_no_involuntary_full_rematerialization(h100s, capfd):
     assert "Involuntary full rematerialization" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_document_masking_context_parallelism_and_sliding_windows_compile_for_h100s(h100s):
     """Packed documents and context parallelism's reordered sequence reach cuDNN's attention as a
     mask (a bias); a sliding window stays on cuDNN's own causal mask."""
@@ -543,6 +549,7 @@ def test_1f1b_temporaries_stay_flat_in_the_microbatches_on_h100s(h100s):
     assert max(per_stage) <= 1.1 * min(per_stage)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cudnn_available(), reason="cuDNN is not installed next to the compiler (make gpu-compiler)")
 def test_the_step_time_model_predicts_the_real_h100_run_from_a_deviceless_compile():
     """`llama_1b` bf16 on one H100 as the GPU run kit ran it (batch 8, remat `full` and `dots`),
@@ -562,6 +569,7 @@ def test_the_step_time_model_predicts_the_real_h100_run_from_a_deviceless_compil
         assert abs(predicted / measured[case]["step_time_s"] - 1) < 0.10, (case, predicted, measured[case]["step_time_s"])
 
 
+@pytest.mark.slow
 def test_fp8_sites_auto_runs_fp8_only_where_the_step_time_model_says_it_pays():
     """precision.fp8_sites=auto (the default) on an H100 target: a model of width 128 loses at
     every site (its GEMMs are too small for fp8's extra passes), so no GEMM takes fp8 operands;

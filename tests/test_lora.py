@@ -110,6 +110,7 @@ def test_lora_dropout_drops_the_same_values_on_any_mesh_and_microbatching():
 MOE = dict(model__num_experts=4, model__experts_per_token=2, model__expert_mlp_dim=64, lora__rank=4, lora__targets="all")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factor", [0.0, 2.0], ids=["dropless", "capacity"])
 def test_expert_adapters_train_alone_and_split_over_experts_as_on_one_device(factor):
     """`lora.targets=experts`: every expert's gate / up (one A for both) and down adapted, dropless

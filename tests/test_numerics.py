@@ -178,6 +178,7 @@ def test_report_fractions_are_exact_on_crafted_values():
     assert advice(rows, underflow_limit=0.01, overflow_limit=1e-4) == {"fp8": [1, 2], "float16": [2, 3]}
 
 
+@pytest.mark.slow
 def test_numerics_report_writes_json_and_heat_map(tmp_path, small_corpus):
     # A float32 run, reported on as float16 + fp8: its parameters and optimizer state carry over.
     train(fast_config(small_corpus, train__steps=2), tmp_path, jax.devices()[:1])
