@@ -56,11 +56,16 @@ def shakespeare() -> Path:
     return SHAKESPEARE
 
 
-def run_module(*args: str, env_extra: dict | None = None, timeout: int = 600, optimized: bool = False) -> subprocess.CompletedProcess:
-    """`python -m ARGS` from the repo root on one CPU device, output captured; compiled at -O0
-    unless `optimized`."""
+def command_env(optimized: bool = False) -> dict:
+    """The environment of a command a test runs: one CPU device (`lm.launch` sets its processes'
+    count), compiled at -O0 unless `optimized`."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MESHLM_GPU_COMPILER", "PJRT_NPROC")}
-    env.update({} if optimized else {"XLA_FLAGS": UNOPTIMIZED}, **(env_extra or {}))
+    return env | ({} if optimized else {"XLA_FLAGS": UNOPTIMIZED})
+
+
+def run_module(*args: str, env_extra: dict | None = None, timeout: int = 600, optimized: bool = False) -> subprocess.CompletedProcess:
+    """`python -m ARGS` from the repo root with `command_env`, output captured."""
+    env = command_env(optimized) | (env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

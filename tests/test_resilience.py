@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 from by_hand import CLI_FAST, two_processes
-from conftest import ROOT, UNOPTIMIZED, fast_config, losses, metrics_rows, run_module
+from conftest import ROOT, command_env, fast_config, losses, metrics_rows, run_module
 from netns import two_hosts
 
 from lm.program.checkpoint import Checkpointer, CheckpointNotWritten
@@ -73,7 +73,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores_on_other_meshes(t
 @pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_exits_0_and_resumes(tmp_path, small_corpus):
     workdir = tmp_path / "run"
-    env = {**os.environ, "XLA_FLAGS": UNOPTIMIZED}  # compiled at -O0; one CPU device (the launcher sets its own count)
+    env = command_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "lm.train", *cli_args(small_corpus, workdir, "--config.train.steps=10000")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -426,7 +426,7 @@ def test_a_run_killed_with_its_launcher_restarts_at_once(tmp_path, small_corpus)
     work = tmp_path / "run"
     launch = [sys.executable, "-m", "lm.launch", "--processes=2", "--devices_per_process=4", "--", sys.executable, "-m", "lm.train",
               *cli_args(small_corpus, work, "--config.train.steps=12", "--config.mesh.data=2", "--config.mesh.fsdp=4", "--config.checkpoint.every_steps=5")]
-    env = {**os.environ, "XLA_FLAGS": UNOPTIMIZED}  # compiled at -O0; one CPU device (the launcher sets its own count)
+    env = command_env()
     zombies = []
     try:
         with open(tmp_path / "first.log", "wb") as log:
