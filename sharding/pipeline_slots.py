@@ -1,7 +1,8 @@
 """What the per-stage pipeline programs (`sharding.pipeline_per_stage`: 1F1B,
 `sharding.pipeline_zero_bubble`: ZB-H1, `sharding.pipeline_zbv`: ZB-V) share: their rings of
 per-microbatch arrays, numbered ahead of time from a table (`Rings`, `number_op`) and read and
-written in place (`get`, `put`); their set-up (`stage_mesh`, `over_stages`, `microbatches`,
+written in place (`get`, `put`); a split backward's gradients into the stage's sums
+(`into_sums`, `halves_make`); their set-up (`stage_mesh`, `over_stages`, `microbatches`,
 `stage_zeros`, `ring_zeros`); and the loop over the table's slots with the pipeline's ends around
 each (`run_slots`).
 """
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from sharding.conditions import known_share
 from sharding.constraints import active_mesh, constrain, constrain_leading, manual_axes
+from sharding.dependence import depends_on_arguments
 from sharding.mesh import ShardingError
 from sharding.pipeline import end_add, end_zeros, loss_cotangent, microbatch, split_microbatches, with_ends, zero_loss
 from sharding.schedules import PipelinePlan, check
@@ -72,6 +74,38 @@ def put(ring, slot, x):
 
 def get(ring, slot):
     return jax.tree.map(lambda r: r[jnp.maximum(slot, 0)], ring)
+
+
+def into_sums(sums, dparams, made, rows: tuple[int, int] | None = None):
+    """Half of a split backward's gradients and probes' statistics (`dparams`) into a stage's
+    sums (float32 gradients, statistics' maxima), in place: all its layers, or `rows` (the first,
+    how many). Only the gradients that half makes (`made`, per leaf: B's depend on the
+    cotangent, W's on the taps, `sharding.dependence`): the other half's are zeros, and adding
+    them would be a pass over the float32 sums (B's over every matmul weight's). Every statistic
+    goes into its maximum (zero is no maximum's neutral element)."""
+
+    def into(combine):
+        def one(total, d, made=True):  # (statistics: every one)
+            if not made:
+                return total
+            if rows is None:
+                return combine(total, d.astype(jnp.float32))
+            part = jax.lax.dynamic_slice_in_dim(total, rows[0], rows[1])
+            return jax.lax.dynamic_update_slice_in_dim(total, combine(part, d.astype(jnp.float32)), rows[0], 0)
+        return one
+
+    dchunk, dprobes = dparams
+    return jax.tree.map(into(jnp.add), sums[0], dchunk, made), sums[1] if dprobes is None else jax.tree.map(into(jnp.maximum), sums[1], dprobes)
+
+
+def halves_make(split: Callable, x, taps_ring) -> tuple:
+    """Which of a piece's parameters' gradients its B and its W make (`into_sums`'s `made`):
+    `split(x)` is the piece's `split_vjp` at input `x`, `taps_ring` the ring of its taps (each
+    entry what W takes)."""
+    like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    entry = jax.tree.map(lambda r: jax.ShapeDtypeStruct(r.shape[1:], r.dtype), taps_ring)
+    return (depends_on_arguments(lambda dy: split(x)[1](dy)[0][0], like),
+            depends_on_arguments(lambda taps: split(x)[2](taps)[0], entry))
 
 
 def stage_mesh(plan: PipelinePlan, params) -> dict:

@@ -17,7 +17,8 @@ from sharding.constraints import constrain
 from sharding.mesh import ShardingError
 from sharding.pipeline import owning_backward
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_slots import Rings, get, microbatches, number_op, over_stages, put, ring_zeros, run_slots, stage_mesh, stage_zeros
+from sharding.pipeline_slots import (Rings, get, halves_make, into_sums, microbatches, number_op, over_stages, put, ring_zeros, run_slots,
+                                     stage_mesh, stage_zeros)
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan
 from sharding.zero_bubble import Op, schedule_zbv, v_chunks
@@ -134,12 +135,9 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
             waiting = get(c["inbox"], row["inbox_get"])
             return jnp.where(first, embedded, waiting) if v == 0 else waiting
 
-        def added(sums, v, dparams):  # chunk v's gradients into its rows of the stage's sums, its probes' statistics into their maxima
-            def into(combine):
-                return lambda total, d: jax.lax.dynamic_update_slice_in_dim(
-                    total, combine(jax.lax.dynamic_slice_in_dim(total, v * per_chunk, per_chunk), d.astype(jnp.float32)), v * per_chunk, 0)
-            dchunk, dprobes = dparams
-            return jax.tree.map(into(jnp.add), sums[0], dchunk), sums[1] if dprobes is None else jax.tree.map(into(jnp.maximum), sums[1], dprobes)
+        # Which gradients each chunk's B and W make; B's and W's added into the chunk's rows.
+        b_makes, w_makes = zip(*[halves_make(lambda x: split(v, own, x, stage), embedded, c["taps"]) for v in range(2)])  # noqa: B023
+        added = lambda sums, v, dparams, made: into_sums(sums, dparams, made, (v * per_chunk, per_chunk))  # noqa: E731
 
         def idle(sums):
             return sums, zeros, zeros, made
@@ -161,13 +159,13 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
                 else:  # recompute the chunk from its input
                     pull = split(v, own, x_in(v), stage)[1]
                 dparams, dx, taps = pull(dy)
-                return added(sums, v, dparams), zeros, dx, {**made, "taps": taps}
+                return added(sums, v, dparams, b_makes[v]), zeros, dx, {**made, "taps": taps}
             return run
 
         def weight_backward(v):
             def run(sums):  # probes' statistics all come in B
                 dchunk, _ = split(v, own, x_in(v), stage)[2](get(c["taps"], row["taps_get"]))
-                return added(sums, v, (dchunk, None)), zeros, zeros, made
+                return added(sums, v, (dchunk, None), w_makes[v]), zeros, zeros, made
             return run
 
         branches = [idle, forward(0), forward(1), backward(0), backward(1), weight_backward(0), weight_backward(1)]

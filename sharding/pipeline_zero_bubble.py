@@ -28,7 +28,8 @@ import numpy as np
 
 from sharding.pipeline import owning_backward
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_slots import Rings, get, microbatches, number_op, over_stages, put, ring_zeros, run_slots, stage_mesh, stage_zeros
+from sharding.pipeline_slots import (Rings, get, halves_make, into_sums, microbatches, number_op, over_stages, put, ring_zeros, run_slots,
+                                     stage_mesh, stage_zeros)
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan, balanced_zero_bubble
 from sharding.zero_bubble import Op, is_balanced, schedule_zero_bubble
@@ -140,27 +141,15 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
                 x, saved = forward_saving(j, own, x, stage)
                 constants[j] = [r for r, constant in zip(saved, pullbacks[j].constant) if constant]
 
-        def added(sums, j, dparams):
-            """Piece j's gradients into the chunk's sums (in place: its rows of the layers), its
-            probes' statistics into their maxima."""
-            dchunk, dprobes = dparams
-            start = 0 if not balanced else j * half
-
-            def into(combine):
-                def one(total, d):
-                    if not balanced:
-                        return combine(total, d.astype(jnp.float32))
-                    rows = jax.lax.dynamic_slice_in_dim(total, start, half)
-                    return jax.lax.dynamic_update_slice_in_dim(total, combine(rows, d.astype(jnp.float32)), start, 0)
-                return one
-
-            return jax.tree.map(into(jnp.add), sums[0], dchunk), sums[1] if dprobes is None else jax.tree.map(into(jnp.maximum), sums[1], dprobes)
+        def added(sums, j, dparams, made):  # piece j's gradients into its rows of the chunk's sums
+            return into_sums(sums, dparams, made, None if not balanced else (j * half, half))
 
         # This slot's arrivals first (the op may read them at once).
         c["inbox"] = put(c["inbox"], row["inbox_put"], c["recv_x"])
         c["cotangents"] = put(c["cotangents"], row["cotangents_put"], jnp.where(last, seed_dy, c["recv_dx"]))
         x_in = jnp.where(first, embedded, get(c["inbox"], row["inbox_get"]))
         zeros = jnp.zeros_like(embedded)
+        b_makes, w_makes = zip(*[halves_make(lambda x: split(j, own, x, stage), x_in, c["taps"][j]) for j in range(len(pieces))])  # noqa: B023
         # Each branch gives (the sums, y, dx, mid, what F and B keep). The rings are written
         # outside: a conditional that updated one would copy it whole (seen in the deviceless H100
         # program), and the sums pass through it (zeros made for them would be traffic too).
@@ -200,7 +189,7 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
                 dparams, dx, taps = pull(dy)
                 taps = [taps if i == j else jax.tree.map(jnp.zeros_like, t) for i, t in enumerate(made["taps"])]
                 to_mid = balanced and j == 1
-                return added(sums, j, dparams), zeros, (zeros if to_mid else dx), (dx if to_mid else zeros), {**made, "taps": taps}
+                return added(sums, j, dparams, b_makes[j]), zeros, (zeros if to_mid else dx), (dx if to_mid else zeros), {**made, "taps": taps}
 
             return run
 
@@ -208,10 +197,10 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
             taps = get(c["taps"], row["taps_get"])
             for j in range(len(pieces)):  # probes' statistics all come in B
                 dchunk, _ = split(j, own, x_in, stage)[2](taps[j])
-                sums = added(sums, j, (dchunk, None))
+                sums = added(sums, j, (dchunk, None), w_makes[j])
             return sums, zeros, zeros, zeros, made
 
-        branches = [idle, forward, backward(0), weight_backward]
+        branches = [idle, forward, idle if balanced else backward(0), weight_backward]  # balanced: no whole B
         if balanced:
             branches += [backward(1), backward(0)]  # B1: the later half, B2: the earlier
         sums, y, dx, c["mid"], made = jax.lax.switch(row["kind"], branches, sums)

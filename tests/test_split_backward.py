@@ -16,6 +16,8 @@ from lm.model.config import ModelConfig
 from lm.model.precision import Policy
 from lm.model.split_backward import split_vjp, tap_shapes
 from lm.model.transformer import Transformer
+from sharding.dependence import depends_on_arguments
+from sharding.pipeline_slots import halves_make
 
 GPT2 = dict(norm="layernorm", position="learned", mlp="gelu", use_bias=True)
 
@@ -136,3 +138,34 @@ def test_b_skips_the_weight_gradients_and_w_computes_nothing_else():
     w = dots(lambda p, x, stash: split_vjp(fn, p, x)[2](stash), params, x, stash)
     assert forward == 9 and w == 7
     assert b + w == unsplit and unsplit - b == 7
+
+
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scanned", "unrolled"])
+def test_the_gradients_each_half_makes_are_found_from_the_jaxpr(scan_layers):
+    """`halves_make` (what the zero-bubble programs add into their sums from B and from W) names
+    as B's exactly the leaves whose B gradient is non-zero and as W's those whose W gradient is,
+    through a scanned stack too (whose B stacks its zeros for the weights); each layer's leaf is
+    one half's. Control: `depends_on_arguments` calls a result that reads its argument dependent
+    even where the value is zero (x * 0), and a closed-over one not."""
+    cfg = ModelConfig(vocab_size=256, max_len=32, num_layers=3, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                      mlp_dim=128, scan_layers=scan_layers, remat="dots")
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0), policy=Policy(compute_dtype=jnp.dtype("bfloat16"))))
+
+    def fn(p, x):  # as a pipeline's stage takes them: (the layers, their probes: none here)
+        return nnx.merge(graphdef, p[0])._layers(x, None, None, 0)[0]
+
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64), jnp.float32)
+    dy = jax.random.normal(jax.random.key(2), (2, 16, 64), jnp.float32)
+    _, input_backward, weight_backward = split_vjp(fn, (params, None), x)
+    (dparams_b, _), _, stash = input_backward(dy)
+    taps_ring = jax.tree.map(lambda a: a[None], stash)  # a ring one entry deep
+    b_makes, w_makes = halves_make(lambda x: split_vjp(fn, (params, None), x), x, taps_ring)
+    nonzero = lambda tree: jax.tree.map(lambda a: bool(np.any(np.asarray(a) != 0)), tree)  # noqa: E731
+    assert b_makes == nonzero(dparams_b) and w_makes == nonzero(weight_backward(stash)[0])
+    # Each layer's parameter is one half's (the embedding and the head, which `_layers` leaves alone, neither's).
+    assert jax.tree.leaves(jax.tree.map(lambda b, w: b + w, b_makes["blocks"], w_makes["blocks"])) == [1] * 9
+    assert sum(jax.tree.leaves(w_makes)) == 7 and sum(jax.tree.leaves(b_makes)) == 2  # q, k, v, o, gate, up, down; the norms
+
+    y = jnp.ones(3)
+    made = depends_on_arguments(lambda a: {"zeroed": a * 0, "closed": y * 2, "zeros": jnp.zeros(3)}, jnp.ones(3))
+    assert made == {"zeroed": True, "closed": False, "zeros": False}
