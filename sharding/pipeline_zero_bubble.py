@@ -155,7 +155,7 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
         # program), and the sums pass through it (zeros made for them would be traffic too).
         made = {"residuals": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["residuals"]),
                 "halfway": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["halfway"]),
-                "taps": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["taps"])}
+                "taps": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["taps"][0])}  # one piece's: the pieces' are alike
 
         def idle(sums):
             return sums, zeros, zeros, zeros, made
@@ -187,7 +187,6 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
                     x = get(c["halfway"], row["halfway_get"]) if j == 1 else x_in
                     pull = split(j, own, x, stage)[1]
                 dparams, dx, taps = pull(dy)
-                taps = [taps if i == j else jax.tree.map(jnp.zeros_like, t) for i, t in enumerate(made["taps"])]
                 to_mid = balanced and j == 1
                 return added(sums, j, dparams, b_makes[j]), zeros, (zeros if to_mid else dx), (dx if to_mid else zeros), {**made, "taps": taps}
 
@@ -198,7 +197,9 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
             for j in range(len(pieces)):  # probes' statistics all come in B
                 dchunk, _ = split(j, own, x_in, stage)[2](taps[j])
                 sums = added(sums, j, (dchunk, None), w_makes[j])
-            return sums, zeros, zeros, zeros, made
+            # Its taps out: an entry it read (not put: its slots to put are -1), not the constant
+            # zeros, which the branch would copy into its result.
+            return sums, zeros, zeros, zeros, {**made, "taps": taps[0]}
 
         branches = [idle, forward, idle if balanced else backward(0), weight_backward]  # balanced: no whole B
         if balanced:
@@ -206,10 +207,10 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
         sums, y, dx, c["mid"], made = jax.lax.switch(row["kind"], branches, sums)
         c["residuals"] = put(c["residuals"], row["residuals_put"], made["residuals"])
         c["halfway"] = put(c["halfway"], row["halfway_put"], made["halfway"])
-        if balanced:  # B1 fills the later half's taps, B2 the earlier half's (each its own put)
-            c["taps"] = [put(c["taps"][0], row["taps_put_earlier"], made["taps"][0]), put(c["taps"][1], row["taps_put"], made["taps"][1])]
+        if balanced:  # the op's taps: B1's into the later half's ring, B2's into the earlier half's
+            c["taps"] = [put(c["taps"][0], row["taps_put_earlier"], made["taps"]), put(c["taps"][1], row["taps_put"], made["taps"])]
         else:
-            c["taps"] = put(c["taps"], row["taps_put"], made["taps"])
+            c["taps"] = [put(c["taps"][0], row["taps_put"], made["taps"])]
         c["recv_x"] = jax.lax.ppermute(y, "stage", [(i, i + 1) for i in range(s - 1)])
         c["recv_dx"] = jax.lax.ppermute(dx, "stage", [(i + 1, i) for i in range(s - 1)])
         return (*jax.tree.map(lambda a: a[None], (c, y, dx)), sums)
