@@ -2,11 +2,10 @@
 
 A split backward (`sharding.pipeline_zero_bubble`) gives every parameter a gradient from both
 halves, and each half's is zeros for the parameters the other half owns: B gives zeros for the
-matmul weights (W makes those), W zeros for the rest. Adding the zeros costs a pass over the
-float32 sums, and a sum that two branches of one `lax.switch` update makes XLA copy it whole
-before each update (both seen in the deviceless H100 program). A result that depends on no
-argument of the half that makes it is such a constant, found here at trace time from jax's own
-dead-code elimination (which knows every primitive: scans, conditionals, remat).
+matmul weights (W makes those), W zeros for the rest, and adding them is a pass over the
+float32 sums (XLA cannot see they are zeros where a layer scan stacked them). A result that
+depends on no argument of the half that makes it is such a constant, found here at trace time
+from jax's own dead-code elimination (which knows every primitive: scans, conditionals, remat).
 """
 
 from __future__ import annotations
