@@ -102,7 +102,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.lora = dict(rank=0, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down")
     c.mesh = dict(data=-1, stage=1, context=1, expert=1, fsdp=1, tensor=1)
     c.pipeline = dict(
-        microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages
+        microbatches=0,  # per step, with mesh.stage > 1; 0: as many as stages (dualpipev: twice that)
         repeats=1,  # layer chunks per stage: more is circular / interleaved 1F1B (smaller bubble)
         # What each tick keeps for the backward pass (sharding.remat, as model.remat). 1F1B: full
         # stashes each stage input and recomputes the tick; none stashes what the layers keep
@@ -112,7 +112,9 @@ def default_config() -> ml_collections.ConfigDict:
         # microbatches in flight) | 1f1b_per_stage (each stage its own half per slot: at most S;
         # repeats 1, no context parallelism) | zero_bubble (ZB-H1: the per-stage 1F1B with each
         # backward split in B and W, W deferred into the bubbles; as 1f1b_per_stage's limits) |
-        # zbv (ZB-V: two chunks a stage in a V, the loss on stage 0; layers a multiple of 2 x stages)
+        # zbv (ZB-V: two chunks a stage in a V, the loss on stage 0; layers a multiple of 2 x stages) |
+        # dualpipev (DeepSeek's DualPipeV: ZB-V's chunks, one chunk's forward beside the other's
+        # backward in each slot of its middle; microbatches at least 2 x stages)
         schedule="gpipe",
     )
     # optimizer_over_data: ZeRO-1, the optimizer state spread over the `data` replicas too

@@ -28,7 +28,7 @@ _CHOICES = {
     "train.on_nonfinite": ("skip", "stop"),
     "optim.name": ("adamw", "muon"),
     "pipeline.remat": REMAT,
-    "pipeline.schedule": ("gpipe", "1f1b", "1f1b_per_stage", "zero_bubble", "zbv"),
+    "pipeline.schedule": ("gpipe", "1f1b", "1f1b_per_stage", "zero_bubble", "zbv", "dualpipev"),
     "precision.param_dtype": ("float32", "bfloat16"),
     "precision.compute_dtype": ("float32", "bfloat16", "float16"),
     "precision.mu_dtype": ("float32", "bfloat16"),

@@ -49,13 +49,14 @@ class Rings:
         return slot
 
 
-def number_op(out: dict[str, np.ndarray], rings: dict[str, Rings], t: int, s: int, key, reads: list[tuple[str, bool]],
+def number_op(out: dict[str, np.ndarray], rings: dict[str, Rings], t: int, s: int, key, reads: list[tuple],
               fills: list[str]) -> list[tuple[str, int, object]]:
-    """Stage s's op in slot t: the ring entries it `<ring>_get`s (those it reads last, returned
-    to be freed after the slot) and the ones it `<ring>_put`s, held under `key`."""
+    """Stage s's op in slot t: the ring entries it `<ring>_get`s (`reads`: (ring, whether it reads
+    it last, so it is returned to be freed after the slot[, the column to name the entry in,
+    where two ops of a slot read one ring])) and the ones it `<ring>_put`s, held under `key`."""
     frees = []
-    for ring, last_use in reads:
-        out[f"{ring}_get"][t, s] = rings[ring].held[s][key]
+    for ring, last_use, *column in reads:
+        out[column[0] if column else f"{ring}_get"][t, s] = rings[ring].held[s][key]
         if last_use:
             frees.append((ring, s, key))
     for ring in fills:
@@ -151,12 +152,13 @@ def ring_zeros(stages: int, depth: int, like) -> jax.Array:
 
 def run_slots(staged: Callable, arrays: dict, state, *, column: str, head_on: Sequence[int], dx_on: Sequence[int], params, params_axes,
               probes, probes_axes, embed_fn: Callable, embed_params, mb: Microbatches, loss_fn: Callable, loss_params, seed,
-              x_axes: Sequence[str | None], head_stage: int = -1):
+              x_axes: Sequence[str | None], head_stage: int = -1, embed_column: str = "microbatch"):
     """A per-stage pipeline's slots (`staged`: every stage's work in one slot, the `shard_map`),
     with its ends around them: stage 0's embedding, the head and loss when the last stage's
     `column` is one of `head_on` (a forward), the embedding's gradient when stage 0's is one of
     `dx_on` (its backward's last part; `head_stage` 0: the head follows stage 0's, as in a V
-    of chunks, `sharding.pipeline_zbv`): outside the `shard_map`, so the vocabulary stays split
+    of chunks, `sharding.pipeline_zbv`; stage 0's `embed_column` names the microbatch the embedding
+    feeds, where a slot holds two ops): outside the `shard_map`, so the vocabulary stays split
     over `stage` (as in the lockstep pipelines), under conditions the same on every device (the
     ends' columns of the table). The gradients are summed in float32, placed as `params` and
     `probes` (the probes' statistics: maxima). The loss and every gradient, as `owning_backward`
@@ -174,7 +176,7 @@ def run_slots(staged: Callable, arrays: dict, state, *, column: str, head_on: Se
 
     def slot(c, row):
         first, ending = row["first"], row[head_end]
-        tokens = in_m[first["microbatch"]]
+        tokens = in_m[first[embed_column]]
         embedded, embed_pull = jax.vjp(lambda ep: embed_fn(ep, tokens).astype(x_like.dtype), embed_params)
         state, y, dx, sums = staged(c["state"], c["sums"], params, probes, {k: v for k, v in row.items() if k not in ("first", "last")},
                                     embedded, c["seed_dy"])

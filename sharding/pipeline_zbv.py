@@ -1,8 +1,10 @@
-"""ZB-V in one SPMD program (`pipeline.schedule=zbv`): the layers in 2S chunks, stage s running
-chunk s on the way down and chunk 2S - 1 - s on the way back (`sharding.zero_bubble.v_chunks`),
-each backward as B, then W in a later slot, run slot by slot as `sharding.pipeline_zero_bubble`
-runs ZB-H1 (on `sharding.pipeline_slots`). The last stage turns each microbatch round on the
-device; stage 0 ends it, the head and loss following its output between the `shard_map`s.
+"""ZB-V and DualPipeV in one SPMD program (`pipeline.schedule=zbv` / `dualpipev`): the layers in
+2S chunks, stage s running chunk s on the way down and chunk 2S - 1 - s on the way back
+(`sharding.zero_bubble.v_chunks`), each backward as B, then W in a later slot, or whole (BW), and
+DualPipeV's pairs (one chunk's F beside the other's BW in a slot), run slot by slot as
+`sharding.pipeline_zero_bubble` runs ZB-H1 (on `sharding.pipeline_slots`). The last stage turns
+each microbatch round on the device; stage 0 ends it, the head and loss following its output
+between the `shard_map`s.
 """
 
 from __future__ import annotations
@@ -21,17 +23,29 @@ from sharding.pipeline_slots import (Rings, get, halves_make, into_sums, microba
                                      stage_mesh, stage_zeros)
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan
-from sharding.zero_bubble import Op, schedule_zbv, v_chunks
+from sharding.zero_bubble import V_TABLES, Cell, ops_of, v_chunks
 
-# ZB-V's ops: each kind on the stage's chunk going down (these) or coming back (these + 1).
-F_DOWN, B_DOWN, W_DOWN = 1, 3, 5
+# A V's ops: each kind on the stage's chunk going down (these) or coming back (these + 1); then
+# DualPipeV's pairs: the F of the chunk going down beside the BW of the one coming back, and back.
+F_DOWN, B_DOWN, W_DOWN, BW_DOWN = 1, 3, 5, 7
+F_DOWN_BW_UP, F_UP_BW_DOWN = 9, 10
 V_RINGS = ("inbox", "cotangents", "residuals", "taps")
 
 
-def zbv_arrays(table: Sequence[Sequence[Op | None]], keep_residuals: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """A ZB-V table (`schedule_zbv`) as [slots, stages] arrays: `kind` (IDLE, or F_DOWN, B_DOWN,
-    W_DOWN, plus 1 on the chunk coming back), `microbatch`, per ring of `V_RINGS` the slot the op
-    `<ring>_get`s and (residuals, taps) `<ring>_put`s, and the slot each of a stage's four
+def cell_kind(cell: Cell, down: int) -> int:
+    """A cell's `kind` on a stage whose chunk going down is `down`."""
+    ops = ops_of(cell)
+    if len(ops) == 2:
+        return F_DOWN_BW_UP if next(op for op in ops if op.kind == "F").chunk == down else F_UP_BW_DOWN
+    return {"F": F_DOWN, "B": B_DOWN, "W": W_DOWN, "BW": BW_DOWN}[ops[0].kind] + (ops[0].chunk != down) if ops else 0
+
+
+def zbv_arrays(table: Sequence[Sequence[Cell]], keep_residuals: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """A V's table (`schedule_zbv`, `schedule_dualpipev`) as [slots, stages] arrays: `kind`
+    (`cell_kind`), `microbatch` (the F's, or the op's), `embed_microbatch` (that of the op on the
+    stage's chunk going down: on stage 0 the one the embedding feeds), per ring of `V_RINGS` the
+    slot the op `<ring>_get`s (`inbox_back_get`: a backward's input, when recomputing) and
+    (residuals, taps) `<ring>_put`s, and the slot each of a stage's four
     possible arrivals is put into: `inbox_put_down` (an activation from the stage above, for the
     chunk going down), `inbox_put_up` (from the stage below; on the last stage from its own chunk
     going down: the V's turn), `cotangents_put_down` (from below; on the last stage its own chunk
@@ -39,13 +53,14 @@ def zbv_arrays(table: Sequence[Sequence[Op | None]], keep_residuals: bool) -> tu
     share its rings, entries numbered per (microbatch, chunk). Then each ring's depth."""
     slots, stages = len(table), len(table[0])
     arrivals = [f"{ring}_put_{way}" for ring in ("inbox", "cotangents") for way in ("down", "up")]
-    names = ["kind", "microbatch", "inbox_get", "cotangents_get", "residuals_put", "residuals_get", "taps_put", "taps_get", *arrivals]
-    out = {k: np.full((slots, stages), 0 if k in ("kind", "microbatch") else -1, np.int32) for k in names}
+    names = ["kind", "microbatch", "embed_microbatch", "inbox_get", "inbox_back_get", "cotangents_get", "residuals_put", "residuals_get",
+             "taps_put", "taps_get", *arrivals]
+    out = {k: np.full((slots, stages), 0 if k in ("kind", "microbatch", "embed_microbatch") else -1, np.int32) for k in names}
     rings = {ring: Rings(stages) for ring in V_RINGS}
 
-    def sent(t: int, s: int, kind: str, chunk: int) -> int | None:  # the microbatch of stage s's op in slot t - 1, if `kind` of `chunk`
-        op = table[t - 1][s] if t > 0 else None
-        return op.microbatch if op is not None and op == Op(kind, op.microbatch, chunk) else None
+    def sent(t: int, s: int, kind: str, chunk: int) -> int | None:  # the microbatch of stage s's `kind` of `chunk` in slot t - 1 (a BW is a B)
+        ops = ops_of(table[t - 1][s]) if t > 0 else ()
+        return next((op.microbatch for op in ops if op.chunk == chunk and op.kind in (kind, kind + "W")), None)
 
     for t, row in enumerate(table):
         frees = []
@@ -58,15 +73,19 @@ def zbv_arrays(table: Sequence[Sequence[Op | None]], keep_residuals: bool) -> tu
             for name, (m, chunk) in came.items():
                 if m is not None:
                     out[name][t, s] = rings[name.split("_")[0]].take(s, (m, chunk))
-            if op is None:
+            ops = ops_of(op)
+            if not ops:
                 continue
-            key, from_inbox = (op.microbatch, op.chunk), op.chunk > 0  # chunk 0's input: stage 0's embedding
-            out["kind"][t, s], out["microbatch"][t, s] = {"F": F_DOWN, "B": B_DOWN, "W": W_DOWN}[op.kind] + (op.chunk == up), op.microbatch
-            kept = [("residuals", True)] if keep_residuals else [("inbox", True)] if from_inbox else []
-            reads, fills = {"F": ([("inbox", keep_residuals)] if from_inbox else [], ["residuals"] if keep_residuals else []),
-                            "B": ([("cotangents", True), *kept], ["taps"]),
-                            "W": ([("taps", True)], [])}[op.kind]
-            frees += number_op(out, rings, t, s, key, reads, fills)
+            out["kind"][t, s] = cell_kind(op, down)
+            out["microbatch"][t, s] = next((o for o in ops if o.kind == "F"), ops[0]).microbatch
+            out["embed_microbatch"][t, s] = next((o for o in ops if o.chunk == down), ops[0]).microbatch
+            for o in ops:
+                key, from_inbox = (o.microbatch, o.chunk), o.chunk > 0  # chunk 0's input: stage 0's embedding
+                kept = [("residuals", True)] if keep_residuals else [("inbox", True, "inbox_back_get")] if from_inbox else []
+                backward = ([("cotangents", True), *kept], ["taps"] if o.kind == "B" else [])
+                reads, fills = {"F": ([("inbox", keep_residuals)] if from_inbox else [], ["residuals"] if keep_residuals else []),
+                                "B": backward, "BW": backward, "W": ([("taps", True)], [])}[o.kind]
+                frees += number_op(out, rings, t, s, key, reads, fills)
         for ring, s, key in frees:  # free from the next slot on
             rings[ring].release(s, key)
     return out, {ring: rings[ring].depth for ring in V_RINGS}
@@ -89,16 +108,19 @@ def v_order(tree, axes, stages: int):
 def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *, split_vjp: Callable, embed_fn: Callable,
                  embed_params, inputs, loss_fn: Callable, loss_params, targets, x_axes: Sequence[str | None],
                  batch_axes: Sequence[str | None], probes=None, probes_axes=None, seed=1.0):
-    """What `pipeline_zero_bubble` computes (same arguments), by `schedule_zbv` (ZB-V): the layers
-    in 2S chunks, stage s running chunk s on the way down and chunk 2S - 1 - s on the way back
-    (`v_order` puts them so), the last stage turning each microbatch round in place and stage 0
-    ending it (the head and the loss follow its output); every backward as B, then W in a later
-    slot. Activations and cotangents go both ways each slot (four `ppermute`s)."""
+    """What `pipeline_zero_bubble` computes (same arguments), by `schedule_zbv` (ZB-V) or
+    `schedule_dualpipev` (`plan.schedule`): the layers in 2S chunks, stage s running chunk s on
+    the way down and chunk 2S - 1 - s on the way back (`v_order` puts them so), the last stage
+    turning each microbatch round in place and stage 0 ending it (the head and the loss follow
+    its output); each backward as B, then W in a later slot, or whole. Activations and
+    cotangents go both ways each slot (four `ppermute`s)."""
     m, s = plan.microbatches, plan.stages
     in_mesh = stage_mesh(plan, params)
     layers = jax.tree.leaves(params)[0].shape[0]
     keep_residuals, tick_fn = plan.remat != "full", remat(stage_fn, plan.remat)
-    arrays, depths = zbv_arrays(schedule_zbv(s, m), keep_residuals)
+    arrays, depths = zbv_arrays(V_TABLES[plan.schedule](s, m), keep_residuals)
+    kinds = np.unique(np.append(arrays["kind"], 0))  # the `switch` holds the kinds the table runs (XLA charges it its costliest)
+    arrays["branch"] = np.searchsorted(kinds, arrays["kind"]).astype(np.int32)
     per_chunk = layers // (2 * s)
     pieces = [lambda t: jax.tree.map(lambda a: a[:per_chunk], t), lambda t: jax.tree.map(lambda a: a[per_chunk:], t)]
     pullbacks = [Pullbacks(), Pullbacks()]
@@ -131,8 +153,8 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
         zeros = jnp.zeros_like(embedded)
         made = {ring: jax.tree.map(lambda r: jnp.zeros_like(r[0]), c[ring]) for ring in ("residuals", "taps")}
 
-        def x_in(v):
-            waiting = get(c["inbox"], row["inbox_get"])
+        def x_in(v, column="inbox_get"):  # a backward's input: "inbox_back_get"
+            waiting = get(c["inbox"], row[column])
             return jnp.where(first, embedded, waiting) if v == 0 else waiting
 
         # Which gradients each chunk's B and W make; B's and W's added into the chunk's rows.
@@ -150,26 +172,36 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
                 return sums, y, zeros, {**made, "residuals": pullbacks[v].stashed(saved)}
             return run
 
-        def backward(v):
+        def weight(sums, v, taps):  # probes' statistics all come in B
+            dchunk, _ = split(v, own, embedded, stage)[2](taps)  # (W reads only the taps)
+            return added(sums, v, (dchunk, None), w_makes[v])
+
+        def backward(v, whole=False):  # B, its W deferred; or B and W at once
             def run(sums):
                 dy = get(c["cotangents"], row["cotangents_get"])
                 if keep_residuals:
                     saved = pullbacks[v].merge(get(c["residuals"], row["residuals_get"]), constants[v])
                     pull = pullbacks[v].join(saved, jax.tree.map(pieces[v], own))
                 else:  # recompute the chunk from its input
-                    pull = split(v, own, x_in(v), stage)[1]
+                    pull = split(v, own, x_in(v, "inbox_back_get"), stage)[1]
                 dparams, dx, taps = pull(dy)
-                return added(sums, v, dparams, b_makes[v]), zeros, dx, {**made, "taps": taps}
+                sums = added(sums, v, dparams, b_makes[v])
+                return (weight(sums, v, taps), zeros, dx, made) if whole else (sums, zeros, dx, {**made, "taps": taps})
             return run
 
         def weight_backward(v):
-            def run(sums):  # probes' statistics all come in B
-                dchunk, _ = split(v, own, x_in(v), stage)[2](get(c["taps"], row["taps_get"]))
-                return added(sums, v, (dchunk, None), w_makes[v]), zeros, zeros, made
+            return lambda sums: (weight(sums, v, get(c["taps"], row["taps_get"])), zeros, zeros, made)
+
+        def pair(v):  # chunk v's F beside the other chunk's BW (DualPipeV)
+            def run(sums):
+                sums, y, _, made_f = forward(v)(sums)
+                sums, _, dx, _ = backward(1 - v, whole=True)(sums)
+                return sums, y, dx, made_f
             return run
 
-        branches = [idle, forward(0), forward(1), backward(0), backward(1), weight_backward(0), weight_backward(1)]
-        sums, y, dx, made = jax.lax.switch(row["kind"], branches, sums)
+        branches = [idle, forward(0), forward(1), backward(0), backward(1), weight_backward(0), weight_backward(1),
+                    backward(0, whole=True), backward(1, whole=True), pair(0), pair(1)]
+        sums, y, dx, made = jax.lax.switch(row["branch"], [branches[k] for k in kinds], sums)
         c["residuals"] = put(c["residuals"], row["residuals_put"], made["residuals"])
         c["taps"] = put(c["taps"], row["taps_put"], made["taps"])
         c["own_y"], c["own_dx"] = y, dx
@@ -194,16 +226,17 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
 
         down_chunk, up_chunk = jax.eval_shape(over_stages(shapes, in_mesh, 2, 1), params, probes, activation[0])
         if jax.tree.structure(down_chunk) != jax.tree.structure(up_chunk) or jax.tree.leaves(down_chunk) != jax.tree.leaves(up_chunk):
-            raise ShardingError("pipeline.schedule=zbv needs a stage's two chunks alike (they share its rings); "
+            raise ShardingError(f"pipeline.schedule={plan.schedule} needs a stage's two chunks alike (they share its rings); "
                                 "use pipeline.schedule=zero_bubble")
         saved, taps = down_chunk
         state = {"inbox": ring_zeros(s, depths["inbox"], activation), "cotangents": ring_zeros(s, depths["cotangents"], activation),
                  "residuals": jax.tree.map(lambda a: ring_zeros(s, depths["residuals"], a), saved),
                  "taps": jax.tree.map(lambda a: ring_zeros(s, depths["taps"], a), taps),
                  **{k: stage_zeros(s, mb.x_like.shape, mb.x_like.dtype) for k in ("own_y", "own_dx", "x_above", "x_below", "dx_above", "dx_below")}}
-        return run_slots(over_stages(stage_work, in_mesh, 5, 2), arrays, state, column="kind", head_on=(F_DOWN + 1,), dx_on=(B_DOWN,),
-                         head_stage=0, params=params, params_axes=params_axes, probes=probes, probes_axes=probes_axes, embed_fn=embed_fn,
-                         embed_params=embed_params, mb=mb, loss_fn=loss_fn, loss_params=loss_params, seed=seed, x_axes=x_axes)
+        return run_slots(over_stages(stage_work, in_mesh, 5, 2), arrays, state, column="kind", head_on=(F_DOWN + 1, F_UP_BW_DOWN),
+                         dx_on=(B_DOWN, BW_DOWN, F_UP_BW_DOWN), head_stage=0, embed_column="embed_microbatch", params=params,
+                         params_axes=params_axes, probes=probes, probes_axes=probes_axes, embed_fn=embed_fn, embed_params=embed_params,
+                         mb=mb, loss_fn=loss_fn, loss_params=loss_params, seed=seed, x_axes=x_axes)
 
     ordered = v_order(params, params_axes, s), v_order(probes, probes_axes, s)
     return owning_backward(run, (*ordered, embed_params, loss_params), seed, (inputs, targets), statistics=(1,))

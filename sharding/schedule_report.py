@@ -14,8 +14,9 @@ from sharding.schedules import (
     schedule,
     schedule_1f1b,
     schedule_1f1b_per_stage,
+    V_SHAPED,
 )
-from sharding.zero_bubble import costed_bubble, held_until_w, schedule_zbv, schedule_zero_bubble, slotted_bubble, waiting_for_w
+from sharding.zero_bubble import V_TABLES, costed_bubble, held_until_w, schedule_zero_bubble, slotted_bubble, waiting_for_w
 
 
 def split_costs(plan: PipelinePlan, costs: dict[str, float] | None = None) -> dict[str, float]:
@@ -51,8 +52,8 @@ def report(plan: PipelinePlan, layers: int = 0, costs: dict[str, float] | None =
                 "slot_bubble": slotted_bubble(table, costs), "slot_bound_bubble": slotted_bubble(table, costs, costliest_everywhere=True),
                 "stash_depth": max(held_until_w(table)), "stash": f"{kept}; matmul inputs and output gradients from B to W",
                 "w_stash_depth": max(waiting_for_w(table))}
-    if plan.schedule == "zbv":  # two chunks a stage, each half its layers: depths counted in chunks
-        table, costs = schedule_zbv(plan.stages, plan.microbatches), split_costs(plan, costs)
+    if plan.schedule in V_SHAPED:  # two chunks a stage, each half its layers: depths counted in chunks
+        table, costs = V_TABLES[plan.schedule](plan.stages, plan.microbatches), split_costs(plan, costs)
         return {"schedule": plan.schedule, "bubble": costed_bubble(table, costs), "slot_bubble": slotted_bubble(table, costs),
                 "slot_bound_bubble": slotted_bubble(table, costs, costliest_everywhere=True), "stash_depth": max(held_until_w(table)),
                 "stash": f"{kept} of half-stage chunks; matmul inputs and output gradients from B to W", "w_stash_depth": max(waiting_for_w(table)),

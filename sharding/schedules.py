@@ -174,7 +174,15 @@ def bubble_fraction(table: Sequence[Sequence[Work | None]]) -> float:
     return sum(cell is None for cell in cells) / len(cells)
 
 
-PER_STAGE = ("1f1b_per_stage", "zero_bubble", "zbv")  # the schedules whose stages each run their own work per slot
+PER_STAGE = ("1f1b_per_stage", "zero_bubble", "zbv", "dualpipev")  # the schedules whose stages each run their own work per slot
+V_SHAPED = ("zbv", "dualpipev")  # two chunks a stage in a V (`sharding.zero_bubble.v_chunks`)
+SPLIT_BACKWARD = ("zero_bubble", *V_SHAPED)  # each backward as B and W (`lm.model.split_backward`)
+
+
+def least_microbatches(schedule: str, stages: int) -> int:
+    """The fewest microbatches a schedule runs with (`pipeline.microbatches=0` takes these):
+    one a stage; DualPipeV two (its middle pairs each chunk's forward with the other's backward)."""
+    return 2 * stages if schedule == "dualpipev" else stages
 
 
 def balanced_zero_bubble(plan: PipelinePlan, layers: int) -> bool:
@@ -222,11 +230,14 @@ def check(stages: int, microbatches: int, repeats: int, layers: int | None = Non
             f"{layers} layers do not split into mesh.stage={stages} x pipeline.repeats={repeats} equal chunks; "
             f"make the layer count a multiple of {stages * repeats}"
         )
-    if schedule == "zbv" and layers is not None and layers % (2 * stages):
+    if schedule in V_SHAPED and layers is not None and layers % (2 * stages):
         raise ShardingError(
-            f"pipeline.schedule=zbv runs two chunks a stage: {layers} layers do not split into 2 x mesh.stage={stages} "
+            f"pipeline.schedule={schedule} runs two chunks a stage: {layers} layers do not split into 2 x mesh.stage={stages} "
             f"equal chunks; make the layer count a multiple of {2 * stages}"
         )
+    if microbatches < least_microbatches(schedule, stages):
+        raise ShardingError(f"pipeline.schedule={schedule} needs at least 2 x mesh.stage = {2 * stages} microbatches; "
+                            f"got pipeline.microbatches={microbatches}")
     if batch is not None and batch % microbatches:
         raise ShardingError(
             f"the per-replica batch of {batch} sequences is not divisible by pipeline.microbatches={microbatches}"

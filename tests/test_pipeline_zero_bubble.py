@@ -26,14 +26,15 @@ from sharding.pipeline_1f1b import Pullbacks
 from lm.model.flops import flops_per_token, split_backward_flops
 from lm.program.steps import setup
 from sharding import ShardingError
-from sharding.pipeline_zbv import B_DOWN, F_DOWN, W_DOWN, zbv_arrays
+from sharding.pipeline_zbv import cell_kind, zbv_arrays
 from sharding.pipeline_zero_bubble import KIND, RINGS, op_arrays
 from sharding.schedule_report import report
 from sharding.schedules import PipelinePlan
-from sharding.zero_bubble import held_until_w, schedule_zbv, schedule_zero_bubble, v_chunks
+from sharding.zero_bubble import V_TABLES, held_until_w, ops_of, schedule_zero_bubble, v_chunks
 
 ZB = dict(pipeline__schedule="zero_bubble")
 ZBV, EIGHT = dict(pipeline__schedule="zbv"), dict(model__num_layers=8)  # ZB-V on 4 stages: 8 chunks of a layer
+DPV = dict(pipeline__schedule="dualpipev")
 
 
 @pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 8), (4, 32), (8, 20)])
@@ -75,37 +76,51 @@ def test_each_op_reads_the_ring_slot_its_producer_filled(stages, microbatches, k
 
 
 
-@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 5), (3, 7), (4, 4), (4, 8), (4, 32), (8, 20)])
+V_SIZES = {"zbv": [(2, 2), (2, 5), (3, 7), (4, 4), (4, 8), (4, 32), (8, 20)], "dualpipev": [(2, 4), (2, 5), (3, 7), (4, 8), (4, 9), (4, 32), (8, 20)]}
+
+
+@pytest.mark.parametrize("schedule, stages, microbatches", [(k, *size) for k, sizes in V_SIZES.items() for size in sizes])
 @pytest.mark.parametrize("keep_residuals", [False, True], ids=["recompute", "residuals"])
-def test_zbv_ops_read_the_ring_slot_their_producer_filled_whichever_way_it_came(stages, microbatches, keep_residuals):
-    table = schedule_zbv(stages, microbatches)
+def test_v_ops_read_the_ring_slot_their_producer_filled_whichever_way_it_came(schedule, stages, microbatches, keep_residuals):
+    table = V_TABLES[schedule](stages, microbatches)
     arrays, depths = zbv_arrays(table, keep_residuals)
     chunks, last = v_chunks(stages), 2 * stages - 1
     home = {c: (s, way) for s, pair in enumerate(chunks) for c, way in zip(pair, ("down", "up"))}  # chunk -> (stage, way)
-    at = {op: t for t, row in enumerate(table) for op in row if op is not None}
-    for op, t in at.items():
-        s, way = home[op.chunk]
-        assert arrays["kind"][t, s] == {"F": F_DOWN, "B": B_DOWN, "W": W_DOWN}[op.kind] + (way == "up")
-        assert arrays["microbatch"][t, s] == op.microbatch
+    at, whole = {}, set()  # op -> slot, a BW as its B and its W; the (microbatch, chunk)s run whole
+    for t, row in enumerate(table):
+        for s, cell in enumerate(row):
+            assert arrays["kind"][t, s] == cell_kind(cell, chunks[s][0])
+            for op in ops_of(cell):
+                kinds = ("B", "W") if op.kind == "BW" else (op.kind,)
+                at.update({(k, op.microbatch, op.chunk): t for k in kinds})
+                whole |= {(op.microbatch, op.chunk)} if op.kind == "BW" else set()
+                if op.kind == "F" or len(ops_of(cell)) == 1:
+                    assert arrays["microbatch"][t, s] == op.microbatch
+                if op.chunk == chunks[s][0]:
+                    assert arrays["embed_microbatch"][t, s] == op.microbatch
+    assert schedule == "dualpipev" or not whole
     for (kind, m, c), t in at.items():
         s, way = home[c]
-        # (ring, the column it was put by, the slot it was put in, the op reading it last)
-        flows = [("taps", "taps_put", at[("B", m, c)], "W")]
-        flows += [("cotangents", f"cotangents_put_{way}", 1 + (at[("F", m, last)] if c == last else at[("B", m, c + 1)]), "B")]
-        flows += [("residuals", "residuals_put", at[("F", m, c)], "B")] if keep_residuals else []
-        flows += [("inbox", f"inbox_put_{way}", 1 + at[("F", m, c - 1)], "F" if keep_residuals else "B")] if c > 0 else []
+        # (ring, the column it was put by, the slot it was put in, the op reading it last, the column it reads by)
+        flows = [] if (m, c) in whole else [("taps", "taps_put", at[("B", m, c)], "W", "taps_get")]
+        flows += [("cotangents", f"cotangents_put_{way}", 1 + (at[("F", m, last)] if c == last else at[("B", m, c + 1)]), "B", "cotangents_get")]
+        flows += [("residuals", "residuals_put", at[("F", m, c)], "B", "residuals_get")] if keep_residuals else []
+        flows += [("inbox", f"inbox_put_{way}", 1 + at[("F", m, c - 1)], "F" if keep_residuals else "B",
+                   "inbox_get" if keep_residuals else "inbox_back_get")] if c > 0 else []
         if kind != "F":
             continue
-        for ring, column, put_at, reader in flows:
+        for ring, column, put_at, reader, read_column in flows:
             slot, read_at = arrays[column][put_at, s], at[(reader, m, c)]
-            assert slot >= 0 and arrays[f"{ring}_get"][read_at, s] == slot, (ring, m, c)
+            assert slot >= 0 and arrays[read_column][read_at, s] == slot, (ring, m, c)
             puts = [arrays[k][put_at + (k == column):read_at + 1, s] for k in arrays if k.startswith(f"{ring}_put")]
             assert all(slot not in p for p in puts), (ring, m, c)  # untouched meanwhile
-    # A stage keeps at most 2S half-stage chunks from F to W (1F1B's S stages' worth), B's taps among them.
-    assert max(held_until_w(table)) <= 2 * stages and depths["taps"] <= 2 * stages
-    assert depths["cotangents"] <= 2 and depths["residuals"] == (2 * stages if keep_residuals else 0)
+    # ZB-V keeps at most 2S half-stage chunks from F to W (1F1B's S stages' worth), B's taps among
+    # them; DualPipeV one chunk more, on its last stage.
+    most = 2 * stages + (schedule == "dualpipev")
+    assert max(held_until_w(table)) <= most and depths["taps"] <= most
+    assert depths["cotangents"] <= 2 and depths["residuals"] == (most if keep_residuals else 0)
     # Recomputing, an input waits from its arrival to its B: at most one more than that count.
-    assert depths["inbox"] == (2 if keep_residuals else 2 * stages + (microbatches > stages))
+    assert depths["inbox"] == (2 if keep_residuals else most + (microbatches > stages)), depths
 
 
 CASES = [
@@ -134,24 +149,25 @@ def test_zero_bubble_trains_like_one_device(one_device_deep, mesh, extra):  # no
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, model", [(ZB, {}), (ZBV, DEEP)], ids=["zero_bubble", "zbv"])
-def test_split_backward_with_experts_matches_one_device_accumulating_alike(schedule, model):
+@pytest.mark.parametrize("schedule, model, accumulated", [(ZB, {}, 2), (ZBV, DEEP, 2), (DPV, DEEP, 4)], ids=["zero_bubble", "zbv", "dualpipev"])
+def test_split_backward_with_experts_matches_one_device_accumulating_alike(schedule, model, accumulated):
+    """(As many microbatches as the pipeline runs by default: the balancing losses are per microbatch.)"""
     aux = dict(MOE, **model, model__router_aux_loss_coef=0.1, model__router_z_loss_coef=0.01)
-    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **aux), jax.devices()[:1])
+    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=accumulated, **aux), jax.devices()[:1])
     losses, params = run_steps(small_config({"expert": 2, "stage": 2, "data": 2}, **schedule, **aux))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4), params, ref_params)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [ZB, ZBV], ids=["zero_bubble", "zbv"])
+@pytest.mark.parametrize("schedule", [ZB, ZBV, DPV], ids=["zero_bubble", "zbv", "dualpipev"])
 def test_fp8_in_split_backward_pipelines_takes_each_amax_over_the_slots_that_did_work(fp8_one_device, schedule):  # noqa: F811
     ref = fp8_one_device
     assert_fp8_like_one_device(fp8_states({"data": -1, "stage": 2}, forced_from=ref.starts, **schedule), ref)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [ZB, ZBV], ids=["zero_bubble", "zbv"])
+@pytest.mark.parametrize("schedule", [ZB, ZBV, DPV], ids=["zero_bubble", "zbv", "dualpipev"])
 def test_split_backward_pipelines_keep_memory_flat_in_the_microbatches(schedule):
     def temporaries(microbatches: int, **extra) -> int:
         return compiled_1f1b_step(microbatches, **schedule, **extra).memory_analysis().temp_size_in_bytes
@@ -173,10 +189,16 @@ def one_device_eight():
     pytest.param({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline__microbatches": 4, "sharding__sequence_parallel": True, "model__remat": "dots",
                                                         "pipeline__remat": "dots"}, id="stage2-fsdp2-tensor2-sp-residuals", marks=pytest.mark.slow),
     pytest.param({"stage": 2, "data": 4}, {"pipeline__microbatches": 4, "pipeline__remat": "none"}, id="stage2-data4-residuals"),
+    pytest.param({"stage": 4, "data": 2}, {**EIGHT, **DPV, "pipeline__microbatches": 8}, id="dualpipev-stage4-data2", marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "fsdp": 2, "tensor": 2}, {**DPV, "pipeline__microbatches": 4, "sharding__sequence_parallel": True,
+                                                        "model__remat": "dots", "pipeline__remat": "dots"},
+                 id="dualpipev-stage2-fsdp2-tensor2-sp-residuals", marks=pytest.mark.slow),
+    pytest.param({"stage": 2, "data": 4}, {**DPV, "pipeline__microbatches": 4}, id="dualpipev-stage2-data4"),
 ])
-def test_zbv_trains_like_one_device(request, mesh, extra):
-    """ZB-V: two chunks a stage in a V (the layers put in V order and the gradients back), the
-    loss on stage 0: the same losses, gradients and parameters as one device."""
+def test_v_schedules_train_like_one_device(request, mesh, extra):
+    """ZB-V and DualPipeV: two chunks a stage in a V (the layers put in V order and the gradients
+    back), the loss on stage 0, DualPipeV's pairs of one chunk's F beside the other's whole
+    backward: the same losses, gradients and parameters as one device."""
     ref_losses, ref_params, (ref_loss, ref_grads) = request.getfixturevalue("one_device_eight" if EIGHT.items() <= extra.items() else "one_device_deep")
     losses, params, (loss, grads), hlo = pipelined_run(small_config({"data": -1, **mesh}, **{**DEEP, **ZBV, **extra}))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -184,7 +206,8 @@ def test_zbv_trains_like_one_device(request, mesh, extra):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, ref_grads)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5), params, ref_params)
     branches = {len(b.split(",")) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)}
-    assert 7 in branches  # each stage its own op: nothing, or F, B or W of the chunk going down or coming back
+    # each stage its own op: nothing, or F, B, W (DualPipeV: BW, F beside BW) of the chunk going down or coming back
+    assert (11 if extra.get("pipeline__schedule") == "dualpipev" else 7) in branches
     assert "collective-permute" in hlo and not constant_collectives(hlo) and not full_vocabulary_buffers(hlo)
 
 
@@ -220,6 +243,7 @@ def test_zbv_refuses_layers_that_do_not_make_two_chunks_a_stage():
     ({"stage": 2}, {"pipeline__repeats": 2}, "zero_bubble does not interleave; use pipeline.repeats=1"),
     ({"stage": 2, "context": 2}, {}, r"zero_bubble does not run with context parallelism \(mesh.context=2\)"),
     ({"stage": 2}, {**ZBV, "pipeline__repeats": 2}, "zbv does not interleave; use pipeline.repeats=1"),
+    ({"stage": 2}, {**DPV, "pipeline__microbatches": 3}, r"dualpipev needs at least 2 x mesh.stage = 4 microbatches; got pipeline.microbatches=3"),
 ])
 def test_zero_bubble_refuses_what_it_cannot_run(mesh, extra, message):
     with pytest.raises(ShardingError, match=message):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from sharding.schedules import SPLIT_BACKWARD, V_SHAPED
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -308,16 +310,17 @@ def moe_problem(m, expert_ways: int, stages: int = 1, repeats: int = 1, schedule
         sparse = sparse_layer_ids(m.moe_layers, m.num_layers)
     except ValueError as e:
         return str(e)
-    chunks, prefix = max(1, stages * repeats) * (2 if schedule == "zbv" else 1), dense_prefix(sparse, m.num_layers)  # ZB-V: two a stage
+    v_shaped = schedule in V_SHAPED
+    chunks, prefix = max(1, stages * repeats) * (2 if v_shaped else 1), dense_prefix(sparse, m.num_layers)  # ZB-V, DualPipeV: two a stage
     if prefix and stages > 1 and len(sparse) % chunks:
         return (f"model.moe_layers={m.moe_layers!r}: under a pipeline the {prefix} leading dense layers run with the embedding and the "
-                f"{len(sparse)} sparse ones are split into {'2 x mesh.stage (zbv)' if schedule == 'zbv' else 'mesh.stage x pipeline.repeats'} = {chunks} equal chunks, which they are not; "
+                f"{len(sparse)} sparse ones are split into {f'2 x mesh.stage ({schedule})' if v_shaped else 'mesh.stage x pipeline.repeats'} = {chunks} equal chunks, which they are not; "
                 "choose a stage count that divides them")
     chunk = m.num_layers // chunks
-    if not prefix and len(sparse) < m.num_layers and stages > 1 and (chunk % layer_period(sparse, m.num_layers) or schedule in ("zero_bubble", "zbv")):
+    if not prefix and len(sparse) < m.num_layers and stages > 1 and (chunk % layer_period(sparse, m.num_layers) or schedule in SPLIT_BACKWARD):
         return (f"model.moe_layers={m.moe_layers!r} mixes dense and sparse layers, which a pipeline (mesh.stage={stages}) stages alike only "
                 f"where they lead ('from:K': they run with the embedding) or where each chunk of {chunk} layers holds whole repeats of "
-                f"the pattern ({layer_period(sparse, m.num_layers)} layers), and not under pipeline.schedule=zero_bubble or zbv; "
+                f"the pattern ({layer_period(sparse, m.num_layers)} layers), and not under pipeline.schedule={' / '.join(SPLIT_BACKWARD)}; "
                 "use mesh.stage=1, or moe_layers='from:K', 'all' or 'every:N'")
     if m.router_groups > 1 and (m.num_experts % m.router_groups or not m.router_groups_chosen <= m.router_groups
                                 or m.experts_per_token > m.router_groups_chosen * (m.num_experts // m.router_groups)):

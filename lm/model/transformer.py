@@ -213,7 +213,8 @@ class Transformer(nnx.Module):
         else:
             run = {"gpipe": pipeline_loss, "1f1b": pipeline_1f1b, "1f1b_per_stage": pipeline_per_stage,
                    "zero_bubble": functools.partial(pipeline_zero_bubble, split_vjp=split_vjp),
-                   "zbv": functools.partial(pipeline_zbv, split_vjp=split_vjp)}[self.pipeline.schedule]
+                   "zbv": functools.partial(pipeline_zbv, split_vjp=split_vjp),
+                   "dualpipev": functools.partial(pipeline_zbv, split_vjp=split_vjp)}[self.pipeline.schedule]
         targets = targets_bt if ahead is None else (targets_bt, *(tuple(part) for part in ahead))  # [b, t] leaves
         with moe.loss_seed(loss_scale / self.pipeline.microbatches):  # as each microbatch's loss is
             return run(

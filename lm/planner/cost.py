@@ -28,7 +28,7 @@ from lm.planner.network import ring_seconds, send_bandwidth
 from lm.planner.parallelism import Parallelism
 from lm.planner.run import Run
 from sharding.mesh import MESH_AXES
-from sharding.schedules import balanced_slots
+from sharding.schedules import SPLIT_BACKWARD, balanced_slots
 
 # A dropless layer's busiest device over the mean under expert parallelism: moe_tiny with the
 # balancing loss at 0.05 measured 1.2-1.3 max / mean load (PERFORMANCE.md).
@@ -171,7 +171,7 @@ class Cost(Memory):
         lay = self.parallelism
         if lay.stage == 1:
             return 0.0
-        costs = tuple(split_backward_flops(self.run.model, self.run.seq_len, lay.remat).items()) if lay.schedule in ("zero_bubble", "zbv") else ()
+        costs = tuple(split_backward_flops(self.run.model, self.run.seq_len, lay.remat).items()) if lay.schedule in SPLIT_BACKWARD else ()
         pipelined = pipeline_report(lay.plan, self.run.model.num_layers, costs)
         # Zero-bubble slots each as long as the costliest op, as the per-stage 1F1B's are priced
         # (below) and the kernel model bounds them: the one program's slots last their longest op.

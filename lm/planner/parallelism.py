@@ -26,7 +26,7 @@ class Parallelism:
     remat: str = "full"
     grad_accum: int = 1
     microbatches: int = 0  # pipeline microbatches, with stage > 1
-    schedule: str = "none"  # none | gpipe | 1f1b | 1f1b_per_stage | zero_bubble | zbv
+    schedule: str = "none"  # none | gpipe | 1f1b | 1f1b_per_stage | zero_bubble | zbv | dualpipev
     repeats: int = 1  # layer chunks per stage (gpipe with repeats > 1: circular; 1f1b: interleaved)
     pipeline_remat: str = "full"  # what a tick keeps: full recomputes it; 1f1b with none keeps what `remat` keeps
     optimizer_over_data: bool = False  # ZeRO-1: the optimizer state spread over `data` too (sharding.zero)

@@ -21,11 +21,11 @@ from lm.planner.parallelism import Parallelism
 from lm.planner.run import Run
 from sharding.mesh import MESH_AXES
 from sharding.remat import REMAT
-from sharding.schedules import PER_STAGE
+from sharding.schedules import PER_STAGE, V_SHAPED, least_microbatches
 
 # (schedule, pipeline.remat): what a tick or slot keeps, `full` recomputing it.
 SCHEDULES = (("gpipe", "full"), ("1f1b", "full"), ("1f1b", "none"), ("1f1b_per_stage", "full"), ("1f1b_per_stage", "none"),
-             ("zero_bubble", "full"), ("zero_bubble", "none"), ("zbv", "none"))  # ZB-V recomputing: a bubble above 1F1B's
+             ("zero_bubble", "full"), ("zero_bubble", "none"), ("zbv", "none"), ("dualpipev", "none"))  # ZB-V recomputing: a bubble above 1F1B's
 MAX_BUBBLE = 0.5  # pipelines idling more than this are dropped
 # A layout may fill this share of a GPU's memory: the temporaries model is within ~10-25% of
 # XLA's (lm.calibrate), and the allocator needs slack.
@@ -110,9 +110,11 @@ def layouts(run: Run, gpus: int, gpus_per_host: int, remats=REMAT) -> Iterator[P
                         if schedule in PER_STAGE and mesh["context"] > 1:
                             continue  # refused by sharding.schedules.check: not a layout this config allows
                         piped = dataclasses.replace(layout, microbatches=microbatches, schedule=schedule, pipeline_remat=pipeline_remat)
-                        if schedule == "zbv" and not circular:
+                        if schedule in V_SHAPED and not circular:
                             yield piped, "indivisible"  # refused by sharding.schedules.check: two equal chunks a stage
                             continue
+                        if microbatches < least_microbatches(schedule, mesh["stage"]):
+                            continue  # refused by sharding.schedules.check: not a layout this config allows
                         yield (piped, "not pipelined") if unstaged(run.model, mesh["stage"], 1, schedule) else piped
                         if circular and schedule not in PER_STAGE and not unstaged(run.model, mesh["stage"], 2, schedule):  # circular GPipe, interleaved 1F1B
                             yield dataclasses.replace(piped, repeats=2)

@@ -11,7 +11,7 @@ from lm.config import UserError, checked
 from lm.model.config import ModelConfig
 from lm.model.precision import Policy
 from lm.program.loss_scale import LossScaling
-from sharding.schedules import PipelinePlan
+from sharding.schedules import PipelinePlan, least_microbatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class RunSpec:
         policy = Policy.from_config(c.precision)
         stages = c.mesh.stage
         pipe = c.pipeline
-        plan = PipelinePlan(stages, pipe.microbatches or stages, pipe.repeats, pipe.remat, pipe.schedule) if stages > 1 else PipelinePlan()
+        plan = PipelinePlan(stages, pipe.microbatches or least_microbatches(pipe.schedule, stages), pipe.repeats, pipe.remat, pipe.schedule) if stages > 1 else PipelinePlan()
         return cls(
             config=c,
             model=ModelConfig.from_config(c, vocab_size),

@@ -1,7 +1,7 @@
-"""Zero-bubble schedules as tables (`sharding.zero_bubble`): ZB-H1 and ZB-V keep every dependency,
-keep no more than 1F1B's peak from an F to its W, and cut the bubble as the paper says when F,
-B and W are costed alike; 1F1B's costed bubble stays (S - 1) / (M + S - 1); a hand-broken table
-is refused."""
+"""Zero-bubble schedules as tables (`sharding.zero_bubble`): ZB-H1, ZB-V and DualPipeV keep every
+dependency, keep no more than 1F1B's peak (DualPipeV: a chunk more) from an F to its W, and cut
+the bubble as the papers say when F, B and W are costed alike; 1F1B's costed bubble stays
+(S - 1) / (M + S - 1); a hand-broken table is refused."""
 
 import pytest
 
@@ -73,4 +73,46 @@ def test_a_hand_broken_table_is_refused_naming_the_cell():
         lambda c: c[t_f].__setitem__(0, Op("B", 0, 0)) or c[t_b].__setitem__(0, Op("F", 1, 0)))
     assert "of a chunk the stage does not hold" in broken(lambda c: c[0].__setitem__(1, Op("F", 0, 0)))
     assert "never runs Op(kind='W', microbatch=1, chunk=0)" in broken(lambda c: c[cell(Op("W", 1, 0))[0]].__setitem__(0, None))
-    assert "Op(kind='W', microbatch=0, chunk=0) ran before, at slot" in broken(lambda c: c.append([Op("W", 0, 0), None]))
+    assert "Op(kind='W', microbatch=0, chunk=0) runs Op(kind='W', microbatch=0, chunk=0) again (it ran at slot" in broken(
+        lambda c: c.append([Op("W", 0, 0), None]))
+
+
+@pytest.mark.parametrize("stages, microbatches", [(s, m) for s, m in SIZES if m >= 2 * s] + [(2, 4), (3, 6), (4, 9), (8, 24)])
+def test_dualpipev_tables_keep_their_dependencies_and_pair_forwards_with_whole_backwards(stages, microbatches):
+    table = zero_bubble.schedule_dualpipev(stages, microbatches)
+    zero_bubble.check_table(table, microbatches, zero_bubble.v_chunks(stages))
+    pairs = [cell for row in table for cell in row if isinstance(cell, tuple) and not isinstance(cell, Op)]
+    # The main phase: each of a stage's pairs one chunk's F beside the other chunk's whole backward.
+    assert pairs and all(sorted(op.kind for op in pair) == ["BW", "F"] and pair[0].chunk != pair[1].chunk for pair in pairs)
+    assert len(pairs) == sum(2 * (microbatches - 2 * stages + s + 1) + (stages - s - 1) - (s == stages - 1) for s in range(stages))
+    assert max(zero_bubble.held_until_w(table)) == 2 * stages + 1  # the last stage: one chunk more than 1F1B's S stages' worth
+    assert zero_bubble.costed_bubble(table, ALIKE) < zero_bubble.costed_bubble(one_f1b(stages, microbatches), ALIKE)
+
+
+def test_at_4_stages_and_8_microbatches_dualpipev_halves_1f1bs_bubble():
+    f1b = zero_bubble.costed_bubble(one_f1b(4, 8), ALIKE)
+    assert zero_bubble.costed_bubble(zero_bubble.schedule_dualpipev(4, 8), ALIKE) <= f1b / 2
+    with pytest.raises(ValueError, match="DualPipeV needs at least 2 x 4 stages = 8 microbatches, got 7"):
+        zero_bubble.schedule_dualpipev(4, 7)
+
+
+def test_a_hand_broken_dualpipev_table_is_refused():
+    table = zero_bubble.schedule_dualpipev(2, 4)
+    chunks = zero_bubble.v_chunks(2)
+    zero_bubble.check_table(table, 4, chunks)  # the control: intact, it passes
+    t, s = next((t, s) for t, row in enumerate(table) for s, cell in enumerate(row) if isinstance(cell, tuple) and not isinstance(cell, Op))
+    f, bw = sorted(table[t][s], key=lambda op: op.kind != "F")
+
+    def refused(edit):
+        copy = [list(row) for row in table]
+        edit(copy)
+        with pytest.raises(ValueError) as error:
+            zero_bubble.check_table(copy, 4, chunks)
+        return str(error.value)
+
+    # The pair's whole backward moved a slot earlier (the F left where it was): before what it needs.
+    early = refused(lambda c: (c[t - 1].__setitem__(s, (c[t - 1][s], bw) if c[t - 1][s] is not None else bw), c[t].__setitem__(s, f)))
+    assert f"stage {s}: {bw} runs before" in early
+    # A whole backward is its B and its W: a W of it later runs W again.
+    assert f"runs Op(kind='W', microbatch={bw.microbatch}, chunk={bw.chunk}) again" in refused(
+        lambda c: c.append([Op("W", bw.microbatch, bw.chunk) if k == s else None for k in range(2)]))
