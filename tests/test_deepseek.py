@@ -120,14 +120,15 @@ def test_latent_attention_pipelines_as_on_one_device(schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_deepseek_pipelines_with_its_leading_dense_layer_and_multi_token_prediction(schedule):
+@pytest.mark.parametrize("schedule, layers, accumulated", [("1f1b", 3, 2), ("zero_bubble", 3, 2), ("dualpipev", 5, 4)])
+def test_deepseek_pipelines_with_its_leading_dense_layer_and_multi_token_prediction(schedule, layers, accumulated):
     """DeepSeek's whole layout on `{stage 2, expert 2, data 2}`: its first layer dense (run with
-    the embedding on the first stage), two sparse layers (one per stage), the MTP module (with
-    the head on the last); the same losses and parameters, the selection biases included, as one
-    device accumulating over as many microbatches."""
-    extra = dict(DEEPSEEK, **MTP, model__moe_layers="from:1", model__num_layers=3)
-    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=2, **extra), jax.devices()[:1], steps=3)
+    the embedding on the first stage), the sparse layers in the stages (DualPipeV: 4, one per
+    chunk of its V), the MTP module (with the head on the last stage; DualPipeV's on the first);
+    the same losses and parameters, the selection biases included, as one device accumulating
+    over as many microbatches."""
+    extra = dict(DEEPSEEK, **MTP, model__moe_layers="from:1", model__num_layers=layers)
+    ref_losses, ref_params = run_steps(small_config({}, train__grad_accum=accumulated, **extra), jax.devices()[:1], steps=3)
     losses, params = run_steps(small_config({"stage": 2, "expert": 2, "data": 2}, pipeline__schedule=schedule, **extra), steps=3)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert np.abs(params["mtp"]["block"]["mlp"]["router_bias"]).max() > 0

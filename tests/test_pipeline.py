@@ -354,8 +354,9 @@ def fp8_one_device_skipping_the_ends():
 
 @pytest.mark.parametrize("extra", [{"pipeline__repeats": 2}, pytest.param({"pipeline__schedule": "1f1b", "pipeline__repeats": 2}, marks=pytest.mark.slow),
                                    pytest.param({"pipeline__schedule": "1f1b_per_stage", "pipeline__remat": "none"}, marks=pytest.mark.slow),
-                                   pytest.param({"pipeline__schedule": "zbv", "pipeline__remat": "none"}, marks=pytest.mark.slow)],
-                         ids=["circular", "interleaved-1f1b", "balanced-per-stage", "zbv"])
+                                   pytest.param({"pipeline__schedule": "zbv", "pipeline__remat": "none"}, marks=pytest.mark.slow),
+                                   pytest.param({"pipeline__schedule": "dualpipev", "pipeline__remat": "none"}, marks=pytest.mark.slow)],
+                         ids=["circular", "interleaved-1f1b", "balanced-per-stage", "zbv", "dualpipev"])
 def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(fp8_one_device_skipping_the_ends, extra):
     """Layers 0 and 3 of 4 stay out of fp8: in a pipeline their chunks' positions choose at run
     time, and the skipped layers' histories stay empty exactly as on one device. (Two chunks
@@ -443,12 +444,12 @@ def test_1f1b_keeping_residuals_skips_the_recompute_and_stays_flat_in_the_microb
     assert measure(16, "none")[0] <= 1.1 * kept_bytes
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", pytest.param("dualpipev", marks=pytest.mark.slow)])
 def test_1f1b_runs_its_backward_at_the_float16_loss_scale(schedule):
     """The loss scale seeds the pipeline's own backward: an overflowing scale (step 2's, injected)
     makes float16 cotangents infinite there and the step is skipped, as on one device; scaling
     float32 gradients after the fact would have hidden it. (The zero-bubble pipeline's B and W
-    alike.)"""
+    alike; DualPipeV's whole backwards too.)"""
     from lm.program.faults import Faults
 
     def run(mesh, devices=None, **kw):
