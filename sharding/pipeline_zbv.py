@@ -64,7 +64,7 @@ def zbv_arrays(table: Sequence[Sequence[Cell]], keep_residuals: bool) -> tuple[d
 
     for t, row in enumerate(table):
         frees = []
-        for s, op in enumerate(row):
+        for s, cell in enumerate(row):
             (down, up), below = v_chunks(stages)[s], min(s + 1, stages - 1)  # the last stage's "below" is itself: the turn
             came = {"inbox_put_down": (sent(t, s - 1, "F", down - 1) if s > 0 else None, down),
                     "inbox_put_up": (sent(t, below, "F", up - 1), up),
@@ -73,10 +73,10 @@ def zbv_arrays(table: Sequence[Sequence[Cell]], keep_residuals: bool) -> tuple[d
             for name, (m, chunk) in came.items():
                 if m is not None:
                     out[name][t, s] = rings[name.split("_")[0]].take(s, (m, chunk))
-            ops = ops_of(op)
+            ops = ops_of(cell)
             if not ops:
                 continue
-            out["kind"][t, s] = cell_kind(op, down)
+            out["kind"][t, s] = cell_kind(cell, down)
             out["microbatch"][t, s] = next((o for o in ops if o.kind == "F"), ops[0]).microbatch
             out["embed_microbatch"][t, s] = next((o for o in ops if o.chunk == down), ops[0]).microbatch
             for o in ops:
