@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from sharding.schedules import Step, check
+from sharding.schedules import Step, check, least_microbatches
 
 
 class Op(NamedTuple):
@@ -115,7 +115,7 @@ def schedule_dualpipev(stages: int, microbatches: int) -> list[list[Cell]]:
     both chunks, the later half's W deferred; deferred W with B going down; the last W. Needs
     M >= 2S. Each stage's order is placed in slots as its inputs arrive."""
     check(stages, microbatches, 1)
-    if microbatches < 2 * stages:
+    if microbatches < least_microbatches("dualpipev", stages):
         raise ValueError(f"DualPipeV needs at least 2 x {stages} stages = {2 * stages} microbatches, got {microbatches}")
     return _slots([_dualpipev_order(stages, microbatches, s) for s in range(stages)], stages)
 

@@ -20,6 +20,19 @@ def one_f1b(stages, microbatches):
     return zero_bubble.per_stage_ops(schedules.schedule_1f1b_per_stage(stages, microbatches))
 
 
+def refusal(table, microbatches, chunks_of, edit) -> str:
+    """What `check_table` says of a copy of `table` after `edit(copy)` (it must refuse it)."""
+    copy = [list(row) for row in table]
+    edit(copy)
+    with pytest.raises(ValueError) as refused:
+        zero_bubble.check_table(copy, microbatches, chunks_of)
+    return str(refused.value)
+
+
+def is_pair(cell) -> bool:
+    return len(zero_bubble.ops_of(cell)) == 2
+
+
 @pytest.mark.parametrize("stages, microbatches", SIZES)
 def test_zero_bubble_tables_keep_their_dependencies_memory_and_bubble(stages, microbatches):
     zb = zero_bubble.schedule_zero_bubble(stages, microbatches)
@@ -54,11 +67,7 @@ def test_a_hand_broken_table_is_refused_naming_the_cell():
         return next((t, s) for t, row in enumerate(table) for s, x in enumerate(row) if x == op)
 
     def broken(edit):
-        copy = [list(row) for row in table]
-        edit(copy)
-        with pytest.raises(ValueError) as refused:
-            zero_bubble.check_table(copy, 2, stages)
-        return str(refused.value)
+        return refusal(table, 2, stages, edit)
 
     def swap(copy, a, b):
         (ta, sa), (tb, sb) = cell(a), cell(b)
@@ -81,7 +90,7 @@ def test_a_hand_broken_table_is_refused_naming_the_cell():
 def test_dualpipev_tables_keep_their_dependencies_and_pair_forwards_with_whole_backwards(stages, microbatches):
     table = zero_bubble.schedule_dualpipev(stages, microbatches)
     zero_bubble.check_table(table, microbatches, zero_bubble.v_chunks(stages))
-    pairs = [cell for row in table for cell in row if isinstance(cell, tuple) and not isinstance(cell, Op)]
+    pairs = [cell for row in table for cell in row if is_pair(cell)]
     # The main phase: each of a stage's pairs one chunk's F beside the other chunk's whole backward.
     assert pairs and all(sorted(op.kind for op in pair) == ["BW", "F"] and pair[0].chunk != pair[1].chunk for pair in pairs)
     assert len(pairs) == sum(2 * (microbatches - 2 * stages + s + 1) + (stages - s - 1) - (s == stages - 1) for s in range(stages))
@@ -100,15 +109,11 @@ def test_a_hand_broken_dualpipev_table_is_refused():
     table = zero_bubble.schedule_dualpipev(2, 4)
     chunks = zero_bubble.v_chunks(2)
     zero_bubble.check_table(table, 4, chunks)  # the control: intact, it passes
-    t, s = next((t, s) for t, row in enumerate(table) for s, cell in enumerate(row) if isinstance(cell, tuple) and not isinstance(cell, Op))
+    t, s = next((t, s) for t, row in enumerate(table) for s, cell in enumerate(row) if is_pair(cell))
     f, bw = sorted(table[t][s], key=lambda op: op.kind != "F")
 
     def refused(edit):
-        copy = [list(row) for row in table]
-        edit(copy)
-        with pytest.raises(ValueError) as error:
-            zero_bubble.check_table(copy, 4, chunks)
-        return str(error.value)
+        return refusal(table, 4, chunks, edit)
 
     # The pair's whole backward moved a slot earlier (the F left where it was): before what it needs.
     early = refused(lambda c: (c[t - 1].__setitem__(s, (c[t - 1][s], bw) if c[t - 1][s] is not None else bw), c[t].__setitem__(s, f)))
