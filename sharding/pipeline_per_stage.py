@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding.conditions import known_branches
 from sharding.pipeline import owning_backward
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_slots import Rings, microbatches, over_stages, put, ring_zeros, run_slots, stage_mesh, stage_zeros
+from sharding.pipeline_slots import Rings, get, microbatches, over_stages, put, put_entry, ring_zeros, run_slots, stage_mesh, stage_zeros
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan, Step, balanced_slots, schedule_1f1b_per_stage
 
@@ -148,8 +149,13 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
                 x, example = forward_saving(j, chunk, chunk_probes, x, stage)
                 constants[j] = [r for r, constant in zip(example, pullbacks[j].constant) if constant]
         nothing = {"y": jnp.zeros_like(embedded), "dx": jnp.zeros_like(embedded), "mid": jnp.zeros_like(embedded),
-                   "dchunk": f32(pieces[0](chunk)), "dprobes": f32(pieces[0](chunk_probes), -jnp.inf),  # a piece's
-                   "residuals": [[jnp.zeros_like(r[0]) for r in rings] for rings in state["stash"]]}
+                   "dchunk": f32(pieces[0](chunk)), "dprobes": f32(pieces[0](chunk_probes), -jnp.inf)}  # a piece's
+        # The stash is written in place at its entry after the switch: where the op keeps nothing,
+        # the entry it reads (else entry 0) goes back unchanged (as in `pipeline_zero_bubble`).
+        entry = jnp.where(row["keep"] >= 0, row["keep"], row["use"])
+
+        def entries():  # read in each branch: read outside, XLA would copy them out first
+            return [[get(ring, entry) for ring in rings] for rings in state["stash"]]
 
         def stage_input(c, row, embedded):  # stage 0's is its embedded microbatch
             waiting = c["inbox"][jnp.maximum(row["read"], 0)]
@@ -158,7 +164,7 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
         def forward(c, row, embedded, seed_dy, chunk, chunk_probes):
             x = stage_input(c, row, embedded)
             if not keep_residuals:
-                return {**nothing, "y": stage_fn(chunk, chunk_probes, x, stage)}
+                return {**nothing, "y": stage_fn(chunk, chunk_probes, x, stage), "residuals": entries()}
             residuals = []
             for j in range(len(pieces)):
                 x, saved = forward_saving(j, chunk, chunk_probes, x, stage)
@@ -174,23 +180,25 @@ def pipeline_per_stage(stage_fn: Callable, params, params_axes, plan: PipelinePl
                     cotangent = c["mid"]
                 else:  # the last stage's from the head
                     cotangent = jnp.where(last, seed_dy, c["recv_dx"])
-                if keep_residuals:
-                    saved = [ring[jnp.maximum(row["use"], 0)] for ring in c["stash"][j]]
+                kept = entries()
+                if keep_residuals:  # its entry goes back as read (a backward keeps nothing)
+                    kept[j] = saved = [get(ring, row["use"]) for ring in c["stash"][j]]
                     pull = pullbacks[j].join(pullbacks[j].merge(saved, constants[j]), own)
                 else:  # recompute the chunk from its input
                     pull = jax.vjp(lambda c, p, x: stage_fn(c, p, x, stage), *own, stage_input(c, row, embedded))[1]
                 dchunk, dprobes, dx = pull(cotangent)
-                return {**nothing, dx_key: dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes)}
+                return {**nothing, dx_key: dx, "dchunk": f32_of(dchunk), "dprobes": f32_of(dprobes), "residuals": kept}
 
             return run
 
-        halves = [lambda *_: nothing, forward, backward(0, "dx")]
+        halves = [lambda *_: {**nothing, "residuals": entries()}, forward, backward(0, "dx")]
         if balanced:  # BACKWARD + 1: the later layers (the cotangent kept for the next slot), + 2: the earlier
             halves += [backward(1, "mid"), backward(0, "dx")]
-        out = jax.lax.switch(row["half"], halves, state, row, embedded, seed_dy, chunk, chunk_probes)
+        with known_branches(arrays["half"]):  # a slot lasts its costliest branch on any stage
+            out = jax.lax.switch(row["half"], halves, state, row, embedded, seed_dy, chunk, chunk_probes)
         c = dict(state)
         sums = add_piece(row, sums, out["dchunk"], out["dprobes"])
-        c["stash"] = [[put(ring, row["keep"], r) for ring, r in zip(rings, made)] for rings, made in zip(c["stash"], out["residuals"])]
+        c["stash"] = [[put_entry(ring, entry, r) for ring, r in zip(rings, made)] for rings, made in zip(c["stash"], out["residuals"])]
         # The activation that arrived this slot waits (after this slot's reads freed their slots).
         c["inbox"] = put(c["inbox"], row["store"], c["recv_x"])
         c["mid"] = out["mid"]

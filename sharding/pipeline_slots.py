@@ -1,7 +1,7 @@
 """What the per-stage pipeline programs (`sharding.pipeline_per_stage`: 1F1B,
 `sharding.pipeline_zero_bubble`: ZB-H1, `sharding.pipeline_zbv`: ZB-V) share: their rings of
 per-microbatch arrays, numbered ahead of time from a table (`Rings`, `number_op`) and read and
-written in place (`get`, `put`); a split backward's gradients into the stage's sums
+written in place (`get`; `put` for arrivals, `put_entry` for what a slot's op keeps); a split backward's gradients into the stage's sums
 (`into_sums`, `halves_make`); their set-up (`stage_mesh`, `over_stages`, `microbatches`,
 `stage_zeros`, `ring_zeros`); and the loop over the table's slots with the pipeline's ends around
 each (`run_slots`).
@@ -71,6 +71,14 @@ def put(ring, slot, x):
     deviceless H100 program.)"""
     at = jnp.maximum(slot, 0)
     return jax.tree.map(lambda r, a: r.at[at].set(jnp.where(slot >= 0, a, r[at])), ring, x)
+
+
+def put_entry(ring, slot, x):
+    """Entry `slot` of a ring set to `x`, in place, unconditionally (slot -1: entry 0). Where no
+    op fills an entry, `x` is the entry already at that slot (`get(ring, slot)`, given back by the
+    slot's switch), so the write changes nothing: two passes over the entry, where `put`'s select
+    takes five."""
+    return jax.tree.map(lambda r, a: jax.lax.dynamic_update_index_in_dim(r, a.astype(r.dtype), jnp.maximum(slot, 0), 0), ring, x)
 
 
 def get(ring, slot):

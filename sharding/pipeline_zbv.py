@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding.conditions import known_branches
 from sharding.constraints import constrain
 from sharding.mesh import ShardingError
 from sharding.pipeline import owning_backward
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_slots import (Rings, get, halves_make, into_sums, microbatches, number_op, over_stages, put, ring_zeros, run_slots,
+from sharding.pipeline_slots import (Rings, get, halves_make, into_sums, microbatches, number_op, over_stages, put, put_entry, ring_zeros, run_slots,
                                      stage_mesh, stage_zeros)
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan
@@ -151,7 +152,12 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
         c["cotangents"] = put(c["cotangents"], row["cotangents_put_down"], jnp.where(last, c["own_dx"], c["dx_below"]))
         c["cotangents"] = put(c["cotangents"], row["cotangents_put_up"], jnp.where(first, seed_dy, c["dx_above"]))
         zeros = jnp.zeros_like(embedded)
-        made = {ring: jax.tree.map(lambda r: jnp.zeros_like(r[0]), c[ring]) for ring in ("residuals", "taps")}
+        # Each ring written in place at its entry after the switch: where the op fills none, the
+        # entry it reads (else entry 0) goes back unchanged (as in `pipeline_zero_bubble`).
+        entry = {ring: jnp.where(row[f"{ring}_put"] >= 0, row[f"{ring}_put"], row[f"{ring}_get"]) for ring in ("residuals", "taps")}
+
+        def entries():  # read in each branch: read outside, XLA would copy them out first
+            return {ring: get(c[ring], at) for ring, at in entry.items()}
 
         def x_in(v, column="inbox_get"):  # a backward's input: "inbox_back_get"
             waiting = get(c["inbox"], row[column])
@@ -162,14 +168,14 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
         added = lambda sums, v, dparams, made: into_sums(sums, dparams, made, (v * per_chunk, per_chunk))  # noqa: E731
 
         def idle(sums):
-            return sums, zeros, zeros, made
+            return sums, zeros, zeros, entries()
 
         def forward(v):
             def run(sums):
                 if not keep_residuals:
-                    return sums, split(v, own, x_in(v), stage)[0], zeros, made
+                    return sums, split(v, own, x_in(v), stage)[0], zeros, entries()
                 y, saved = forward_saving(v, own, x_in(v), stage)
-                return sums, y, zeros, {**made, "residuals": pullbacks[v].stashed(saved)}
+                return sums, y, zeros, {**entries(), "residuals": pullbacks[v].stashed(saved)}
             return run
 
         def weight(sums, v, taps):  # probes' statistics all come in B
@@ -178,19 +184,22 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
 
         def backward(v, whole=False):  # B, its W deferred; or B and W at once
             def run(sums):
-                dy = get(c["cotangents"], row["cotangents_get"])
-                if keep_residuals:
-                    saved = pullbacks[v].merge(get(c["residuals"], row["residuals_get"]), constants[v])
-                    pull = pullbacks[v].join(saved, jax.tree.map(pieces[v], own))
+                dy, kept = get(c["cotangents"], row["cotangents_get"]), entries()
+                if keep_residuals:  # its residuals' entry goes back as read (B puts none)
+                    kept["residuals"] = get(c["residuals"], row["residuals_get"])
+                    pull = pullbacks[v].join(pullbacks[v].merge(kept["residuals"], constants[v]), jax.tree.map(pieces[v], own))
                 else:  # recompute the chunk from its input
                     pull = split(v, own, x_in(v, "inbox_back_get"), stage)[1]
                 dparams, dx, taps = pull(dy)
                 sums = added(sums, v, dparams, b_makes[v])
-                return (weight(sums, v, taps), zeros, dx, made) if whole else (sums, zeros, dx, {**made, "taps": taps})
+                return (weight(sums, v, taps), zeros, dx, kept) if whole else (sums, zeros, dx, {**kept, "taps": taps})
             return run
 
-        def weight_backward(v):
-            return lambda sums: (weight(sums, v, get(c["taps"], row["taps_get"])), zeros, zeros, made)
+        def weight_backward(v):  # the taps' entry goes back as read (W puts none)
+            def run(sums):
+                taps = get(c["taps"], row["taps_get"])
+                return weight(sums, v, taps), zeros, zeros, {**entries(), "taps": taps}
+            return run
 
         def pair(v):  # chunk v's F beside the other chunk's BW (DualPipeV)
             def run(sums):
@@ -201,9 +210,9 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
 
         branches = [idle, forward(0), forward(1), backward(0), backward(1), weight_backward(0), weight_backward(1),
                     backward(0, whole=True), backward(1, whole=True), pair(0), pair(1)]
-        sums, y, dx, made = jax.lax.switch(row["branch"], [branches[k] for k in kinds], sums)
-        c["residuals"] = put(c["residuals"], row["residuals_put"], made["residuals"])
-        c["taps"] = put(c["taps"], row["taps_put"], made["taps"])
+        with known_branches(arrays["branch"]):  # a slot lasts its costliest branch on any stage
+            sums, y, dx, made = jax.lax.switch(row["branch"], [branches[k] for k in kinds], sums)
+        c.update({ring: put_entry(c[ring], at, made[ring]) for ring, at in entry.items()})
         c["own_y"], c["own_dx"] = y, dx
         down, up = [(i, i + 1) for i in range(s - 1)], [(i + 1, i) for i in range(s - 1)]
         c["x_above"], c["x_below"] = jax.lax.ppermute(y, "stage", down), jax.lax.ppermute(y, "stage", up)

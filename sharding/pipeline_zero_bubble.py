@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding.conditions import known_branches
 from sharding.pipeline import owning_backward
 from sharding.pipeline_1f1b import Pullbacks
-from sharding.pipeline_slots import (Rings, get, halves_make, into_sums, microbatches, number_op, over_stages, put, ring_zeros, run_slots,
+from sharding.pipeline_slots import (Rings, get, halves_make, into_sums, microbatches, number_op, over_stages, put, put_entry, ring_zeros, run_slots,
                                      stage_mesh, stage_zeros)
 from sharding.remat import remat
 from sharding.schedules import PipelinePlan, balanced_zero_bubble
@@ -150,15 +151,22 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
         x_in = jnp.where(first, embedded, get(c["inbox"], row["inbox_get"]))
         zeros = jnp.zeros_like(embedded)
         b_makes, w_makes = zip(*[halves_make(lambda x: split(j, own, x, stage), x_in, c["taps"][j]) for j in range(len(pieces))])  # noqa: B023
-        # Each branch gives (the sums, y, dx, mid, what F and B keep). The rings are written
-        # outside: a conditional that updated one would copy it whole (seen in the deviceless H100
-        # program), and the sums pass through it (zeros made for them would be traffic too).
-        made = {"residuals": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["residuals"]),
-                "halfway": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["halfway"]),
-                "taps": jax.tree.map(lambda r: jnp.zeros_like(r[0]), c["taps"][0])}  # one piece's: the pieces' are alike
+        # Each branch gives (the sums, y, dx, mid, what F and B keep), and every ring is then
+        # written in place at its entry (`put_entry`): where the op fills none, the entry it
+        # reads (else entry 0) goes back unchanged, given back by its branch, so a ring is written
+        # only where its op fills it. (A conditional that updated a ring would copy it whole, seen
+        # in the deviceless H100 program; a select between the new entry and the old after the
+        # switch moved each entry five times.)
+        puts = {"residuals": "residuals_put", "halfway": "halfway_put"}
+        entry = {ring: jnp.where(row[put] >= 0, row[put], row[f"{ring}_get"]) for ring, put in puts.items()}
+        taps_at = [jnp.where(row[put] >= 0, row[put], row["taps_get"])  # B2's into the slot its B1 took
+                   for put in ("taps_put_earlier", "taps_put")[2 - len(pieces):]]
+
+        def entries():  # read in each branch: read outside, XLA would copy them out first
+            return {**{ring: get(c[ring], entry[ring]) for ring in puts}, "taps": [get(r, at) for r, at in zip(c["taps"], taps_at)]}
 
         def idle(sums):
-            return sums, zeros, zeros, zeros, made
+            return sums, zeros, zeros, zeros, entries()
 
         def forward(sums):
             x, residuals = x_in, []
@@ -170,7 +178,7 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
                     residuals.append(pullbacks[j].stashed(saved))
                 else:
                     x = stage_fn(*jax.tree.map(pieces[j], own), x, stage * len(pieces) + j)
-            kept = {**made, "residuals": residuals} if keep_residuals else {**made, "halfway": halfway} if balanced else made
+            kept = {**entries(), "residuals": residuals} if keep_residuals else {**entries(), "halfway": halfway} if balanced else entries()
             return sums, x, zeros, zeros, kept
 
         def backward(j):
@@ -180,15 +188,17 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
             def run(sums):
                 later = j == len(pieces) - 1
                 dy = get(c["cotangents"], row["cotangents_get"]) if later else c["mid"]
-                if keep_residuals:
-                    saved = get(c["residuals"], row["residuals_get"])[j]
-                    pull = pullbacks[j].join(pullbacks[j].merge(saved, constants[j]), jax.tree.map(pieces[j], own))
+                kept = entries()
+                if keep_residuals:  # its residuals' entry goes back as read (B puts none)
+                    kept["residuals"] = get(c["residuals"], row["residuals_get"])
+                    pull = pullbacks[j].join(pullbacks[j].merge(kept["residuals"][j], constants[j]), jax.tree.map(pieces[j], own))
                 else:  # recompute the piece from its input
                     x = get(c["halfway"], row["halfway_get"]) if j == 1 else x_in
                     pull = split(j, own, x, stage)[1]
                 dparams, dx, taps = pull(dy)
                 to_mid = balanced and j == 1
-                return added(sums, j, dparams, b_makes[j]), zeros, (zeros if to_mid else dx), (dx if to_mid else zeros), {**made, "taps": taps}
+                kept["taps"][j] = taps  # B (B1): its piece's ring; B2: the earlier's
+                return added(sums, j, dparams, b_makes[j]), zeros, (zeros if to_mid else dx), (dx if to_mid else zeros), kept
 
             return run
 
@@ -197,20 +207,15 @@ def pipeline_zero_bubble(stage_fn: Callable, params, params_axes, plan: Pipeline
             for j in range(len(pieces)):  # probes' statistics all come in B
                 dchunk, _ = split(j, own, x_in, stage)[2](taps[j])
                 sums = added(sums, j, (dchunk, None), w_makes[j])
-            # Its taps out: an entry it read (not put: its slots to put are -1), not the constant
-            # zeros, which the branch would copy into its result.
-            return sums, zeros, zeros, zeros, {**made, "taps": taps[0]}
+            return sums, zeros, zeros, zeros, {**entries(), "taps": taps}  # the taps' entries back as read (W puts none)
 
         branches = [idle, forward, idle if balanced else backward(0), weight_backward]  # balanced: no whole B
         if balanced:
             branches += [backward(1), backward(0)]  # B1: the later half, B2: the earlier
-        sums, y, dx, c["mid"], made = jax.lax.switch(row["kind"], branches, sums)
-        c["residuals"] = put(c["residuals"], row["residuals_put"], made["residuals"])
-        c["halfway"] = put(c["halfway"], row["halfway_put"], made["halfway"])
-        if balanced:  # the op's taps: B1's into the later half's ring, B2's into the earlier half's
-            c["taps"] = [put(c["taps"][0], row["taps_put_earlier"], made["taps"]), put(c["taps"][1], row["taps_put"], made["taps"])]
-        else:
-            c["taps"] = [put(c["taps"][0], row["taps_put"], made["taps"])]
+        with known_branches(arrays["kind"]):  # a slot lasts its costliest branch on any stage
+            sums, y, dx, c["mid"], made = jax.lax.switch(row["kind"], branches, sums)
+        c.update({ring: put_entry(c[ring], entry[ring], made[ring]) for ring in puts})
+        c["taps"] = [put_entry(r, at, x) for r, at, x in zip(c["taps"], taps_at, made["taps"])]
         c["recv_x"] = jax.lax.ppermute(y, "stage", [(i, i + 1) for i in range(s - 1)])
         c["recv_dx"] = jax.lax.ppermute(dx, "stage", [(i + 1, i) for i in range(s - 1)])
         return (*jax.tree.map(lambda a: a[None], (c, y, dx)), sums)

@@ -17,7 +17,8 @@ import pytest
 from conftest import ROOT, compiled_train_step, recipe, run_cli
 
 from lm import layout as lm_layout
-from lm.compiler import hlo, passes, targets
+from lm.compiler import hlo, kernels, passes, targets
+from lm.compiler.hlo_module import Module
 from lm.data.corpus import nominal_vocab_size
 from lm.errors import UserError
 from lm.hardware import data_file
@@ -26,6 +27,7 @@ from lm.model import precision as precision_module
 from lm.model.attention import attention_kernel, cudnn_available
 from lm.program.steps import setup
 from sharding import remat as remat_module
+from sharding.pipeline_slots import put
 from sharding.remat import BATCHED_MATMUL, MATMUL
 
 pytestmark = pytest.mark.skipif(
@@ -532,6 +534,37 @@ def test_1f1b_keeping_residuals_compiles_for_h100s_with_cudnn_attention_under_co
     text = compiled(h100s, {"stage": 2, "context": 2, "fsdp": 2}, model__num_layers=4, pipeline__microbatches=4,
                     pipeline__schedule="1f1b", pipeline__remat="none", model__remat="dots")
     assert hlo.custom_calls(text)["__cudnn$fmhaScaleBiasSoftmaxBackward"] >= 1
+
+
+def slot_loop_bytes(text: str) -> float:
+    """HBM bytes a per-stage pipeline's step moves in its slot loop outside the slot's switch (the
+    conditional of four or more branches): the rings' reads and writes around each slot's op."""
+    module = Module(text)
+    switches = [(name, re.search(r"branch_computations=\{([^}]*)\}", i.rest)) for name, body in module.bodies.items()
+                for i in body if i.op == "conditional"]
+    loops = {name for name, listed in switches if listed and listed.group(1).count(",") >= 3}
+    assert loops, "no slot switch found"
+    return sum(k.bytes * k.count for k in kernels.table(text) if k.computation in loops)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, module", [("zero_bubble", "pipeline_zero_bubble"), ("zbv", "pipeline_zbv"),
+                                              ("1f1b_per_stage", "pipeline_per_stage")])
+def test_a_pipeline_slot_writes_each_ring_entry_once_in_place(h100s, monkeypatch, schedule, module):
+    """After each slot's op every ring (residuals, taps) is written at its entry, whatever the op:
+    the op's branch gives the entry it made, or back the one already there. So the slot loop moves
+    each ring's entry twice (read the switch's result, write it in place), where a select between
+    the new entry and the old after the switch (the negative control, as it ran until 2026-12-01)
+    moved it five times."""
+    def loop_bytes() -> float:
+        c = small_config({"stage": 2, "fsdp": 4}, model__num_layers=4, train__batch_size=32, pipeline__microbatches=4,
+                         pipeline__schedule=schedule, pipeline__remat="none")
+        return slot_loop_bytes(compiled_train_step(setup(c, 256, h100s)).as_text())
+
+    written = loop_bytes()
+    monkeypatch.setattr(f"sharding.{module}.put_entry", put)  # the select: the entry if its slot is >= 0, else the old
+    selected = loop_bytes()
+    assert written < 0.6 * selected, (written, selected)
 
 
 @pytest.mark.slow

@@ -3,8 +3,9 @@ it runs per step, its FLOPs and the HBM bytes it reads and writes (`table`).
 
 A kernel is an instruction of the entry computation or of a computation it runs (a while loop's
 body, its known trip count times; a conditional's costliest branch, weighing FLOPs and bytes, or
-each branch its share of the runs where the program names the condition with it,
-`sharding.conditions`): a fusion, a library call
+each branch its share of the runs where the program names the condition with it, or, where it
+names a switch with the sets of branches its runs take across the devices, each run's costliest
+of its set: `sharding.conditions`): a fusion, a library call
 (cuBLAS / cuBLASLt GEMMs incl. fp8, cuDNN attention), a copy or transpose, a collective. Its bytes
 come from the kernel's own operands and results, not its inner ops, except where a fusion reads
 a slice of an operand (`dynamic-slice` of a layer's weights out of the stacked ones) or updates
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 from lm.compiler.hlo import buffer_bytes, buffers, true_and_false
 from lm.compiler.hlo_module import CONTROL, NO_KERNEL, ROW_KERNELS, Instruction, Module, backend_config, config_value, dims_of
-from sharding.conditions import share_of
+from sharding.conditions import branch_sets, share_of
 
 # Workspace buffers of library calls: scratch, not data the kernel streams.
 _WORKSPACE = {"s8", "u8"}
@@ -155,8 +157,10 @@ def kernel_bytes(module: Module, i: Instruction) -> float:
     return float(sum(reads) + sum(written))
 
 
-def table(hlo: str) -> list[Kernel]:
-    """Every kernel of the step, with its runs per step (loops' trip counts applied)."""
+def table(hlo: str, seconds: Callable[[Kernel], float] | None = None) -> list[Kernel]:
+    """Every kernel of the step, with its runs per step (loops' trip counts applied). `seconds`
+    (one run of a kernel; `lm.compiler.steptime` gives its own) weighs a conditional's branches
+    against each other; without it, FLOPs and `RIDGE` per byte do."""
     module = Module(hlo)
     counts: dict[tuple[str, str], float] = {}
     found: dict[tuple[str, str], Instruction] = {}
@@ -185,6 +189,12 @@ def table(hlo: str) -> list[Kernel]:
                     walk(true, times * share, seen + (computation,))
                     walk(false, times * (1 - share), seen + (computation,))
                     continue
+                sets = branch_sets(i.rest) if i.op == "conditional" and listed else None
+                if sets:  # each run its costliest branch among those the devices take (sharding.conditions)
+                    runs, cost = sum(n for _, n in sets), {b: branch_cost(b, seen + (computation,)) for b in set(branches)}
+                    for members, n in sets:
+                        walk(max((branches[b] for b in members), key=cost.get), times * n / runs, seen + (computation,))
+                    continue
                 if branches:  # the costliest branch, as if it ran every time
                     walk(max(branches, key=lambda b: branch_cost(b, seen + (computation,))), times, seen + (computation,))
                 continue
@@ -193,16 +203,19 @@ def table(hlo: str) -> list[Kernel]:
             found[key] = i
 
     def branch_cost(computation: str, seen: tuple[str, ...]) -> float:
-        """A branch's kernels' FLOPs of GEMMs and attention plus `RIDGE` per HBM byte: which of a
-        conditional's branches takes longest (the B / W of a zero-bubble slot has no more
-        bytes than its F but twice the FLOPs)."""
+        """A branch's kernels' seconds, or FLOPs of GEMMs and attention plus `RIDGE` per HBM
+        byte: which of a conditional's branches takes longest (the B / W of a zero-bubble slot has
+        no more bytes than its F but twice the FLOPs)."""
         nonlocal counts, found
         outer, counts, found = (counts, found), {}, {}
         walk(computation, 1, seen)
         total = 0.0
         for key, count in counts.items():
             k, flops, moved = _cost(module, found[key])
-            total += count * ((flops if k in ("gemm", "gemm_fp8", "attention") else 0.0) + RIDGE * moved)
+            if seconds is not None:
+                total += count * seconds(Kernel(found[key].name, k, count, flops, moved, "", key[0]))
+            else:
+                total += count * ((flops if k in ("gemm", "gemm_fp8", "attention") else 0.0) + RIDGE * moved)
         counts, found = outer
         return total
 

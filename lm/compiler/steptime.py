@@ -88,7 +88,7 @@ def predict(hlo: str, target: str, c: dict[str, float] | None = None) -> Predict
     c = c or constants()
     dev = device(target)
     rows = []
-    for k in lm_kernels.table(hlo):
+    for k in lm_kernels.table(hlo, lambda k: kernel_seconds(k, dev, c)):
         seconds = k.count * kernel_seconds(k, dev, c)
         rows.append({"name": k.name, "kind": k.kind, "count": k.count, "shape": k.shape, "flops_per_run": k.flops,
                      "bytes_per_run": k.bytes, "seconds_per_step": seconds})
