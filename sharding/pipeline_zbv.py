@@ -120,7 +120,7 @@ def pipeline_zbv(stage_fn: Callable, params, params_axes, plan: PipelinePlan, *,
     layers = jax.tree.leaves(params)[0].shape[0]
     keep_residuals, tick_fn = plan.remat != "full", remat(stage_fn, plan.remat)
     arrays, depths = zbv_arrays(V_TABLES[plan.schedule](s, m), keep_residuals)
-    kinds = np.unique(np.append(arrays["kind"], 0))  # the `switch` holds the kinds the table runs (XLA charges it its costliest)
+    kinds = np.unique(np.append(arrays["kind"], 0))  # the `switch` holds the kinds the table runs (a branch none takes would still compile)
     arrays["branch"] = np.searchsorted(kinds, arrays["kind"]).astype(np.int32)
     per_chunk = layers // (2 * s)
     pieces = [lambda t: jax.tree.map(lambda a: a[:per_chunk], t), lambda t: jax.tree.map(lambda a: a[per_chunk:], t)]

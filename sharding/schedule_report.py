@@ -33,9 +33,8 @@ def report(plan: PipelinePlan, layers: int = 0, costs: dict[str, float] | None =
     """The schedule's name, its bubble (idle time over all time of the stages: the idle share of
     the work slots; for the split-backward schedules each op costed by `split_costs`, a scale on
     which 1F1B's stays (S-1)/(M+S-1): `bubble` with each stage running ahead as its inputs allow,
-    `slot_bubble` as the one SPMD program runs the table, each slot as long as its longest op,
-    `slot_bound_bubble` with every slot as long as the costliest kind of op: the kernel model's
-    bound, by which the planner prices it),
+    `slot_bubble` as the one SPMD program runs the table, each slot as long as its longest op on
+    any stage, as the kernel model and the planner price it),
     its stash depth (how many microbatch chunks each stage
     keeps for its backward: every tick's for GPipe / circular, the most in flight for 1F1B,
     (R + 1)S - 1 when M is large enough, S for the per-stage 1F1B and for ZB-H1 from F to W) and
@@ -49,13 +48,13 @@ def report(plan: PipelinePlan, layers: int = 0, costs: dict[str, float] | None =
         balanced = balanced_zero_bubble(plan, layers)
         table, costs = schedule_zero_bubble(plan.stages, plan.microbatches, balanced), split_costs(plan, costs)
         return {"schedule": "balanced zero_bubble" if balanced else plan.schedule, "bubble": costed_bubble(table, costs),
-                "slot_bubble": slotted_bubble(table, costs), "slot_bound_bubble": slotted_bubble(table, costs, costliest_everywhere=True),
+                "slot_bubble": slotted_bubble(table, costs),
                 "stash_depth": max(held_until_w(table)), "stash": f"{kept}; matmul inputs and output gradients from B to W",
                 "w_stash_depth": max(waiting_for_w(table))}
     if plan.schedule in V_SHAPED:  # two chunks a stage, each half its layers: depths counted in chunks
         table, costs = V_TABLES[plan.schedule](plan.stages, plan.microbatches), split_costs(plan, costs)
         return {"schedule": plan.schedule, "bubble": costed_bubble(table, costs), "slot_bubble": slotted_bubble(table, costs),
-                "slot_bound_bubble": slotted_bubble(table, costs, costliest_everywhere=True), "stash_depth": max(held_until_w(table)),
+                "stash_depth": max(held_until_w(table)),
                 "stash": f"{kept} of half-stage chunks; matmul inputs and output gradients from B to W", "w_stash_depth": max(waiting_for_w(table)),
                 "chunk_share": 0.5}
     if plan.schedule == "1f1b_per_stage":

@@ -276,17 +276,14 @@ def _cell_cost(cell: Cell, cost: dict[str, float]) -> float:
     return sum(cost[op.kind] for op in ops_of(cell))
 
 
-def slotted_bubble(table: Sequence[Sequence[Cell]], cost: dict[str, float], costliest_everywhere: bool = False) -> float:
+def slotted_bubble(table: Sequence[Sequence[Cell]], cost: dict[str, float]) -> float:
     """Idle time over all time when the stages run the table slot by slot in step, each slot as
     long as its longest cell (`sharding.pipeline_zero_bubble`: one SPMD program, a `shard_map` per
-    slot): what the program pays where `costed_bubble` lets each stage run ahead. With
-    `costliest_everywhere`, every slot as long as the costliest kind of cell in the table: the
-    bound the kernel model gives (a conditional's costliest branch, as if it ran every time)
-    and the planner prices the per-stage 1F1B by."""
+    slot): what the program pays where `costed_bubble` lets each stage run ahead, and what the
+    kernel model charges it (`sharding.conditions.known_branches`)."""
     cost = _with_parts(cost)
     cells = [_cell_cost(cell, cost) for row in table for cell in row if cell is not None]
-    total = len(table) * max(cells) if costliest_everywhere else sum(
-        max((_cell_cost(cell, cost) for cell in row if cell is not None), default=0.0) for row in table)
+    total = sum(max((_cell_cost(cell, cost) for cell in row if cell is not None), default=0.0) for row in table)
     return 1 - sum(cells) / (len(table[0]) * total)
 
 

@@ -201,3 +201,39 @@ def test_a_condition_named_with_its_share_of_runs_is_charged_that_share(named):
     heavy = [k for k in kernels.table(text) if k.flops >= 2 * 64 * width**2]
     assert heavy and all(k.count == (3 if named else 12) for k in heavy)
     assert hlo.collective_traffic(text) == {("all-reduce", 2): (3 if named else 12) * 64 * width * 4}
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_a_switch_named_with_its_runs_branches_is_charged_each_runs_costliest(named):
+    """A per-stage pipeline's slot runs a switch on each device's own column of the table; the
+    slot lasts as long as the costliest branch any device takes. Named with the sets of branches
+    its runs take (`sharding.conditions.known_branches`), each run is charged the costliest of its
+    set; not named, the costliest branch of all every run."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec
+
+    from sharding.conditions import known_branches
+
+    # 12 runs on 2 devices: 4 idle on both, 6 with one device at the medium branch, 2 with one at the heavy.
+    taken = np.array([[0, 0]] * 4 + [[1, 0]] * 3 + [[0, 1]] * 3 + [[2, 1]] * 2, np.int32)
+
+    def step(x, w, rows):
+        def body(c, row):
+            branches = [lambda c: c, lambda c: jnp.tanh(c @ w), lambda c: jnp.tanh(jnp.tanh(c @ w) @ w)]
+            with known_branches(taken) if named else contextlib.nullcontext():  # the table, known ahead
+                return jax.lax.switch(row[jax.lax.axis_index("x")], branches, c), None
+        return jax.lax.scan(body, x, rows)[0]
+
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    split = jax.shard_map(step, mesh=mesh, in_specs=(PartitionSpec("x"), PartitionSpec(), PartitionSpec()), out_specs=PartitionSpec("x"),
+                          check_vma=False)
+    width = 80 if named else 72  # programs apart in JAX's caches, which key them without their op_names
+    x = jax.device_put(jnp.ones((128, width)), jax.sharding.NamedSharding(mesh, PartitionSpec("x")))
+    text = jax.jit(split).lower(x, jnp.ones((width, width)), taken).compile().as_text()
+    assert ("branches_0x4_0.1x6_1.2x2/cond\"" in text) == named
+    gemm_runs = sorted(k.count for k in kernels.table(text) if k.flops >= 2 * 64 * width**2)
+    assert gemm_runs == ([2, 2, 6] if named else [12, 12])  # the heavy branch's two GEMMs, the medium one's

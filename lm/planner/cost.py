@@ -173,9 +173,8 @@ class Cost(Memory):
             return 0.0
         costs = tuple(split_backward_flops(self.run.model, self.run.seq_len, lay.remat).items()) if lay.schedule in SPLIT_BACKWARD else ()
         pipelined = pipeline_report(lay.plan, self.run.model.num_layers, costs)
-        # Zero-bubble slots each as long as the costliest op, as the per-stage 1F1B's are priced
-        # (below) and the kernel model bounds them: the one program's slots last their longest op.
-        return pipelined.get("slot_bound_bubble", pipelined["bubble"])
+        # The one program's slots last their longest op on any stage, as the kernel model charges them.
+        return pipelined.get("slot_bubble", pipelined["bubble"])
 
     def compute_terms(self) -> dict:
         """The busiest device's compute per step, in seconds before the fitted constants
