@@ -196,7 +196,7 @@ def test_leading_dense_layers_fp8_amaxes_are_maxima_over_the_microbatches():
     np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_expert_parallel_pipeline_matches_one_device_accumulating_alike(schedule):
     """The balancing losses are taken per microbatch (as Megatron does), so the reference
     accumulates over as many microbatches as the pipeline runs."""

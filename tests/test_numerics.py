@@ -274,8 +274,10 @@ def test_current_scaling_trains_sharded_as_on_one_device():
     assert not np.allclose(plain, ref_losses, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("scaling, mesh, observe", [("delayed", {}, False), ("current", {}, False), ("delayed", {"data": 2, "fsdp": 2, "tensor": 2}, False),
-                                                    ("delayed", {}, True)], ids=["delayed", "current", "delayed-data2-fsdp2-tensor2", "delayed-observed"])
+@pytest.mark.parametrize("scaling, mesh, observe", [
+    ("delayed", {}, False), ("current", {}, False),
+    pytest.param("delayed", {"data": 2, "fsdp": 2, "tensor": 2}, False, marks=pytest.mark.slow), pytest.param("delayed", {}, True, marks=pytest.mark.slow),
+], ids=["delayed", "current", "delayed-data2-fsdp2-tensor2", "delayed-observed"])
 def test_fp8_weights_quantised_once_a_step_train_bit_for_bit_as_per_microbatch(monkeypatch, scaling, mesh, observe):
     """With gradient accumulation the fp8 weights are quantised before the microbatches
     (`lm.model.fp8_weights`), once a step: the same fp8 values, scales and statistics as each
@@ -313,8 +315,9 @@ def test_fp8_weights_quantised_once_a_step_train_bit_for_bit_as_per_microbatch(m
 
 @pytest.mark.parametrize("mesh, overrides", [({}, {"model__scan_layers": True}), ({}, {"model__scan_layers": False}),
                                              ({"fsdp": 2, "tensor": 2}, {"model__scan_layers": True}),
-                                             ({}, {"lora__rank": 4, "lora__targets": "all", "model__kv_lora_rank": 16, "model__q_lora_rank": 24,
-                                                   "model__qk_nope_head_dim": 16, "model__qk_rope_head_dim": 8, "model__v_head_dim": 12})],
+                                             pytest.param({}, {"lora__rank": 4, "lora__targets": "all", "model__kv_lora_rank": 16, "model__q_lora_rank": 24,
+                                                               "model__qk_nope_head_dim": 16, "model__qk_rope_head_dim": 8, "model__v_head_dim": 12},
+                                                          marks=pytest.mark.slow)],
                          ids=["scanned", "unrolled", "fsdp2-tensor2", "lora-latent"])
 def test_weights_cast_once_a_step_train_bit_for_bit_as_per_microbatch(monkeypatch, mesh, overrides):
     """With gradient accumulation in bf16 the block matmuls' weights are cast before the

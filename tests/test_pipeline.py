@@ -354,15 +354,14 @@ def fp8_one_device_skipping_the_ends():
 
 @pytest.mark.parametrize("extra", [{"pipeline__repeats": 2}, pytest.param({"pipeline__schedule": "1f1b", "pipeline__repeats": 2}, marks=pytest.mark.slow),
                                    pytest.param({"pipeline__schedule": "1f1b_per_stage", "pipeline__remat": "none"}, marks=pytest.mark.slow),
-                                   pytest.param({"pipeline__schedule": "zbv", "pipeline__remat": "none"}, marks=pytest.mark.slow),
-                                   pytest.param({"pipeline__schedule": "dualpipev", "pipeline__remat": "none"}, marks=pytest.mark.slow)],
-                         ids=["circular", "interleaved-1f1b", "balanced-per-stage", "zbv", "dualpipev"])
+                                   pytest.param({"pipeline__schedule": "zbv", "pipeline__remat": "none"}, marks=pytest.mark.slow)],
+                         ids=["circular", "interleaved-1f1b", "balanced-per-stage", "zbv"])
 def test_fp8_skip_means_the_models_layer_indices_in_every_schedule(fp8_one_device_skipping_the_ends, extra):
     """Layers 0 and 3 of 4 stay out of fp8: in a pipeline their chunks' positions choose at run
     time, and the skipped layers' histories stay empty exactly as on one device. (Two chunks
     per stage: chunk indices from stage and repeat, in both programs, or from stage and half in
-    the balanced per-stage slots, from stage and way in ZB-V's V; GPipe and plain 1F1B are the one-repeat
-    case of each.)"""
+    the balanced per-stage slots, from stage and way in ZB-V's V, code DualPipeV runs too:
+    `sharding.pipeline_zbv`; GPipe and plain 1F1B are the one-repeat case of each.)"""
     ref = fp8_one_device_skipping_the_ends
     run = fp8_states({"data": -1, "stage": 2}, steps=2, precision__fp8_skip="0,-1", **extra)
     history = ref.fp8[0]["blocks"]["attn"]["wq_site"]["amax_history"]
@@ -419,9 +418,9 @@ def test_1f1b_keeps_memory_flat_in_the_microbatches_where_gpipe_grows():
         compiled = compiled_1f1b_step(microbatches, pipeline__schedule=schedule, pipeline__repeats=repeats)
         return compiled.memory_analysis().temp_size_in_bytes
 
-    gpipe = [temporaries("gpipe", m) for m in (4, 8, 16, 32)]
-    one_f_one_b = [temporaries("1f1b", m) for m in (4, 8, 16, 32)]
-    assert all(b > a for a, b in zip(gpipe, gpipe[1:])) and gpipe[-1] > 2 * gpipe[0]  # GPipe keeps every microbatch's inputs
+    gpipe = [temporaries("gpipe", m) for m in (4, 32)]
+    one_f_one_b = [temporaries("1f1b", m) for m in (4, 32)]
+    assert gpipe[-1] > 2 * gpipe[0]  # GPipe keeps every microbatch's inputs
     assert max(one_f_one_b) <= 1.1 * min(one_f_one_b)  # 1F1B: 2S - 1 stage inputs per stage, whatever M
     interleaved = [temporaries("1f1b", m, repeats=2) for m in (4, 32)]
     assert max(interleaved) <= 1.1 * min(interleaved)  # (R + 1)S - 1 chunk inputs

@@ -124,7 +124,7 @@ def test_v_ops_read_the_ring_slot_their_producer_filled_whichever_way_it_came(sc
 
 
 CASES = [
-    ({"stage": 4, "data": 2}, {"pipeline__microbatches": 4}),
+    pytest.param({"stage": 4, "data": 2}, {"pipeline__microbatches": 4}, marks=pytest.mark.slow),
     ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline__microbatches": 4, "sharding__sequence_parallel": True, "model__remat": "dots"}),
     ({"stage": 2, "data": 4}, {"pipeline__microbatches": 4, "pipeline__remat": "none"}),
     ({"stage": 2, "fsdp": 2, "tensor": 2}, {"pipeline__remat": "dots", "model__remat": "full", "train__grad_accum": 2}),
@@ -149,7 +149,7 @@ def test_zero_bubble_trains_like_one_device(one_device_deep, mesh, extra):  # no
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, model, accumulated", [(ZB, {}, 2), (ZBV, DEEP, 2), (DPV, DEEP, 4)], ids=["zero_bubble", "zbv", "dualpipev"])
+@pytest.mark.parametrize("schedule, model, accumulated", [(ZB, {}, 2), (DPV, DEEP, 4)], ids=["zero_bubble", "dualpipev"])
 def test_split_backward_with_experts_matches_one_device_accumulating_alike(schedule, model, accumulated):
     """(As many microbatches as the pipeline runs by default: the balancing losses are per microbatch.)"""
     aux = dict(MOE, **model, model__router_aux_loss_coef=0.1, model__router_z_loss_coef=0.01)
@@ -160,7 +160,7 @@ def test_split_backward_with_experts_matches_one_device_accumulating_alike(sched
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [ZB, ZBV, DPV], ids=["zero_bubble", "zbv", "dualpipev"])
+@pytest.mark.parametrize("schedule", [ZB, DPV], ids=["zero_bubble", "dualpipev"])  # (ZB-V: the V's code, DualPipeV's too)
 def test_fp8_in_split_backward_pipelines_takes_each_amax_over_the_slots_that_did_work(fp8_one_device, schedule):  # noqa: F811
     ref = fp8_one_device
     assert_fp8_like_one_device(fp8_states({"data": -1, "stage": 2}, forced_from=ref.starts, **schedule), ref)
@@ -173,7 +173,7 @@ def test_split_backward_pipelines_keep_memory_flat_in_the_microbatches(schedule)
         return compiled_1f1b_step(microbatches, **schedule, **extra).memory_analysis().temp_size_in_bytes
 
     for extra in ({}, {"pipeline__remat": "none", "model__remat": "none"}):
-        found = [temporaries(m, **extra) for m in (4, 8, 16)]
+        found = [temporaries(m, **extra) for m in (4, 16)]  # the slots are a scan: 4x the microbatches, one compile each
         assert max(found) <= 1.1 * min(found), (extra, found)
 
 

@@ -148,9 +148,9 @@ def test_pipelines_are_listed_only_where_the_model_stages_alike(moe_layers, mtp,
 
 @pytest.mark.slow
 def test_memory_predictions_match_the_compiler_and_rejections_do_not_fit(small):
-    """With a memory limit that admits a handful of layouts of 4 GPUs: each admitted one's
+    """With a memory limit that admits three or so layouts of 4 GPUs: each admitted one's
     compiled state equals the prediction, its temporaries and total are within the stated
-    tolerances; the layouts rejected by a clear margin really exceed the limit."""
+    tolerances; the smallest layout rejected by a clear margin really exceeds the limit."""
     config, run = small
     if targets.compiler_available():
         platform, devices = "gpu", targets.devices("h100", 4)
@@ -160,11 +160,11 @@ def test_memory_predictions_match_the_compiler_and_rejections_do_not_fit(small):
     remats = ("full", "dots_no_batch")
     every = search.plan(run, 4, system, 2**40, remats=remats).ranked
     totals = sorted(Cost(run, c.parallelism, system, platform).memory["total"] for c in every)
-    limit = totals[3]  # four layouts (or a few more, on ties) fit
+    limit = totals[2]  # three layouts (or a few more, on ties) fit
     admitted = [c for c in every if Cost(run, c.parallelism, system, platform).memory["total"] <= limit]
     rejected = [c for c in every if Cost(run, c.parallelism, system, platform).memory["total"] > 1.25 * limit]
-    rejected = sorted(rejected, key=lambda c: Cost(run, c.parallelism, system, platform).memory["total"])[:2]
-    assert 4 <= len(admitted) <= 8 and len(rejected) == 2
+    rejected = sorted(rejected, key=lambda c: Cost(run, c.parallelism, system, platform).memory["total"])[:1]
+    assert 3 <= len(admitted) <= 6 and len(rejected) == 1
     temporaries_tolerance, total_tolerance = TOLERANCES[platform]
     for c in admitted:
         (checked,) = search.verify(config, [c], devices, platform)
