@@ -224,3 +224,21 @@ def run_steps(c, devices=None, steps: int = 5, params_after: int | None = None):
         if step == params_after:
             params = jax.device_get(state.params)
     return np.asarray(jax.device_get(out)), params if params_after else jax.device_get(state.params)
+
+
+# CI runs the suite twice (.ci/run): a test left unmarked that runs 10 s or more costs that on
+# both stacks. Each run names those (timed here, under whatever else ran beside them).
+SLOW_S = 10.0
+_unmarked_slow: list[tuple[float, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed and "slow" not in report.keywords and report.duration >= SLOW_S:
+        _unmarked_slow.append((report.duration, report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unmarked_slow:
+        terminalreporter.section(f"not marked slow, {SLOW_S:.0f} s or more (pyproject.toml's markers)")
+        for seconds, nodeid in sorted(_unmarked_slow, reverse=True):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")

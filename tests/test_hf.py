@@ -345,6 +345,7 @@ def test_one_train_step_after_import_matches_transformers_loss(hf_dirs):
     assert abs(float(metrics["loss"]) - ref) <= 1e-5 * max(1.0, abs(ref)), (float(metrics["loss"]), ref)
 
 
+@pytest.mark.slow  # (it needs torch: the first stack runs it in any case)
 def test_cli_import_train_generate_export(tmp_path, hf_dirs, small_corpus):
     path, model = hf_dirs["llama-gqa2-tied"]
     run, out = tmp_path / "run", tmp_path / "out"
@@ -491,6 +492,7 @@ def test_multi_process_import_and_export(tmp_path, hf_dirs):
         assert exported[name].tobytes() == original[name].tobytes(), name
 
 
+@pytest.mark.slow  # (it needs torch: the first stack runs it in any case)
 def test_lm_convert_to_hf_over_two_processes_writes_what_one_process_writes(tmp_path, capsys):
     """A LoRA run whose weights an FSDP mesh splits over two processes' devices: `lm.convert
     to_hf` under `lm.launch` gathers them, process 0 writes, the other finds no directory in its

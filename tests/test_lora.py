@@ -206,6 +206,7 @@ def lora_run(tmp_path_factory, request):
     return root / "hf", model, run
 
 
+@pytest.mark.slow  # (it needs torch: the first stack runs it in any case)
 def test_peft_loads_the_exported_adapters_and_the_merged_export_equals_them(tmp_path, lora_run, capsys):
     peft = pytest.importorskip("peft", reason="peft (the test extra; Python 3.11 only) is not installed")
     import torch
