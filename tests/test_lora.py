@@ -137,11 +137,11 @@ V = dict(model__num_layers=4)  # two chunks a stage of 2
 
 
 @pytest.mark.parametrize("schedule, extra", [
-    ("1f1b", {}), pytest.param("1f1b_per_stage", {}, marks=pytest.mark.slow), pytest.param("zero_bubble", {}, marks=pytest.mark.slow),
-    pytest.param("zbv", V, marks=pytest.mark.slow)])
+    pytest.param("gpipe", {}, marks=pytest.mark.slow), ("1f1b", {}), pytest.param("1f1b_per_stage", {}, marks=pytest.mark.slow),
+    pytest.param("zero_bubble", {}, marks=pytest.mark.slow), pytest.param("zbv", V, marks=pytest.mark.slow)])
 def test_expert_adapters_train_under_each_pipeline_program_as_on_one_device(schedule, extra):
     """LoRA on attention and every expert through the pipeline programs on {stage 2, expert 2,
-    data 2}: lockstep 1F1B, per stage, zero-bubble (the adapters' weight gradients in W,
+    data 2}: GPipe, lockstep 1F1B, per stage, zero-bubble (the adapters' weight gradients in W,
     from B's taps) and the V (DualPipeV's code too): one device's losses."""
     from conftest import run_steps
 

@@ -149,7 +149,7 @@ def test_zero_bubble_trains_like_one_device(one_device_deep, mesh, extra):  # no
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, model, accumulated", [(ZB, {}, 2), (DPV, DEEP, 4)], ids=["zero_bubble", "dualpipev"])
+@pytest.mark.parametrize("schedule, model, accumulated", [(ZB, {}, 2), (ZBV, DEEP, 2), (DPV, DEEP, 4)], ids=["zero_bubble", "zbv", "dualpipev"])
 def test_split_backward_with_experts_matches_one_device_accumulating_alike(schedule, model, accumulated):
     """(As many microbatches as the pipeline runs by default: the balancing losses are per microbatch.)"""
     aux = dict(MOE, **model, model__router_aux_loss_coef=0.1, model__router_z_loss_coef=0.01)
@@ -160,7 +160,7 @@ def test_split_backward_with_experts_matches_one_device_accumulating_alike(sched
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", [ZB, DPV], ids=["zero_bubble", "dualpipev"])  # (ZB-V: the V's code, DualPipeV's too)
+@pytest.mark.parametrize("schedule", [ZB, ZBV, DPV], ids=["zero_bubble", "zbv", "dualpipev"])
 def test_fp8_in_split_backward_pipelines_takes_each_amax_over_the_slots_that_did_work(fp8_one_device, schedule):  # noqa: F811
     ref = fp8_one_device
     assert_fp8_like_one_device(fp8_states({"data": -1, "stage": 2}, forced_from=ref.starts, **schedule), ref)
