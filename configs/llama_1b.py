@@ -5,9 +5,9 @@ of 2048 per step, as 4 microbatches of 16 with remat `dots` (matmul results kept
 recomputed) and the layers unrolled (a scan over them copies every kept result into its stacked
 buffer, zero-filled and copied whole each microbatch: 157 ms of a 1.85 s H100 step); the weights
 are cast to bf16 once a step (`lm.model.cast_weights`). On one H100 the step-time model reads
-78,523 tokens/s (52.7% MFU) from this program, 70,932 (47.6%) scanned and casting per microbatch,
-63,597 (42.7%) for one batch of 64 with remat `full`, which ran at 64,232
-(`lm.layout --config=configs/llama_1b.py --target=h100 --devices=1`; PERFORMANCE.md)."""
+78,079 tokens/s (52.5% MFU) from this program (`lm.layout --config=configs/llama_1b.py
+--target=h100 --devices=1`); PERFORMANCE.md compares it with the scanned, remat `full` (which ran
+at 64,232 on an H100) and head-dim-128 forms."""
 
 from lm.config import default_config
 

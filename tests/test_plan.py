@@ -217,13 +217,14 @@ def test_the_cost_model_agrees_with_the_kernel_model_within_15_percent():
     """On every stored layout of the real recipes that fits its GPU (`lm.calibrate --kernels`:
     llama_1b on 1 and 8 H100s, llama_8b on 8 incl. tensor, sequence and pipeline parallelism,
     70B-wide layers, GPT-2, Mixtral and Qwen3-MoE on 64; remat dots to full), the cost model's
-    step is within 15% of the kernel model's for the compiled program, so `lm.plan` ranks as
-    `--verify` would. The stored constants are what the fit gives back (the file is not
-    hand-edited). Negative control: one efficiency for every FLOP and no passes misses by over 20%."""
+    step is within 15% of the kernel model's for the compiled program (the fit holds every row
+    within `calibrate.AGREEMENT`, 12%), so `lm.plan` ranks as `--verify` would. The stored
+    constants are what the fit gives back (the file is not hand-edited). Negative control: one
+    efficiency for every FLOP and no passes misses by over 20%."""
     rows = calibrate.stored_kernel_rows()
     assert len([r for r in rows if r["fits"]]) >= 24 and len({r["config"] for r in rows}) >= 6
     table = calibrate.kernel_table(rows)
-    assert max(abs(r["error"]) for r in table if r["fits"]) < 0.15, table
+    assert max(abs(r["error"]) for r in table if r["fits"]) < min(0.15, calibrate.AGREEMENT + 0.005), table
     assert max(abs(r["error"]) for r in calibrate.kernel_table(rows, {**calibration(), "step_time": SINGLE_EFFICIENCY}) if r["fits"]) > 0.2
     fitted = calibrate.fit_step_time(rows, calibration())
     assert fitted == pytest.approx(calibration()["step_time"], rel=1e-3)

@@ -153,7 +153,7 @@ def test_the_refit_finds_the_grouped_gemm_its_own_efficiency_and_leaves_it_the_d
     at 0.40): the fit recovers the grouped GEMM's from its kernels, and with none in the runs
     the dense GEMM's stands in for it (what steptime.json's 'unfitted' says)."""
     dev = steptime.device("h100")
-    truth = {"gemm": 0.75, "gemm_fp8": 0.6, "grouped_gemm": 0.40, "attention": 0.5, "memory": 0.8, "overhead_s": 2e-6}
+    truth = {"gemm": 0.75, "gemm_fp8": 0.6, "grouped_gemm": 0.40, **{name: 0.5 for name in steptime.ATTENTION}, "memory": 0.8, "overhead_s": 2e-6}
     kernels_of = [("gemm", 2e12, 3e8, 10), ("grouped_gemm", 1e12, 4e8, 12), ("attention", 5e11, 2e8, 4), ("elementwise", 1e6, 5e8, 30)]
 
     def case(kinds):
@@ -164,6 +164,49 @@ def test_the_refit_finds_the_grouped_gemm_its_own_efficiency_and_leaves_it_the_d
     assert with_grouped["grouped_gemm"] == pytest.approx(0.40, abs=0.02) and with_grouped["gemm"] == pytest.approx(0.75, abs=0.02)
     without = steptime.fit([case({"gemm", "attention", "elementwise"})], dev)
     assert without["grouped_gemm"] == without["gemm"] == pytest.approx(0.75, abs=0.02)
+
+
+def test_attention_is_fitted_per_head_width_and_direction_and_a_width_no_run_had_borrows_the_other():
+    """Synthetic attention kernels made at known efficiencies (forward 0.35 / 0.45 at head widths
+    64 / 128, backward 0.27 / 0.33): the fit recovers all four; a width between them is priced
+    between; with width 64 alone in the runs, 128's constants are 64's and 'unfitted' says so."""
+    dev = steptime.device("h100")
+    truth = {"gemm": 0.75, "gemm_fp8": 0.6, "grouped_gemm": 0.75, "attention_64": 0.35, "attention_128": 0.45,
+             "attention_backward_64": 0.27, "attention_backward_128": 0.33, "memory": 0.8, "overhead_s": 2e-6}
+    kinds = [("gemm", 2e12, 3e8, 10, 0, False), *[("attention", 5e11 * (2.5 if back else 1), 2e8, 4, width, back)
+                                                  for width in (64, 128) for back in (False, True)]]
+
+    def case(widths):
+        made = [steptime.Sample(kind, f, b, runs, 0.0, width, back) for kind, f, b, runs, width, back in kinds if width in (0, *widths)]
+        return [s._replace(seconds_per_step=t) for s, t in zip(made, steptime._predicted(made, dev, truth))]
+
+    fitted = steptime.fit([case({64, 128})], dev)
+    for name in steptime.ATTENTION:
+        assert fitted[name] == pytest.approx(truth[name], abs=0.011), name
+    between = steptime.efficiency(kernels.Kernel("", "attention", 1, 1.0, 0.0, "", "", 96, False), truth)
+    assert truth["attention_64"] < between < truth["attention_128"]
+    narrow = [case({64})]
+    only_64 = steptime.fit(narrow, dev)
+    assert only_64["attention_128"] == only_64["attention_64"] and only_64["attention_backward_128"] == only_64["attention_backward_64"]
+    assert set(steptime.unfitted_attention({s.group() for s in narrow[0]})) == {"attention_128", "attention_backward_128"}
+
+
+def test_the_stored_runs_attention_at_head_width_128_is_priced_within_5_percent_where_one_constant_missed_by_a_fifth():
+    """The wide proxy (Llama-70B's layers: head width 128) ran cuDNN attention faster for its FLOPs
+    than `llama_1b` (64) on the H200: priced by width, its attention kernels' total is within 5% of
+    their measured time; priced by one constant for all widths (the mean efficiency, the model
+    before), off by more than 20% (the negative control)."""
+    stored = json.loads((ROOT / "lm" / "hardware" / "steptime.json").read_text())["constants"]
+    dev = steptime.device("h200")
+    results = ROOT / "benchmarks" / "results" / "h200_2026-11-27"
+    attention = [s for s in steptime.samples(results / "wide_bf16_cudnn") if s.kind == "attention"]
+    assert {s.head_dim for s in attention} == {128} and {s.backward for s in attention} == {False, True}
+    assert {s.head_dim for s in steptime.samples(results / "bf16_cudnn_b8") if s.kind == "attention"} == {64}
+    measured = sum(s.seconds_per_step for s in attention)
+    by_width = steptime._predicted(attention, dev, stored).sum()
+    one = {**stored, **{name: 0.30 for name in steptime.ATTENTION}}  # the single constant fitted before
+    assert abs(by_width / measured - 1) < 0.05
+    assert steptime._predicted(attention, dev, one).sum() / measured - 1 > 0.20
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])

@@ -45,6 +45,8 @@ class Kernel(NamedTuple):
     bytes: float  # HBM bytes read and written per run
     shape: str  # its result type, for a person reading the table
     computation: str
+    head_dim: int = 0  # attention: the query's and key's head width (its efficiency depends on it)
+    backward: bool = False  # attention: the gradients' kernel
 
 
 def gemm_flops(module: Module, i: Instruction) -> float:
@@ -66,14 +68,22 @@ def gemm_flops(module: Module, i: Instruction) -> float:
     return 2.0 * math.prod(result) * k
 
 
-def attention_flops(module: Module, i: Instruction) -> float:
-    """cuDNN attention: QK^T and AV, 2 B H Sq Skv D each, causal at half; backward 2.5x forward."""
-    if "Backward" in i.rest:  # (dq, dk, dv, ...): the gradients have the inputs' shapes
+class Attention(NamedTuple):
+    flops: float
+    head_dim: int
+    backward: bool
+
+
+def attention_cost(module: Module, i: Instruction) -> Attention:
+    """cuDNN attention: QK^T and AV, 2 B H Sq Skv D each, causal at half; backward 2.5x forward.
+    With its head width D (of the queries and keys) and direction, which its speed depends on."""
+    backward = "Backward" in i.rest
+    if backward:  # (dq, dk, dv, ...): the gradients have the inputs' shapes
         q, k = (dims for _, dims in buffers(i.type)[:2])
     else:
         q, k = (dims_of(module.types.get(o, "")) for o in i.operands[:2])
     if len(q) != 4 or len(k) != 4:
-        return 0.0
+        return Attention(0.0, 0, backward)
     config = backend_config(i.rest)
     numbers = config_value(config, "bmm1_dot_dimension_numbers") or {}
     batch, contracted = numbers.get("lhs_batch_dimensions", ["0", "1"]), numbers.get("lhs_contracting_dimensions", ["3"])
@@ -82,7 +92,7 @@ def attention_flops(module: Module, i: Instruction) -> float:
     forward = 4.0 * q[b_dim] * q[h_dim] * q[s_dim] * k[s_dim] * q[d_dim]
     if config_value(config, "mask_type") == "CAUSAL":
         forward /= 2
-    return 2.5 * forward if "Backward" in i.rest else forward
+    return Attention(2.5 * forward if backward else forward, q[d_dim], backward)
 
 
 def row_kernel_cost(module: Module, i: Instruction) -> tuple[float, float]:
@@ -211,9 +221,9 @@ def table(hlo: str, seconds: Callable[[Kernel], float] | None = None) -> list[Ke
         walk(computation, 1, seen)
         total = 0.0
         for key, count in counts.items():
-            k, flops, moved = _cost(module, found[key])
+            k, flops, moved, attention = _cost(module, found[key])
             if seconds is not None:
-                total += count * seconds(Kernel(found[key].name, k, count, flops, moved, "", key[0]))
+                total += count * seconds(Kernel(found[key].name, k, count, flops, moved, "", key[0], *attention))
             else:
                 total += count * ((flops if k in ("gemm", "gemm_fp8", "attention") else 0.0) + RIDGE * moved)
         counts, found = outer
@@ -223,24 +233,24 @@ def table(hlo: str, seconds: Callable[[Kernel], float] | None = None) -> list[Ke
     out = []
     for (computation, name), count in counts.items():
         i = found[(computation, name)]
-        k, flops, moved = _cost(module, i)
-        out.append(Kernel(name, k, count, flops, moved, i.type.split("{")[0][:80], computation))
+        k, flops, moved, attention = _cost(module, i)
+        out.append(Kernel(name, k, count, flops, moved, i.type.split("{")[0][:80], computation, *attention))
     return out
 
 
-def _cost(module: Module, i: Instruction) -> tuple[str, float, float]:
-    """A kernel's kind, FLOPs and HBM bytes."""
+def _cost(module: Module, i: Instruction) -> tuple[str, float, float, tuple[int, bool]]:
+    """A kernel's kind, FLOPs, HBM bytes and (attention) its head width and direction."""
     k = module.kind(i)
-    moved = None
+    moved, attention = None, (0, False)
     if k in ("gemm", "gemm_fp8"):
         flops = gemm_flops(module, i)
     elif ROW_KERNELS.search(i.rest) and i.op == "custom-call":
         flops, moved = row_kernel_cost(module, i)
     elif k == "attention":
-        flops = attention_flops(module, i)
+        flops, *attention = attention_cost(module, i)
     else:
         flops = float(sum(math.prod(d) for _, d in buffers(i.type)))
-    return k, flops, kernel_bytes(module, i) if moved is None else moved
+    return k, flops, kernel_bytes(module, i) if moved is None else moved, tuple(attention)
 
 
 def cost_analysis(executable) -> dict:

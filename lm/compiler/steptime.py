@@ -6,8 +6,11 @@ Each kernel of `lm.compiler.kernels.table` takes a roofline time plus a launch o
         bytes / (HBM bandwidth x memory efficiency)) + overhead
 
 with the target's peak (`lm.hardware.peaks`) and bandwidth (its description), and one efficiency
-per kind of compute (bf16 GEMMs, fp8 GEMMs, grouped GEMMs, cuDNN attention), one for memory, one
-overhead: six constants (the grouped GEMM's the dense GEMM's until a run with one fits it), fitted on the per-kernel times of real GPU traces (`fit`; `python -m lm.calibrate
+per kind of compute (bf16 GEMMs, fp8 GEMMs, grouped GEMMs), cuDNN attention's forward and backward
+at head widths 64 and 128 (between them interpolated in log2 of the width, beyond them the
+nearest's: the H200's traces ran the backward at 0.26 of peak at width 64 and 0.33 at 128, the
+forward at 0.33 and 0.45), one for memory, one overhead: nine constants (the grouped GEMM's the
+dense GEMM's until a run with one fits it), fitted on the per-kernel times of real GPU traces (`fit`; `python -m lm.calibrate
 --step_time=DIR --target=NAME --write` rewrites `lm/hardware/steptime.json` from a run stored in
 `benchmarks/results/`). Kernels run one after another on one stream (XLA's GPU steps do, as
 their traces show), so the step is their sum; collectives are timed as memory traffic here (one
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -32,7 +36,10 @@ from lm.hardware.peaks import PEAK_FLOPS
 
 CONSTANTS_FILE = "steptime.json"
 COMPUTE_KINDS = ("gemm", "gemm_fp8", "grouped_gemm", "attention")
-NAMES = ("gemm", "gemm_fp8", "grouped_gemm", "attention", "memory", "overhead_s")
+# The head widths attention's efficiency is fitted at (a constant per width and direction).
+ATTENTION_WIDTHS = (64, 128)
+ATTENTION = tuple(f"attention{'_backward' if back else ''}_{w}" for back in (False, True) for w in ATTENTION_WIDTHS)
+NAMES = ("gemm", "gemm_fp8", "grouped_gemm", *ATTENTION, "memory", "overhead_s")
 
 
 class Device(NamedTuple):
@@ -61,12 +68,28 @@ def unfitted() -> dict[str, str]:
     return json.loads(data_file(CONSTANTS_FILE).read_text()).get("unfitted", {})
 
 
+def _attention_weights(head_dim: int, backward: bool) -> dict[str, float]:
+    """The attention constants a kernel of this head width and direction is priced by, each with
+    its weight: linear in log2 of the width between the fitted widths, the nearest beyond them."""
+    lo, hi = ATTENTION_WIDTHS
+    at = (math.log2(min(max(head_dim or lo, lo), hi)) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    prefix = "attention_backward" if backward else "attention"
+    return {name: w for name, w in ((f"{prefix}_{lo}", 1.0 - at), (f"{prefix}_{hi}", at)) if w > 0}
+
+
+def efficiency(k: lm_kernels.Kernel, c: dict[str, float]) -> float:
+    """A compute kernel's share of its number format's peak."""
+    if k.kind == "attention":
+        return sum(w * c[name] for name, w in _attention_weights(k.head_dim, k.backward).items())
+    return c[k.kind]
+
+
 def kernel_seconds(k: lm_kernels.Kernel, dev: Device, c: dict[str, float]) -> float:
     """One run of one kernel."""
     memory = k.bytes / (dev.bandwidth * c["memory"])
     if k.kind in COMPUTE_KINDS:
         peak = dev.fp8_flops if k.kind == "gemm_fp8" else dev.bf16_flops
-        return max(k.flops / (peak * c[k.kind]), memory) + c["overhead_s"]
+        return max(k.flops / (peak * efficiency(k, c)), memory) + c["overhead_s"]
     return memory + c["overhead_s"]
 
 
@@ -165,6 +188,18 @@ class Sample(NamedTuple):
     bytes: float
     runs: int
     seconds_per_step: float  # measured
+    head_dim: int = 0  # attention's, as `lm.compiler.kernels.Kernel`
+    backward: bool = False
+
+    def kernel(self) -> lm_kernels.Kernel:
+        return lm_kernels.Kernel("", self.kind, 1, self.flops, self.bytes, "", "", self.head_dim, self.backward)
+
+    def group(self) -> str:
+        """What the fit totals it under: its kind, or the attention constant that prices most of it."""
+        if self.kind != "attention":
+            return self.kind
+        weights = _attention_weights(self.head_dim, self.backward)
+        return max(weights, key=weights.get)
 
 
 def samples(case_dir: Path, steps: int = 3) -> list[Sample]:
@@ -174,25 +209,39 @@ def samples(case_dir: Path, steps: int = 3) -> list[Sample]:
     measured = {t["op"]: t["ms_per_step"] / 1e3 for t in profile.summary(case_dir / "trace.json.gz", hlo, steps, top=10**9)["top"]}
     # Every kernel of the table, so that the fit sees what `predict` sees; one the trace did not
     # place (a few, small) counts as measured 0.
-    return [Sample(k.kind, k.flops, k.bytes, k.count, measured.get(k.name, 0.0)) for k in lm_kernels.table(hlo)]
+    return [Sample(k.kind, k.flops, k.bytes, k.count, measured.get(k.name, 0.0), k.head_dim, k.backward) for k in lm_kernels.table(hlo)]
 
 
 def _predicted(s: list[Sample], dev: Device, c: dict[str, float]) -> np.ndarray:
-    return np.array([x.runs * kernel_seconds(lm_kernels.Kernel("", x.kind, 1, x.flops, x.bytes, "", ""), dev, c) for x in s])
+    return np.array([x.runs * kernel_seconds(x.kernel(), dev, c) for x in s])
+
+
+def _partner(name: str) -> str:
+    """The same direction's constant at the other fitted width."""
+    lo, hi = ATTENTION_WIDTHS
+    stem, width = name.rsplit("_", 1)
+    return f"{stem}_{lo if int(width) == hi else hi}"
+
+
+def unfitted_attention(seen: set[str]) -> dict[str, str]:
+    """Attention constants no kernel of the runs fitted, each standing in for by its other width's."""
+    return {name: f"no stored GPU run has attention at head width {name.rsplit('_', 1)[1]}: {_partner(name)} stands in"
+            for name in ATTENTION if name not in seen and _partner(name) in seen}
 
 
 def fit(cases: list[list[Sample]], dev: Device, rounds: int = 4) -> dict[str, float]:
-    """The six constants that minimise the squared errors of every case's kind totals, as
-    fractions of its step (the per-instruction attribution of a trace is exact by kind, not
-    always by instruction), by coordinate search on a grid."""
+    """The nine constants that minimise the squared errors of every case's kind totals (attention's
+    by direction and head width), as fractions of its step (the per-instruction attribution of a
+    trace is exact by kind, not always by instruction), by coordinate search on a grid."""
     grids = {"gemm": np.linspace(0.3, 1.0, 71), "gemm_fp8": np.linspace(0.2, 1.0, 81), "grouped_gemm": np.linspace(0.1, 1.0, 91),
-             "attention": np.linspace(0.1, 1.0, 91), "memory": np.linspace(0.3, 1.0, 71), "overhead_s": np.linspace(0.0, 10e-6, 51)}
-    c = {"gemm": 0.8, "gemm_fp8": 0.6, "grouped_gemm": 0.8, "attention": 0.5, "memory": 0.8, "overhead_s": 2e-6}
-    # Per case, once: each kind's kernels (a mask), their measured total, and the step.
+             **{name: np.linspace(0.1, 1.0, 91) for name in ATTENTION}, "memory": np.linspace(0.3, 1.0, 71),
+             "overhead_s": np.linspace(0.0, 10e-6, 51)}
+    c = {"gemm": 0.8, "gemm_fp8": 0.6, "grouped_gemm": 0.8, **{name: 0.5 for name in ATTENTION}, "memory": 0.8, "overhead_s": 2e-6}
+    # Per case, once: each group's kernels (a mask), their measured total, and the step.
     totals = []
     for case in cases:
-        kinds, measured = np.array([x.kind for x in case]), np.array([x.seconds_per_step for x in case])
-        totals.append([(kinds == kind, measured[kinds == kind].sum()) for kind in set(kinds)] + [measured.sum()])
+        groups, measured = np.array([x.group() for x in case]), np.array([x.seconds_per_step for x in case])
+        totals.append([(groups == group, measured[groups == group].sum()) for group in set(groups)] + [measured.sum()])
 
     def loss(trial):
         total = 0.0
@@ -201,15 +250,17 @@ def fit(cases: list[list[Sample]], dev: Device, rounds: int = 4) -> dict[str, fl
             total += sum(((predicted[mask].sum() - measured) / step) ** 2 for mask, measured in by_kind)  # each step weighs alike
         return total
 
-    seen = {x.kind for case in cases for x in case}
+    seen = {x.group() for case in cases for x in case}
     for _ in range(rounds):
         for name in NAMES:
-            if name in ("gemm_fp8", "grouped_gemm") and name not in seen:
+            if name in ("gemm_fp8", "grouped_gemm", *ATTENTION) and name not in seen:
                 continue
             best = min(grids[name], key=lambda v: loss({**c, name: float(v)}))
             c[name] = round(float(best), 6)
     if "grouped_gemm" not in seen:  # no grouped GEMM measured: the dense GEMM's (`unfitted`)
         c["grouped_gemm"] = c["gemm"]
+    for name in unfitted_attention(seen):
+        c[name] = c[_partner(name)]
     return c
 
 
@@ -237,7 +288,8 @@ def refit(results_dir: Path, target: str) -> dict:
         rows.append({"case": d.name, "measured_s": measured, "kernels_s": kernels_s, "measured_by_kind_ms": by_kind, "in_sample_s": in_sample,
                      "left_out_s": out_of_sample, "in_sample_error": in_sample / measured - 1,
                      "left_out_error": out_of_sample / measured - 1})
-    unfitted = {} if any(x.kind == "grouped_gemm" for case in cases for x in case) else {"grouped_gemm": UNFITTED_GROUPED}
+    seen = {x.group() for case in cases for x in case}
+    unfitted = {**({} if "grouped_gemm" in seen else {"grouped_gemm": UNFITTED_GROUPED}), **unfitted_attention(seen)}
     return {"constants": c, "unfitted": unfitted, "fitted_on": f"{results_dir.name} (target {target})", "cases": rows,
             "refit": f"python -m lm.calibrate --step_time={results_dir} --target={target} --write"}
 
