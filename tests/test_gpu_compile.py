@@ -318,6 +318,44 @@ def test_the_losss_backward_writes_the_vocabulary_wide_cotangent_once_in_bf16(h1
     assert len(float32_vocab_passes(autodiffed)) == 2
 
 
+def test_the_rotations_backward_and_fp8s_amax_of_its_gradient_read_it_once(h100s):
+    """fp8 takes the amax of each projection's output gradient as it quantises it; for queries and
+    keys that gradient comes out of the rotation's backward. Built by a reverse of the halves
+    (`lm.model.rope.rope`), the rotation fuses with the amax and the quantising: the compiled
+    program reads the incoming gradient once. Negative control: split and concatenated, as
+    before, the concatenation ends XLA's fusion, and the amax reads it again (a pass more).
+    Both forms give the same bits."""
+    from lm.model.rope import rope
+
+    def concatenated(x_bthk, positions_bt, freq_k):
+        angle = positions_bt[..., None, None].astype(jnp.float32) * freq_k
+        sin, cos = jnp.sin(angle), jnp.cos(angle)
+        x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_bthk.dtype)
+
+    freq = (1.0 / 10000 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+
+    def gradient_quantised(rotate, x, dy, positions, scale):  # delayed scaling: this step's amax, last step's scale
+        (dx,) = jax.vjp(lambda x: rotate(x, positions, freq), x)[1](dy)
+        wide = dx.astype(jnp.float32)
+        return (wide * scale).astype(jnp.float8_e5m2), jnp.max(jnp.abs(wide))
+
+    on = jax.sharding.SingleDeviceSharding(h100s[0])
+    args = [jax.ShapeDtypeStruct((8, 512, 16, 64), jnp.bfloat16, sharding=on)] * 2
+    args += [jax.ShapeDtypeStruct((8, 512), jnp.int32, sharding=on), jax.ShapeDtypeStruct((), jnp.float32, sharding=on)]
+    gradient_bytes = 8 * 512 * 16 * 64 * 2
+
+    def hbm_bytes(rotate):
+        text = jax.jit(lambda *a: gradient_quantised(rotate, *a)).lower(*args).compile().as_text()
+        return sum(k.count * k.bytes for k in kernels.table(text))
+
+    assert hbm_bytes(concatenated) - hbm_bytes(rope) >= gradient_bytes
+    x, dy = (jax.random.normal(jax.random.PRNGKey(i), (2, 8, 4, 64), jnp.bfloat16) for i in (0, 1))
+    positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    for a, b in zip(gradient_quantised(rope, x, dy, positions, 3.0), gradient_quantised(concatenated, x, dy, positions, 3.0)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
 def test_the_chunked_loss_never_holds_the_float32_logits_whole(h100s):
     """`model.loss_chunks=4`: no float32 array as large as the per-device logits [2 x 128 tokens,
     vocabulary 640] (a vocabulary no other width shares) anywhere in the compiled step: the
