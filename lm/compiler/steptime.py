@@ -8,8 +8,8 @@ Each kernel of `lm.compiler.kernels.table` takes a roofline time plus a launch o
 with the target's peak (`lm.hardware.peaks`) and bandwidth (its description), and one efficiency
 per kind of compute (bf16 GEMMs, fp8 GEMMs, grouped GEMMs), cuDNN attention's forward and backward
 at head widths 64 and 128 (between them interpolated in log2 of the width, beyond them the
-nearest's: the H200's traces ran the backward at 0.26 of peak at width 64 and 0.33 at 128, the
-forward at 0.33 and 0.45), one for memory, one overhead: nine constants (the grouped GEMM's the
+nearest's: on the H200's traces the forward runs at 0.34 of peak at width 64 and 0.45 at 128, the
+backward at 0.27 and 0.33), one for memory, one overhead: nine constants (the grouped GEMM's the
 dense GEMM's until a run with one fits it), fitted on the per-kernel times of real GPU traces (`fit`; `python -m lm.calibrate
 --step_time=DIR --target=NAME --write` rewrites `lm/hardware/steptime.json` from a run stored in
 `benchmarks/results/`). Kernels run one after another on one stream (XLA's GPU steps do, as
@@ -224,7 +224,8 @@ def _partner(name: str) -> str:
 
 
 def unfitted_attention(seen: set[str]) -> dict[str, str]:
-    """Attention constants no kernel of the runs fitted, each standing in for by its other width's."""
+    """The attention constants no kernel of the runs fitted, each with what stands in for it: the
+    same direction's constant at the other width."""
     return {name: f"no stored GPU run has attention at head width {name.rsplit('_', 1)[1]}: {_partner(name)} stands in"
             for name in ATTENTION if name not in seen and _partner(name) in seen}
 
