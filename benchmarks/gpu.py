@@ -40,7 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lm, also without an install
 # The cases name their layout (remat, one microbatch) rather than take the recipe's, so that they
 # stay comparable with the stored runs whatever the recipe becomes; `*_recipe` takes it as it is.
-BF16 = ["--config.precision.compute_dtype=bfloat16", "--config.train.grad_accum=1"]
+# XLA's own GEMM fusions, as every stored run had them (the recipe's `train.gemm_fusion=auto` takes
+# the elementwise work into the GEMMs: its cases say so).
+OPERANDS = "--config.train.gemm_fusion=operands"
+BF16 = ["--config.precision.compute_dtype=bfloat16", "--config.train.grad_accum=1", OPERANDS]
 FULL = "--config.model.remat=full"
 FP8 = [*BF16, "--config.precision.fp8=delayed"]
 RECIPE = ["--config.precision.compute_dtype=bfloat16"]
@@ -88,6 +91,12 @@ def cases(main: str) -> list[Case]:
         Case(f"fp8_{main}_b8", [*FP8, *attention(main), *b8, FULL], True),
         Case(f"bf16_{main}_b64", [*BF16, *attention(main), "--config.train.batch_size=64", FULL], True),
         Case(f"bf16_{main}_recipe", [*RECIPE, *attention(main)], True),  # the recipe's layout as it is
+        # The recipe with XLA's own GEMM fusions: what its GEMM fusion v2 gains (or loses) on the
+        # device, and, from the two runs' losses on the same batches, that it computes the same.
+        Case(f"bf16_{main}_recipe_gemm_fusion_operands", [*RECIPE, *attention(main), OPERANDS], True),
+        # A profiled case with the elementwise work inside the GEMMs, for the step-time model's fit.
+        Case(f"bf16_{main}_b8_remat_dots_gemm_fusion_elementwise",
+             [*BF16, *attention(main), *b8, dots, "--config.train.gemm_fusion=elementwise"], True),
         # Attention at head dim 128 (16 heads, 4 KV heads: the same width and FLOPs) against the recipe's 64.
         Case(f"bf16_{main}_recipe_head_dim_128", [*RECIPE, *attention(main), "--config.model.num_heads=16", "--config.model.num_kv_heads=4"], True),
         Case(f"wide_bf16_{main}", [*BF16, *attention(main)], True, config=WIDE),
@@ -247,13 +256,13 @@ def summary(report: dict) -> str:
         runs.update({f"{sweep.removeprefix('batch_sweep_')}_b{batch}": r for batch, r in report[sweep].items()})
     gib = lambda b: f"{b / 2**30:.2f}" if b else "?"  # noqa: E731
     lines = [f"`{report['config']}` on {', '.join(report['device'].get('devices', []))} (jax {report['device'].get('jax')})", "",
-             "| case | tokens/s | MFU | step (ms) | peak (GiB) | compile (s) |", "|---|---|---|---|---|---|"]
+             "| case | tokens/s | MFU | step (ms) | peak (GiB) | compile (s) | loss on its batches |", "|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         if r["ok"]:
             lines.append(f"| {name} | {r['tokens_per_sec']:,.0f} | {100 * r['mfu']:.1f}% | {1000 * r['step_time_s']:.0f} | "
-                         f"{gib(r.get('peak_memory_bytes'))} | {r['compile_time_s']:.1f} |")
+                         f"{gib(r.get('peak_memory_bytes'))} | {r['compile_time_s']:.1f} | {r.get('synthetic_batches_loss', float('nan')):.4f} |")
         else:
-            lines.append(f"| {name} | {'out of memory' if r.get('out_of_memory') else 'failed: ' + r['error'][:80]} | | | | |")
+            lines.append(f"| {name} | {'out of memory' if r.get('out_of_memory') else 'failed: ' + r['error'][:80]} | | | | | |")
     for name, r in report.items():
         if name.startswith("grouped_gemm_") and "dense_tflops" in r:
             lines += [f"\n{name} (TFLOP/s forward / with gradients; dense GEMM {r['dense_tflops']:.0f} / {r['dense_fwd_bwd_tflops']:.0f}):"]

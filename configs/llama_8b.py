@@ -3,7 +3,9 @@
 
 A recipe for 8+ GPUs (e.g. --config.mesh.fsdp=8, or fsdp=4 tensor=2); the BPE tokenizer is
 trained on your corpus. `python -m lm.layout --config=configs/llama_8b.py --target=h100
---config.mesh.fsdp=8` shows what each GPU will hold before you launch.
+--config.mesh.fsdp=8` shows what each GPU will hold before you launch. On GPUs the elementwise
+work beside each GEMM runs inside it (`train.gemm_fusion=auto`, not with fp8): on 8 H100s
+`{fsdp: 8}` the step-time model reads 947 ms a step against 992 with XLA's own GEMM fusions.
 """
 
 from lm.config import default_config
@@ -22,7 +24,7 @@ def get_config():
         remat="full",
     )
     c.data.update(tokenizer="bpe", vocab_size=128256)
-    c.train.update(steps=100_000, batch_size=8, seq_len=8192, log_every=10, eval_every=1000, eval_batches=10)
+    c.train.update(steps=100_000, batch_size=8, seq_len=8192, log_every=10, eval_every=1000, eval_batches=10, gemm_fusion="auto")
     c.optim.update(lr=3e-4, min_lr_ratio=0.1, warmup_steps=2000, b2=0.95, weight_decay=0.1)
     c.checkpoint.every_steps = 500
     c.precision.compute_dtype = "bfloat16"

@@ -72,6 +72,12 @@ def default_config() -> ml_collections.ConfigDict:
         # Python stacks to WORKDIR/hang-<process>.txt (resume with the same command). None: 10 x the
         # median step, at least 300 s, timed from the first completed step; 0: off.
         step_timeout_s=config_dict.placeholder(float),
+        # GPU programs: what XLA fuses into its Triton GEMM kernels. operands: XLA's default (layout
+        # changes and converts of a GEMM's operands); elementwise: XLA's GEMM fusion v2, also the
+        # elementwise work before and after each GEMM (SwiGLU's product and its backward, residual
+        # adds, the loss's cotangent), which then never makes a pass over memory of its own; auto:
+        # elementwise without fp8 (whose GEMMs are cuBLAS calls it does not fuse: a loss there).
+        gemm_fusion="operands",
     )
     c.optim = dict(
         name="adamw",  # adamw | muon: Muon for the block matmul weights, AdamW for the rest

@@ -26,6 +26,7 @@ _CHOICES = {
     "model.attention": ("auto", "cudnn", "xla", "einsum"),
     "model.grouped_gemm": GROUPED_GEMMS,
     "train.on_nonfinite": ("skip", "stop"),
+    "train.gemm_fusion": ("operands", "elementwise", "auto"),
     "optim.name": ("adamw", "muon"),
     "pipeline.remat": REMAT,
     "pipeline.schedule": ("gpipe", "1f1b", "1f1b_per_stage", "zero_bubble", "zbv", "dualpipev"),

@@ -404,6 +404,29 @@ def test_gpu_compiles_get_meshlm_compiler_options(h100s):
     assert targets.compiler_options(jax.devices("cpu")[0]) == {}
 
 
+def test_elementwise_gemm_fusion_leaves_no_pass_over_the_mlps_activations():
+    """`train.gemm_fusion=elementwise` (XLA's GEMM fusion v2): SwiGLU's product, its backward and
+    the residual adds run inside the GEMMs' Triton kernels, so no kernel of its own reads or writes
+    a [batch, length, mlp] activation, and the step moves fewer bytes, with the same GEMMs (none
+    duplicated to take an epilogue twice). Negative control: XLA's own GEMM fusions (`operands`)
+    make such passes. `auto` asks for it without fp8 only."""
+    one = targets.devices("h100", 1)
+
+    def step(gemm_fusion):
+        text = compiled(one, {}, train__gemm_fusion=gemm_fusion)
+        table = kernels.table(text)
+        activation_passes = [k.name for k in table if k.kind in ("elementwise", "reduction", "fusion") and k.shape.endswith("[16,128,256]")]
+        return activation_passes, passes.count(text)["pass_bytes"], sum(k.count * k.flops for k in table if k.kind == "gemm")
+
+    fused, fused_bytes, fused_flops = step("elementwise")
+    plain, plain_bytes, plain_flops = step("operands")
+    assert not fused and len(plain) >= 4, (fused, plain)
+    assert fused_bytes < 0.85 * plain_bytes and fused_flops == plain_flops
+    assert targets.elementwise_gemm_fusion("auto", fp8=False) and not targets.elementwise_gemm_fusion("auto", fp8=True)
+    assert targets.ELEMENTWISE_GEMM_FUSION_OPTIONS.items() <= targets.compiler_options(one[0], elementwise_gemms=True).items()
+    assert not targets.ELEMENTWISE_GEMM_FUSION_OPTIONS.items() <= targets.compiler_options(one[0]).items()
+
+
 @pytest.mark.slow
 def test_compile_only_programs_take_their_kernels_from_xlas_kernel_cache(h100s):
     """XLA rewrites the cache file only when it compiled a kernel the file lacked: the same program
@@ -633,7 +656,7 @@ def test_the_step_time_model_predicts_the_real_h100_run_from_a_deviceless_compil
     for case, remat in (("bf16_cudnn_b8", "full"), ("bf16_cudnn_b8_remat_dots", "dots")):
         config = load(str(ROOT / "configs" / "llama_1b.py"), {
             "precision.compute_dtype": "bfloat16", "model.attention": "cudnn", "train.batch_size": "8", "train.grad_accum": "1",
-            "model.remat": remat, "model.scan_layers": "True"})  # the layers scanned, as the kit ran them then
+            "model.remat": remat, "model.scan_layers": "True", "train.gemm_fusion": "operands"})  # as the kit ran it then
         text = compiled_train_step(setup(config, nominal_vocab_size(config.data), device)).as_text()
         predicted = steptime.predict(text, "h100").step_s
         assert abs(predicted / measured[case]["step_time_s"] - 1) < 0.10, (case, predicted, measured[case]["step_time_s"])
@@ -703,9 +726,10 @@ def test_fsdp_gathers_the_weights_fp8_sites_quantise_as_their_fp8_copies(h100s):
 def _llama_1b_layers(layers: int = 2, **overrides) -> str:
     """The optimized HLO of `llama_1b`'s GEMM shapes (one microbatch of 16 x 2048, `layers`
     layers, remat `dots`) on one H100: where the kernel cache has XLA's real choices (the
-    weight-gradient GEMMs as Triton fusions that read either layout)."""
-    return compiled_train_step(setup(recipe("llama_1b", model__num_layers=layers, train__batch_size=16,
-                                            train__grad_accum=1, **overrides), 32768, targets.devices("h100", 1))).as_text()
+    weight-gradient GEMMs as Triton fusions that read either layout). XLA's own GEMM fusions in
+    bf16 as under fp8 (`train.gemm_fusion=auto` differs between them), so their passes compare."""
+    return compiled_train_step(setup(recipe("llama_1b", model__num_layers=layers, train__batch_size=16, train__grad_accum=1,
+                                            **{"train__gemm_fusion": "operands", **overrides}), 32768, targets.devices("h100", 1))).as_text()
 
 
 def _kv_sites_in_bf16(monkeypatch):
@@ -805,7 +829,9 @@ def test_bf16_weights_are_cast_once_a_step_not_once_per_microbatch(monkeypatch):
     before the microbatch loop (`lm.model.cast_weights`): kernels writing a weight's bf16 copy
     run once a step per weight, not per layer per microbatch (and again in remat's recomputed
     forward). Counted on the compiled step of `llama_1b`'s shapes (2 layers, scanned, 2
-    microbatches of 8, remat `dots`). Negative control: casting inside the passes."""
+    microbatches of 8, remat `dots`), with XLA's own GEMM fusions (`train.gemm_fusion=elementwise`
+    takes each cast into the GEMM that reads it, and no cast is a kernel). Negative control:
+    casting inside the passes."""
     from lm.compiler import kernels
     from lm.program.steps import Program
 
@@ -813,7 +839,8 @@ def test_bf16_weights_are_cast_once_a_step_not_once_per_microbatch(monkeypatch):
     weights = {(2048, 32, 64), (2048, 8, 64), (32, 64, 2048), (2048, 8192), (8192, 2048)}  # q; k and v; o; gate and up; down
 
     def cast_runs():
-        c = recipe("llama_1b", model__num_layers=layers, model__scan_layers=True, train__batch_size=16, train__grad_accum=accum)
+        c = recipe("llama_1b", model__num_layers=layers, model__scan_layers=True, train__batch_size=16, train__grad_accum=accum,
+                   train__gemm_fusion="operands")
         text = compiled_train_step(setup(c, 32768, targets.devices("h100", 1))).as_text()
         runs = 0
         for k in kernels.table(text):

@@ -145,6 +145,7 @@ def test_a_damaged_run_config_and_a_missing_program(tmp_path, capsys):
     ("precision.loss_scale", "inf", "loss_scale='inf' is not one of"),
     ("data.val_fraction", "nan", "not a valid float"),
     ("train.steps", "1.5", "not a valid int"),
+    ("train.gemm_fusion", "triton", "train.gemm_fusion='triton' is not one of operands, elementwise, auto"),
 ])
 def test_numeric_overrides_out_of_range(tmp_path, capsys, key, value, fragment):
     assert_error(run_cli(capsys, lm_train.main, "--config=configs/tiny.py", f"--workdir={tmp_path}", f"--config.{key}={value}"), fragment)

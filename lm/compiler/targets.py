@@ -172,13 +172,29 @@ def target_of(device) -> str | None:
 SHARDED_WEIGHTS_OPTIONS = {"xla_gpu_enable_while_loop_double_buffering": True}
 
 
-def compiler_options(device, sharded_weights: bool = False) -> dict:
+# `train.gemm_fusion=elementwise`: XLA's GEMM fusion v2 takes every elementwise producer and
+# consumer it can tile into the GEMM's Triton kernel (prologues and epilogues), where its default
+# takes only layout changes and converts. Deviceless, the `llama_1b` recipe on one H100 by the
+# kernel model: 1,678.7 -> 1,523.5 ms (SwiGLU's forward and backward passes, 118 ms, inside the
+# GEMMs); with fp8, whose GEMMs are cuBLAS calls, 1,197.3 -> 1,212.3 (PERFORMANCE.md). XLA calls it
+# experimental: the GPU kit measures the recipe both ways.
+ELEMENTWISE_GEMM_FUSION_OPTIONS = {"xla_gpu_experimental_gemm_fusion_v2": True}
+
+
+def elementwise_gemm_fusion(choice: str, fp8: bool) -> bool:
+    """Whether `train.gemm_fusion` (operands | elementwise | auto) asks for XLA's GEMM fusion v2."""
+    return choice == "elementwise" or (choice == "auto" and not fp8)
+
+
+def compiler_options(device, sharded_weights: bool = False, elementwise_gemms: bool = False) -> dict:
     """The compiler options meshlm sets for programs compiled for `device` (one of a mesh's),
-    `sharded_weights` where FSDP splits the weights; for a compile-only GPU, XLA's kernel cache
-    too (`lm.compiler.kernel_cache`)."""
+    `sharded_weights` where FSDP splits the weights, `elementwise_gemms` where the GEMMs take
+    their elementwise neighbours in (`elementwise_gemm_fusion`); for a compile-only GPU, XLA's
+    kernel cache too (`lm.compiler.kernel_cache`)."""
     if device.platform != "gpu":
         return {}
     options = GPU_COMPILER_OPTIONS | (SHARDED_WEIGHTS_OPTIONS if sharded_weights else {})
+    options |= ELEMENTWISE_GEMM_FUSION_OPTIONS if elementwise_gemms else {}
     target = _COMPILE_ONLY_TARGET.get(device)
     if target and (path := kernel_cache.working_file(target)):
         options["xla_gpu_kernel_cache_file"] = path
