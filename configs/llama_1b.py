@@ -5,7 +5,7 @@ of 2048 per step, as 4 microbatches of 16 with remat `dots` (matmul results kept
 recomputed) and the layers unrolled (a scan over them copies every kept result into its stacked
 buffer, zero-filled and copied whole each microbatch: 157 ms of a 1.85 s H100 step); the weights
 are cast to bf16 once a step (`lm.model.cast_weights`); on GPUs the elementwise work beside each
-GEMM runs inside it (`train.gemm_fusion=auto`: XLA's GEMM fusion v2, not with fp8). On one H100
+GEMM runs inside it (`train.gemm_fusion=auto`: XLA's GEMM fusion v2, not with fp8 or tensor). On one H100
 the step-time model reads 86,034 tokens/s (57.8% MFU) from this program (`lm.layout
 --config=configs/llama_1b.py --target=h100 --devices=1`; 78,079 with
 `--config.train.gemm_fusion=operands`); PERFORMANCE.md compares it with the scanned, remat `full`

@@ -76,7 +76,8 @@ def default_config() -> ml_collections.ConfigDict:
         # changes and converts of a GEMM's operands); elementwise: XLA's GEMM fusion v2, also the
         # elementwise work before and after each GEMM (SwiGLU's product and its backward, residual
         # adds, the loss's cotangent), which then never makes a pass over memory of its own; auto:
-        # elementwise without fp8 (whose GEMMs are cuBLAS calls it does not fuse: a loss there).
+        # elementwise without fp8 (whose GEMMs are cuBLAS calls it does not fuse) and without
+        # tensor parallelism (where the kernel model finds it slower).
         # (jax 0.10.2's XLA fuses so; 0.12.0.1's takes the flag and fuses nothing more.)
         gemm_fusion="operands",
     )

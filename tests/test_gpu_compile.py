@@ -409,7 +409,7 @@ def test_elementwise_gemm_fusion_leaves_no_pass_over_the_mlps_activations():
     the residual adds run inside the GEMMs' Triton kernels, so no kernel of its own reads or writes
     a [batch, length, mlp] activation, and the step moves fewer bytes, with the same GEMMs (none
     duplicated to take an epilogue twice). Negative control: XLA's own GEMM fusions (`operands`)
-    make such passes. `auto` asks for it without fp8 only."""
+    make such passes. `auto` asks for it without fp8 and tensor parallelism only."""
     one = targets.devices("h100", 1)
 
     def step(gemm_fusion):
@@ -425,7 +425,10 @@ def test_elementwise_gemm_fusion_leaves_no_pass_over_the_mlps_activations():
                     "(jax 0.12.0.1's, seen 2026-12-01; jax 0.10.2's fuses)")
     assert not fused and len(plain) >= 4, (fused, plain)
     assert fused_bytes < 0.85 * plain_bytes and fused_flops == plain_flops
-    assert targets.elementwise_gemm_fusion("auto", fp8=False) and not targets.elementwise_gemm_fusion("auto", fp8=True)
+    assert targets.elementwise_gemm_fusion("auto", fp8=False, tensor_parallel=False)
+    assert not targets.elementwise_gemm_fusion("auto", fp8=True, tensor_parallel=False)
+    assert not targets.elementwise_gemm_fusion("auto", fp8=False, tensor_parallel=True)
+    assert targets.elementwise_gemm_fusion("elementwise", fp8=True, tensor_parallel=True)
     assert targets.ELEMENTWISE_GEMM_FUSION_OPTIONS.items() <= targets.compiler_options(one[0], elementwise_gemms=True).items()
     assert not targets.ELEMENTWISE_GEMM_FUSION_OPTIONS.items() <= targets.compiler_options(one[0]).items()
 

@@ -176,14 +176,16 @@ SHARDED_WEIGHTS_OPTIONS = {"xla_gpu_enable_while_loop_double_buffering": True}
 # consumer it can tile into the GEMM's Triton kernel (prologues and epilogues), where its default
 # takes only layout changes and converts. Deviceless, the `llama_1b` recipe on one H100 by the
 # kernel model: 1,678.7 -> 1,523.5 ms (SwiGLU's forward and backward passes, 118 ms, inside the
-# GEMMs); with fp8, whose GEMMs are cuBLAS calls, 1,197.3 -> 1,212.3 (PERFORMANCE.md). XLA calls it
-# experimental: the GPU kit measures the recipe both ways.
+# GEMMs); with fp8, whose GEMMs are cuBLAS calls, 1,197.3 -> 1,212.3; `llama_1b` under
+# `{data 2, tensor 4}` 330 -> 409 ms (its GEMMs' kernels 184 -> 310 ms; PERFORMANCE.md). XLA calls
+# it experimental: the GPU kit measures the recipe both ways.
 ELEMENTWISE_GEMM_FUSION_OPTIONS = {"xla_gpu_experimental_gemm_fusion_v2": True}
 
 
-def elementwise_gemm_fusion(choice: str, fp8: bool) -> bool:
-    """Whether `train.gemm_fusion` (operands | elementwise | auto) asks for XLA's GEMM fusion v2."""
-    return choice == "elementwise" or (choice == "auto" and not fp8)
+def elementwise_gemm_fusion(choice: str, fp8: bool, tensor_parallel: bool) -> bool:
+    """Whether `train.gemm_fusion` (operands | elementwise | auto) asks for XLA's GEMM fusion v2:
+    `auto` does without fp8 and without tensor parallelism, where the kernel model finds it slower."""
+    return choice == "elementwise" or (choice == "auto" and not fp8 and not tensor_parallel)
 
 
 def compiler_options(device, sharded_weights: bool = False, elementwise_gemms: bool = False) -> dict:

@@ -3,8 +3,8 @@ memory (`lm.planner.memory.Memory`, whose shares of the work it uses).
 
 Step time: the matmuls' FLOPs (`lm.model.flops.flops_per_token`, plus what remat recomputes) and
 attention's, each at a fitted share of the target's dense peak (fp8 peak for the block matmuls
-with `precision.fp8`), and the memory-bound passes over what the layers keep, over the logits
-and under tensor parallelism, their counts fitted (`compute_terms`; the five constants fitted to the kernel model's
+with `precision.fp8`), and the memory-bound passes over what the layers keep (fewer with `train.gemm_fusion`), over the logits
+and under tensor parallelism, their counts fitted (`compute_terms`; the six constants fitted to the kernel model's
 predictions of compiled programs: `lm.planner.calibration.fit_step_time`), the
 pipeline bubble (a per-stage 1F1B slot lasts its longest piece of work: the wait counted with it) and its
 stash's memory traffic, a mixture of experts' GEMMs as the grouped matmul or capacity buffers run
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from lm.compiler import steptime
+from lm.compiler import steptime, targets
 from lm.hardware.systems import System
 from lm.model import grouped_gemm
 from lm.model.flops import attention_flops, qkv_params, split_backward_flops
@@ -35,8 +35,9 @@ from sharding.schedules import SPLIT_BACKWARD, balanced_slots
 DROPLESS_IMBALANCE = 1.25
 # The cost model's fitted step-time constants (`lm/hardware/calibration.json`), in the order of
 # `Cost.compute_terms`: the matmuls' and attention's shares of peak, and the memory-bound passes
-# over what each layer keeps, over the float32 logits and (tensor parallelism) the residual stream.
-STEP_TIME_CONSTANTS = ("matmul_efficiency", "attention_efficiency", "saved_passes", "logits_passes", "tensor_passes")
+# over what each layer keeps (with the elementwise work inside the GEMMs, `train.gemm_fusion`,
+# fewer: a count of their own), over the float32 logits and (tensor parallelism) the residual stream.
+STEP_TIME_CONSTANTS = ("matmul_efficiency", "attention_efficiency", "saved_passes", "fused_saved_passes", "logits_passes", "tensor_passes")
 
 
 # The step-time terms of collectives over links, which `with_network` puts in place of the kernel
@@ -181,7 +182,8 @@ class Cost(Memory):
         (`STEP_TIME_CONSTANTS`, `lm.planner.calibration.fit_step_time`): the matmuls' FLOPs and
         attention's at peak, and the bytes of the memory-bound passes at the HBM bandwidth
         (what each layer keeps for its backward, written and read around the layer's
-        elementwise work; the float32 logits, which the loss passes over; under tensor parallelism,
+        elementwise work, its own count where that work runs inside the GEMMs,
+        `lm.compiler.targets.elementwise_gemm_fusion`; the float32 logits, which the loss passes over; under tensor parallelism,
         the residual stream once more per pass of a layer: the kernel model finds XLA's
         tensor-parallel programs doing more memory-bound work than the same layers unsplit)."""
         run, lay, m, s = self.run, self.parallelism, self.run.model, self.system
@@ -189,11 +191,13 @@ class Cost(Memory):
         pace = self.layers * lay.stage / m.num_layers  # the busiest stage's (1 when the stages are alike)
         block_peak, other_peak = s.peak("float8" if run.fp8 else run.compute_dtype), s.peak(run.compute_dtype)
         saved = self.passes * self.layers * self.local_tokens * self._kept_bytes()[lay.remat]
+        fused = targets.elementwise_gemm_fusion(run.gemm_fusion, run.fp8, lay.tensor > 1)
         logits = self.passes * self.local_tokens * m.vocab_size / (lay.stage * lay.tensor) * 4
         return {
             "matmul": (flops["block"] / block_peak + flops["head"] / other_peak) * pace,
             "attention": flops["attention"] / other_peak * pace,
-            "saved": saved / s.hbm_bytes_per_s,
+            "saved": (not fused) * saved / s.hbm_bytes_per_s,
+            "saved_fused": fused * saved / s.hbm_bytes_per_s,
             "logits": logits / s.hbm_bytes_per_s,
             "tensor": (lay.tensor > 1) * self.passes * self.layers * self.local_tokens * m.embed_dim * run.compute_bytes / s.hbm_bytes_per_s,
         }

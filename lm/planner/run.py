@@ -40,7 +40,8 @@ class StateLeaf:
 @dataclasses.dataclass(frozen=True)
 class Run:
     """What the cost model reads of a config: the model's shape, the batch, the dtypes, the
-    state's arrays (`StateLeaf`s, from the sharding rules) and whether fp8 is on."""
+    state's arrays (`StateLeaf`s, from the sharding rules), whether fp8 is on and what XLA fuses
+    into the GEMMs."""
 
     model: ModelConfig
     batch: int
@@ -50,6 +51,7 @@ class Run:
     param_bytes: int
     fp8: bool
     state: tuple[StateLeaf, ...]
+    gemm_fusion: str = "operands"  # train.gemm_fusion (lm.compiler.targets.elementwise_gemm_fusion)
 
     @cached_property
     def layer_params(self) -> int:
@@ -102,4 +104,5 @@ def run_of(config) -> Run:
         param_bytes=np.dtype(policy.param_dtype).itemsize,
         fp8=bool(policy.fp8),
         state=tuple(leaves),
+        gemm_fusion=config.train.gemm_fusion,
     )

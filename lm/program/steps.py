@@ -94,7 +94,8 @@ class Program:
         self.sequence_order = sharding.load_balanced_order(c.train.seq_len, shards) if shards > 1 else None
         # FSDP: the weights split along `embed`.
         options = targets.compiler_options(mesh.devices.flat[0], sharded_weights=sharding.axis_size(mesh, self.rules, "embed") > 1,
-                                           elementwise_gemms=targets.elementwise_gemm_fusion(c.train.gemm_fusion, self.policy.fp8 is not None))
+                                           elementwise_gemms=targets.elementwise_gemm_fusion(c.train.gemm_fusion, self.policy.fp8 is not None,
+                                                                                             mesh.shape.get("tensor", 1) > 1))
         jit = lambda fn, **kw: sharding.jit(fn, mesh, self.rules, compiler_options=options or None, **kw)  # noqa: E731
         self.init_state = jit(self._init, static_argnums=0, out_shardings=self.state_shardings)
         # A fresh state around given (e.g. imported) parameters, which it takes over.
