@@ -404,6 +404,7 @@ def test_gpu_compiles_get_meshlm_compiler_options(h100s):
     assert targets.compiler_options(jax.devices("cpu")[0]) == {}
 
 
+@pytest.mark.slow
 def test_elementwise_gemm_fusion_leaves_no_pass_over_the_mlps_activations():
     """`train.gemm_fusion=elementwise` (XLA's GEMM fusion v2): SwiGLU's product, its backward and
     the residual adds run inside the GEMMs' Triton kernels, so no kernel of its own reads or writes

@@ -211,7 +211,8 @@ def test_v_schedules_train_like_one_device(request, mesh, extra):
     assert "collective-permute" in hlo and not constant_collectives(hlo) and not full_vocabulary_buffers(hlo)
 
 
-@pytest.mark.parametrize("schedule, scanned", [("zero_bubble", True), ("zbv", True), ("zbv", False), ("1f1b", False)])
+@pytest.mark.parametrize("schedule, scanned", [("zero_bubble", True), ("zbv", True), pytest.param("zbv", False, marks=pytest.mark.slow),
+                                               pytest.param("1f1b", False, marks=pytest.mark.slow)])
 def test_keeping_residuals_a_pieces_weights_are_known_to_pullbacks_not_stashed_per_microbatch(monkeypatch, schedule, scanned):
     """The weights of a piece of a stage (ZB-V's chunk, balanced ZB-H1's half) are found among B's
     residuals by identity, so no copy of them is stashed per microbatch (seen: sliced twice, none
