@@ -92,10 +92,9 @@ class Program:
         # Context parallelism: the order that balances causal attention over the sequence's shards.
         shards = sharding.axis_size(mesh, self.rules, "length")
         self.sequence_order = sharding.load_balanced_order(c.train.seq_len, shards) if shards > 1 else None
-        # FSDP: the weights split along `embed`.
-        options = targets.compiler_options(mesh.devices.flat[0], sharded_weights=sharding.axis_size(mesh, self.rules, "embed") > 1,
-                                           elementwise_gemms=targets.elementwise_gemm_fusion(c.train.gemm_fusion, self.policy.fp8 is not None,
-                                                                                             mesh.shape.get("tensor", 1) > 1))
+        # FSDP: the weights split along `embed`; the GEMMs' fusion as `train.gemm_fusion` says for this precision and mesh.
+        fused = targets.elementwise_gemm_fusion(c.train.gemm_fusion, self.policy.fp8 is not None, mesh.shape["tensor"] > 1)
+        options = targets.compiler_options(mesh.devices.flat[0], sharding.axis_size(mesh, self.rules, "embed") > 1, fused)
         jit = lambda fn, **kw: sharding.jit(fn, mesh, self.rules, compiler_options=options or None, **kw)  # noqa: E731
         self.init_state = jit(self._init, static_argnums=0, out_shardings=self.state_shardings)
         # A fresh state around given (e.g. imported) parameters, which it takes over.
