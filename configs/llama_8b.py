@@ -4,11 +4,11 @@
 A recipe for 8+ GPUs (e.g. --config.mesh.fsdp=8, or fsdp=4 tensor=2); the BPE tokenizer is
 trained on your corpus. `python -m lm.layout --config=configs/llama_8b.py --target=h100
 --config.mesh.fsdp=8` shows what each GPU will hold before you launch. On GPUs the elementwise
-work beside each GEMM runs inside it (`train.gemm_fusion=auto`, not with fp8 or tensor). On 8
-H100s `lm.plan --config=configs/llama_8b.py --gpus=8 --target=h100 --top=1 --verify` reads 10,234
-tokens/s per GPU from the program (53.3% MFU at 51.5 GFLOP a token; with XLA's own GEMM fusions
-9,951). The layers stay scanned: unrolled (10,828, 56.4%), a pipeline keeping residuals would
-stash each layer's weight slices per microbatch (PERFORMANCE.md).
+work beside each GEMM runs inside it (`train.gemm_fusion=auto`, not with fp8 or tensor), and the layers
+are unrolled (a scan copies every kept result into its stacked buffer; a pipeline stage keeping
+residuals still scans its chunk). On 8 H100s `lm.plan --config=configs/llama_8b.py --gpus=8
+--target=h100 --top=1 --verify` reads 10,828 tokens/s per GPU from the program (56.4% MFU at
+51.5 GFLOP a token; scanned with XLA's own GEMM fusions: 9,951).
 """
 
 from lm.config import default_config
@@ -25,6 +25,7 @@ def get_config():
         rope_theta=500_000.0,
         tie_embeddings=False,
         remat="full",
+        scan_layers=False,
     )
     c.data.update(tokenizer="bpe", vocab_size=128256)
     c.train.update(steps=100_000, batch_size=8, seq_len=8192, log_every=10, eval_every=1000, eval_batches=10, gemm_fusion="auto")

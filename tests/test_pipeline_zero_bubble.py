@@ -211,11 +211,17 @@ def test_v_schedules_train_like_one_device(request, mesh, extra):
     assert "collective-permute" in hlo and not constant_collectives(hlo) and not full_vocabulary_buffers(hlo)
 
 
-@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
-def test_keeping_residuals_a_pieces_weights_are_known_to_pullbacks_not_stashed_per_microbatch(monkeypatch, schedule):
+@pytest.mark.parametrize("schedule, scanned", [("zero_bubble", True), ("zbv", True), pytest.param("zbv", False, marks=pytest.mark.slow),
+                                               pytest.param("1f1b", False, marks=pytest.mark.slow)])
+def test_keeping_residuals_a_pieces_weights_are_known_to_pullbacks_not_stashed_per_microbatch(monkeypatch, schedule, scanned):
     """The weights of a piece of a stage (ZB-V's chunk, balanced ZB-H1's half) are found among B's
     residuals by identity, so no copy of them is stashed per microbatch (seen: sliced twice, none
-    was found, and `llama_8b`'s ZB-V kept 16 GiB of f32 weights in its residual ring)."""
+    was found, and `llama_8b`'s ZB-V kept 16 GiB of f32 weights in its residual ring). With the
+    model's layers unrolled (`model.scan_layers=False`) the stage still scans its chunk
+    (`Transformer._stage_runner`). Negative control: the chunk unrolled too, none is found (each
+    layer's weights reach the pullback as slices of the stack)."""
+    from lm.model.transformer import Transformer
+
     found = []
     split = Pullbacks.split
 
@@ -229,9 +235,14 @@ def test_keeping_residuals_a_pieces_weights_are_known_to_pullbacks_not_stashed_p
         monkeypatch.setattr("sharding.pipeline_zero_bubble.balanced_zero_bubble", lambda plan, layers: True)
     # Scanned layers, whose backward keeps the stacked weights themselves (the remat `full` layer's inputs).
     c = small_config({"data": -1, "stage": 2}, **DEEP, pipeline__schedule=schedule, pipeline__microbatches=4, pipeline__remat="none",
-                     model__remat="full", model__scan_layers=True, precision__compute_dtype="bfloat16")
+                     model__remat="full", model__scan_layers=scanned, precision__compute_dtype="bfloat16")
     compiled_train_step(setup(c, VOCAB))
     assert found and min(found) == 9, found  # the layer's 9 weights (attention's 4, the MLP's 3, 2 norms), in every piece
+    if not scanned:
+        found.clear()
+        monkeypatch.setattr(Transformer, "_stage_runner", Transformer._runner)
+        compiled_train_step(setup(c, VOCAB))
+        assert found and max(found) == 0, found
 
 
 def test_zbv_refuses_layers_that_do_not_make_two_chunks_a_stage():

@@ -6,6 +6,7 @@ repeating period of dense and sparse layers (`layer_segments` says which).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,16 +83,18 @@ class StackRunner:
             with layer_taps(taps), lora.in_layer(layer_id):  # a split backward's taps (`lm.model.split_backward`) or None
                 return nnx.merge(graphdef, *[p for p in params if p is not None])(x, positions_bt, layer_cache, cache_index, segments_bt)
 
-        # Also inside a pipeline tick: one layer's internals at a time.
-        layer = remat(layer, self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
-
         def run(x, segment, in_fp8: bool):
+            # A new function each call: jax caches a scan body's trace (and a remat's) by the function
+            # and its input types, and whether fp8 is suspended is neither: segments of equal length in
+            # and out of fp8, or `either`'s two branches, would share the first one's trace. Remat also
+            # inside a pipeline tick: one layer's internals at a time.
+            body = remat(functools.partial(layer), self.cfg.remat, prevent_cse=not self.cfg.scan_layers)
             with fp8_suspended(self.policy.fp8 is not None and not in_fp8):
                 if self.cfg.scan_layers:
-                    return jax.lax.scan(layer, x, segment)
+                    return jax.lax.scan(body, x, segment)
                 caches = []
                 for i in range(jax.tree.leaves(segment)[0].shape[0]):
-                    x, layer_cache = layer(x, jax.tree.map(lambda a: a[i], segment))
+                    x, layer_cache = body(x, jax.tree.map(lambda a: a[i], segment))
                     caches.append(jax.tree.map(lambda a: a[None], layer_cache))
                 return x, jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
 

@@ -146,6 +146,17 @@ class Transformer(nnx.Module):
     def _runner(self) -> StackRunner:
         return StackRunner(self.cfg, self.policy)
 
+    @property
+    def _stage_runner(self) -> StackRunner:
+        """How a pipeline stage runs its chunk's layers: as the model does, but scanned where the
+        stage keeps its backward's residuals (`pipeline.remat` not `full`). Unrolled, each layer's
+        weights reach the pullback as slices of the chunk's stack, which `Pullbacks` cannot know
+        for parameters, and the stash kept a copy of every one per microbatch in flight; a scan's
+        backward keeps the stack itself."""
+        if self.pipeline.remat == "full" or self.cfg.scan_layers:
+            return self._runner
+        return StackRunner(dataclasses.replace(self.cfg, scan_layers=True), self.policy)
+
     def _embed_tables(self) -> tuple:
         return self.embedding[...], self.pos_embedding[...] if self.cfg.position == "learned" else None
 
@@ -241,7 +252,7 @@ class Transformer(nnx.Module):
         def stage(chunk, chunk_probes, x_btd, chunk_index):  # a chunk of consecutive layers on one microbatch
             positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]  # the same in every row
             with attention.mapped():  # GPipe and 1F1B vmap this over the stages
-                run = self._runner.run_stack
+                run = self._stage_runner.run_stack
                 return run(graphdef, (chunk, chunk_probes), x_btd, positions, None, None, chunk=chunk_index, first=first)[0]
 
         axes = nnx.get_partition_spec
@@ -263,7 +274,7 @@ class Transformer(nnx.Module):
             positions = None if positions_bt is None else positions_bt[: x_btd.shape[0]]
             stacks = {kind: (graphdefs[kind], (chunk_probes[kind], chunk[kind])) for kind in graphdefs}
             with attention.mapped():
-                return self._runner.run_periods(period, stacks, x_btd, positions, None, None, None, in_fp8=fp8[0])[0]
+                return self._stage_runner.run_periods(period, stacks, x_btd, positions, None, None, None, in_fp8=fp8[0])[0]
 
         axes = nnx.get_partition_spec
         return stage, stacked, axes(stacked), probes, axes(probes)
