@@ -6,8 +6,8 @@ backward by its `op_name` (JAX names the backward pass `transpose(jvp(...))`):
 
 - `quantising`: kernels that write an fp8 array from wider data (a quantising pass; one may also
   write other results), forward / backward;
-- `both_layouts`: of those, kernels writing one tensor's fp8 copy twice, transposed (the two
-  layouts an fp8 weight's forward and input-gradient GEMMs read);
+- `both_layouts`: the tensors those kernels write twice in fp8, transposed (the two layouts an fp8
+  weight's forward and input-gradient GEMMs read), counted per tensor and run;
 - `amax_reductions`: kernels whose computation reduces with `maximum` (an fp8 scale's amax, or
   anything else taking a maximum: the loss's logits), forward / backward;
 - `fp8_transposes`: kernels that read fp8 data and write it again (a transpose or layout copy of
@@ -34,12 +34,24 @@ from lm.compiler.hlo_module import Module
 
 BACKWARD = "transpose(jvp"
 _FP8 = re.compile(r"\bf8e\w+\[")
+_FP8_ARRAY = re.compile(r"\b(f8e\w+)\[([\d,]*)\](\{[\d,]*\})?")
 _TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
 MOE_SCOPES = ("moe_dispatch", "moe_combine")  # lm.model.experts' (not imported: the compiler package reads programs)
 
 
 def _fp8(types: str) -> bool:
     return bool(_FP8.search(types))
+
+
+def _both_layouts(types: str) -> int:
+    """How many tensors a kernel writes in two fp8 layouts: its fp8 results of one type and size
+    laid out apart (dims permuted, or the same dims in another layout) are one tensor's copies for
+    two GEMMs; copies alike are tensors of their own (a norm's output quantised for each site that
+    reads it, under each one's scale)."""
+    copies: dict[tuple, list] = {}
+    for t, dims, layout in _FP8_ARRAY.findall(types):
+        copies.setdefault((t, math.prod(int(d) for d in dims.split(",") if d)), []).append((dims, layout))
+    return sum(len(c) // len(set(c)) for c in copies.values() if len(set(c)) > 1)
 
 
 def _reduces(module: Module, computation: str, with_max: bool, seen: frozenset = frozenset()) -> bool:
@@ -81,8 +93,7 @@ def count(hlo: str) -> dict:
                 out["fp8_transposes"] += k.count
             elif reads_wider and not reads_fp8:  # (not the zero fill of a buffer)
                 out["quantising"][direction] += k.count
-                copies = [(t, math.prod(d)) for t, d in buffers(i.type) if t.startswith("f8")]
-                out["both_layouts"] += k.count if len(set(copies)) < len(copies) else 0
+                out["both_layouts"] += k.count * _both_layouts(i.type)
         if reduces and _reduces(module, i.called[0], with_max=True):
             out["amax_reductions"][direction] += k.count
     return out
@@ -95,6 +106,6 @@ def describe(c: dict) -> str:
     if moved := [f"{c[s]['kernels']} {s.removeprefix('moe_')} kernels {c[s]['bytes'] / 1e9:.2f} GB" for s in MOE_SCOPES if c[s]["kernels"]]:
         line += "; experts' routing: " + ", ".join(moved)
     if q["forward"] + q["backward"]:
-        line += (f"; fp8: {q['forward']} + {q['backward']} quantising (forward + backward; {c['both_layouts']} writing "
-                 f"both layouts), {a['forward']} + {a['backward']} max-reductions, {c['fp8_transposes']} transposes of fp8 data")
+        line += (f"; fp8: {q['forward']} + {q['backward']} quantising (forward + backward; {c['both_layouts']} tensors "
+                 f"written in both layouts), {a['forward']} + {a['backward']} max-reductions, {c['fp8_transposes']} transposes of fp8 data")
     return line
