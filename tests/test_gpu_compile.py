@@ -739,6 +739,25 @@ def _llama_1b_layers(layers: int = 2, **overrides) -> str:
                                             **{"train__gemm_fusion": "operands", **overrides}), 32768, targets.devices("h100", 1))).as_text()
 
 
+@pytest.mark.slow
+def test_swiglus_backward_writes_both_fp8_gradients_in_the_pass_that_makes_them(monkeypatch):
+    """fp8 delayed, `llama_1b`'s GEMM shapes (2 layers, one microbatch of 16 x 2048): with SwiGLU's
+    backward written by hand (`lm.model.swiglu`) XLA writes the gate's and up's output gradients
+    as e5m2 in the kernel that computes them. Negative control: autodiff's backward of
+    `jax.nn.silu(g) * u`, where one of them leaves that kernel in bf16 and is read again to be
+    quantised: its bf16 bytes twice more a layer."""
+    from lm.model import layers as layers_module
+
+    def hbm_bytes():
+        text = _llama_1b_layers(2, precision__fp8="delayed")
+        return sum(k.count * k.bytes for k in kernels.table(text))
+
+    by_hand = hbm_bytes()
+    monkeypatch.setattr(layers_module, "swiglu", lambda g, u: jax.nn.silu(g) * u)
+    gradient = 16 * 2048 * 8192 * 2  # one layer's [16, 2048, 8192] bf16 gradient
+    assert hbm_bytes() - by_hand >= 0.9 * 2 * 2 * gradient  # 2 layers, written and read again (2.15 GB more seen)
+
+
 def _kv_sites_in_bf16(monkeypatch):
     """`fp8_sites=auto` as it chose before shared inputs were priced: q, o and the MLP in fp8, the
     narrow k / v projections bf16 (in fp8 their [2048, 512] weights are transposed as fp8 data,

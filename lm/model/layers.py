@@ -21,6 +21,7 @@ from lm.model.attention import attention, causal_mask, training_mask
 from lm.model.config import ModelConfig
 from lm.model.precision import Policy
 from lm.model.rope import rope, rope_frequencies
+from lm.model.swiglu import swiglu
 from sharding import constrain
 from sharding.remat import name_matmul_input, name_qkv
 
@@ -220,7 +221,7 @@ class Mlp(nnx.Module):
         if cfg.mlp == "swiglu":
             gate = lora.adapted(self, "gate", self.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=hidden, site=self.w_gate_site,
                                                                   shares_input=True), x_btd)
-            h = jax.nn.silu(gate) * h
+            h = swiglu(gate, h)  # its backward by hand: XLA then quantises both gradients in one pass under fp8
         else:
             h = jax.nn.gelu(h)
         h = constrain(self.policy.cast(h), ("batch", "length", "mlp"), "mlp hidden")

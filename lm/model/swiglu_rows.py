@@ -18,23 +18,13 @@ import jax
 import jax.numpy as jnp
 
 from lm.model import grouped_gemm_kernels as mosaic
+from lm.model import swiglu as swiglu_maths
 
 BLOCK_ROWS, BLOCK_COLUMNS = 64, 128
 
 
-def _silu(g):
-    return g / (1.0 + jnp.exp(-g))
-
-
 def _forward(g, u):
-    g = g.astype(jnp.float32)
-    return (_silu(g) * u.astype(jnp.float32),)
-
-
-def _backward(dh, g, u):
-    dh, g, u = (a.astype(jnp.float32) for a in (dh, g, u))
-    sig = 1.0 / (1.0 + jnp.exp(-g))
-    return dh * u * sig * (1.0 + g * (1.0 - sig)), dh * g * sig
+    return (swiglu_maths.forward(g, u),)
 
 
 def _map_rows(fn, inputs, outputs: int, real_rows):
@@ -94,7 +84,7 @@ def _swiglu_fwd(g_mf, u_mf, real_rows):
 
 def _swiglu_bwd(residuals, dh_mf):
     g_mf, u_mf, real_rows = residuals
-    dg, du = _map_rows(_backward, (dh_mf.astype(g_mf.dtype), g_mf, u_mf), 2, real_rows)
+    dg, du = _map_rows(swiglu_maths.gradients, (dh_mf.astype(g_mf.dtype), g_mf, u_mf), 2, real_rows)
     return mosaic.varying_like(dg, dh_mf, g_mf), mosaic.varying_like(du, dh_mf, u_mf), None
 
 
