@@ -313,6 +313,40 @@ def test_fp8_weights_quantised_once_a_step_train_bit_for_bit_as_per_microbatch(m
     assert once[0][0]["loss"] != once[0][-1]["loss"]  # it trained
 
 
+def test_sites_reading_one_input_quantise_it_under_one_scale_and_train_bit_for_bit_as_apart(monkeypatch):
+    """fp8 delayed: k and v quantise their input under q's x scale, gate under up's
+    (`Policy.matmul(shares_input=...)`), which lets XLA write its fp8 copy once. Exact because
+    every site reading one x records the same amax each step: 3 steps' x histories of k, v and
+    gate equal q's and up's, and losses, parameters and fp8 state are bitwise those of each site
+    quantising under its own scale (sharing turned off)."""
+    from conftest import small_config
+
+    from lm.model.precision import Policy
+
+    def run(shared):
+        with monkeypatch.context() as m:
+            if not shared:
+                m.setattr(Policy, "quantising_site", lambda self, *a: None)
+            c = small_config({}, precision__compute_dtype="bfloat16", precision__fp8="delayed", train__grad_accum=2, model__scan_layers=True)
+            program = setup(c, 256, jax.devices()[:1])
+            rng, state, losses = np.random.default_rng(0), program.init_state(0), []
+            for _ in range(3):
+                tokens = rng.integers(0, 256, (c.train.batch_size, c.train.seq_len + 1), dtype=np.int32)
+                state, metrics = program.train_step(state, program.global_batch(tokens))
+                losses.append(metrics["loss"])
+            return jax.device_get((losses, state.params, state.opt_state, state.fp8))
+
+    shared, apart = run(True), run(False)
+    for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(apart), strict=True):
+        np.testing.assert_array_equal(a, b)
+    blocks = shared[3]["blocks"]
+    attention, mlp = blocks["attn"], blocks["mlp"]
+    x_history = lambda site: np.asarray(site["amax_history"])[..., 0, :]  # noqa: E731  [layers, history]
+    assert x_history(attention["wq_site"]).max() > 0  # recorded
+    for follower, leader in ((attention["wk_site"], attention["wq_site"]), (attention["wv_site"], attention["wq_site"]), (mlp["w_gate_site"], mlp["w_in_site"])):
+        np.testing.assert_array_equal(x_history(follower), x_history(leader))
+
+
 @pytest.mark.parametrize("mesh, overrides", [({}, {"model__scan_layers": True}), ({}, {"model__scan_layers": False}),
                                              ({"fsdp": 2, "tensor": 2}, {"model__scan_layers": True}),
                                              pytest.param({}, {"lora__rank": 4, "lora__targets": "all", "model__kv_lora_rank": 16, "model__q_lora_rank": 24,

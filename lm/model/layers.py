@@ -151,8 +151,9 @@ class Attention(nnx.Module):
         `segments_bt`), whatever order the tokens are in."""
         cfg = self.cfg
         q = lora.adapted(self, "q", self.policy.matmul("btd,dhk->bthk", x_btd, self.wq[...], site=self.wq_site), x_btd)
-        k = lora.adapted(self, "k", self.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...], site=self.wk_site, shares_input=True), x_btd)
-        v = lora.adapted(self, "v", self.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_site, shares_input=True), x_btd)
+        q_site = self.policy.quantising_site("btd,dhk->bthk", x_btd, self.wq[...], self.wq_site)  # k and v quantise x as q did
+        k = lora.adapted(self, "k", self.policy.matmul("btd,dgk->btgk", x_btd, self.wk[...], site=self.wk_site, shares_input=q_site), x_btd)
+        v = lora.adapted(self, "v", self.policy.matmul("btd,dgk->btgk", x_btd, self.wv[...], site=self.wv_site, shares_input=q_site), x_btd)
         if cfg.use_bias or cfg.qkv_bias:
             q, k, v = add_bias(q, self.bq[...]), add_bias(k, self.bk[...]), add_bias(v, self.bv[...])
         if cfg.qk_norm:  # each head's queries and keys RMS-normalised (Qwen3)
@@ -219,8 +220,9 @@ class Mlp(nnx.Module):
         if cfg.use_bias:
             h = add_bias(h, self.b_in[...])
         if cfg.mlp == "swiglu":
+            up_site = self.policy.quantising_site("btd,df->btf", x_btd, self.w_in[...], self.w_in_site)  # gate quantises x as up did
             gate = lora.adapted(self, "gate", self.policy.matmul("btd,df->btf", x_btd, self.w_gate[...], out_dtype=hidden, site=self.w_gate_site,
-                                                                  shares_input=True), x_btd)
+                                                                  shares_input=up_site), x_btd)
             h = swiglu(gate, h)  # its backward by hand: XLA then quantises both gradients in one pass under fp8
         else:
             h = jax.nn.gelu(h)

@@ -78,18 +78,27 @@ class Policy:
         """Per layer of the stack: does it compute in fp8?"""
         return self.fp8.layer_mask(num_layers) if self.fp8 else [False] * num_layers
 
+    def quantises(self, spec: str, x: jax.Array, w, site: MatmulSite | None, shares_input: MatmulSite | None = None) -> bool:
+        """Whether `matmul(spec, x, w, site=site, shares_input=...)` runs in fp8."""
+        return (self.fp8 is not None and site is not None and not is_suspended()
+                and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape, shares_input is not None)))
+
+    def quantising_site(self, spec: str, x: jax.Array, w, site: MatmulSite | None) -> MatmulSite | None:
+        """`site` where its matmul quantises `x` (what the sites after it reading the same x share)."""
+        return site if self.quantises(spec, x, w, site) else None
+
     def matmul(self, spec: str, x: jax.Array, w: jax.Array, out_dtype=None, site: MatmulSite | None = None,
-               weight: bool = True, shares_input: bool = False) -> jax.Array:
+               weight: bool = True, shares_input: MatmulSite | None = None) -> jax.Array:
         """`einsum(spec, x, w)` on compute-dtype inputs, accumulated in float32 forward and
         backward; the result is in `out_dtype` (default: the compute dtype). At a `site`, in fp8
         when the policy says so (and no `fp8_suspended()` is in force). `weight`: whether w is a
         weight, whose gradient a split backward defers (`lm.model.split_backward`), or an
-        activation (attention's keys and values). `shares_input`: the site before this one read
-        the same x (k and v after q, gate after up), so x's fp8 passes are shared (the choice's
-        price)."""
+        activation (attention's keys and values). `shares_input`: the site before this one that
+        quantised the same x (q's for k and v, up's for gate: `quantising_site`); under delayed
+        scaling x is quantised under its scale (their histories of x are the same), so XLA writes
+        x's fp8 copy once for both, and the choice prices x's passes as shared."""
         out_dtype = jnp.dtype(out_dtype or self.compute_dtype)
-        quantize = (self.fp8 is not None and site is not None and not is_suspended()
-                    and (self.fp8_choice is None or self.fp8_choice(spec, x.shape, w.shape, shares_input)))
+        quantize = self.quantises(spec, x, w, site, shares_input)
         prepared = w if isinstance(w, QuantisedWeight) and quantize else None  # quantised once a step (`lm.model.fp8_weights`)
         w = w.master if isinstance(w, QuantisedWeight) else compute_copy(w) if isinstance(w, CastWeight) else w
         if quantize and prepared is None and self.pin_weight_layouts and with_layout_constraint is not None:
@@ -99,12 +108,16 @@ class Policy:
             y = plain_matmul(spec, out_dtype, x, w, weight)
         else:
             stateful = self.fp8 is not None and self.fp8.stateful
-            scales = site.scale[...] if stateful else jnp.zeros(len(ROLES), F32)  # zero: each tensor's own amax
             current = self.fp8 is not None and not stateful
+            if stateful:  # one stack of the scales this call uses: XLA sees x's as the very value the sharing sites use
+                own = site.scale[...]
+                x_scale = (shares_input if shares_input is not None and quantize else site).scale[...][0]
+                scales = jnp.stack([x_scale, own[1] if prepared is None else prepared.scale, own[2]])
+            else:  # zero: each tensor's own amax (the weight's came with its copy)
+                scales = jnp.zeros(len(ROLES), F32) if prepared is None else jnp.zeros(len(ROLES), F32).at[1].set(prepared.scale)
             mode = SiteMode(quantize, self.observe, self.compute_dtype, current, self.fp8.margin if current else 0)
             if prepared is None:
                 y = site_matmul(spec, out_dtype, mode, x, w, scales, site.probe[...])
             else:
-                scales = scales.at[1].set(prepared.scale)
                 y = prequantised_site_matmul(spec, out_dtype, mode, x, w, prepared.q, prepared.stats, scales, site.probe[...])
         return name_matmul(y, batched=has_batch_dims(spec))  # what remat `dots` saves
