@@ -771,6 +771,7 @@ def test_swiglus_backward_writes_both_fp8_gradients_in_the_pass_that_makes_them(
     assert hbm_bytes() - by_hand >= 0.9 * 2 * 2 * gradient  # 2 layers, written and read again (2.15 GB more seen)
 
 
+@pytest.mark.slow
 def test_an_input_several_fp8_sites_read_is_quantised_once(monkeypatch):
     """fp8 delayed, `llama_1b`'s GEMM shapes (2 layers, one microbatch of 16 x 2048): k and v
     quantise the attention's input under q's scale, gate the MLP's under up's

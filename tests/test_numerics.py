@@ -313,6 +313,7 @@ def test_fp8_weights_quantised_once_a_step_train_bit_for_bit_as_per_microbatch(m
     assert once[0][0]["loss"] != once[0][-1]["loss"]  # it trained
 
 
+@pytest.mark.slow
 def test_sites_reading_one_input_quantise_it_under_one_scale_and_train_bit_for_bit_as_apart(monkeypatch):
     """fp8 delayed: k and v quantise their input under q's x scale, gate under up's
     (`Policy.matmul(shares_input=...)`), which lets XLA write its fp8 copy once. Exact because
