@@ -89,6 +89,19 @@ def test_w_needs_only_the_stash():
         np.testing.assert_array_equal(np.asarray(b) + np.asarray(w), f)
 
 
+def test_matmuls_reading_one_input_keep_it_once_in_the_stash():
+    """q, k and v read the attention's normalised input, gate and up the MLP's: the stash keeps
+    each once (k's, v's and gate's inputs are empty; W hands them the first's, and the gradients
+    above stay bit for bit): 3 of the 7 inputs fewer. The control: o and down, whose
+    inputs are their own, keep theirs."""
+    fn, params = block("bfloat16")
+    x, dy = jnp.ones((2, 16, 64)), jnp.ones((2, 16, 64))
+    stash = split_vjp(fn, params, x)[1](dy)[2]
+    assert [a.shape for a, _ in stash] == [(2, 16, 64), (0,), (0,), (2, 16, 4, 16), (2, 16, 64), (0,), (2, 16, 128)]
+    inputs = sum(a.nbytes for a, _ in stash)
+    assert inputs == 2 * 16 * (64 + 64 + 64 + 128) * 2  # q's, o's, up's and down's: bf16
+
+
 @pytest.mark.parametrize("scan_layers, remat", [(True, "full"), (True, "dots"), (True, "none"), (False, "none")])
 def test_a_stack_of_layers_splits_through_its_scan(scan_layers, remat):
     """Three layers (scanned: each layer's taps are its slice of the stack's) and the head: B + W

@@ -176,14 +176,15 @@ def input_gradient_matmul(spec: str, out_dtype, x, w, tap):
 
 
 def _input_fwd(spec, out_dtype, x, w, tap):
-    return einsum(spec, x, w, out_dtype), (x, w)
+    return einsum(spec, x, w, out_dtype), (x, w, tap[0])
 
 
 def _input_bwd(spec, out_dtype, residuals, dy):
-    x, w = residuals
+    x, w, tap_x = residuals
     dx_spec = transposed_specs(spec)[0]
     dx = einsum(dx_spec, dy.astype(x.dtype), w, x.dtype)
-    return summed_as(dx, x), jnp.zeros_like(w), (x, dy)
+    # An empty tap input: the matmul before read this x and keeps it for both (`split_backward`).
+    return summed_as(dx, x), jnp.zeros_like(w), (x if tap_x.shape == x.shape else tap_x, dy)
 
 
 input_gradient_matmul.defvjp(_input_fwd, _input_bwd)

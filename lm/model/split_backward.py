@@ -10,6 +10,9 @@ gradient. W replays the function with each matmul handed its pair back
 backward does, and everything else of the replay is dead code. So B's and W's gradients add up
 to the unsplit ones bit for bit, and B + W costs the unsplit backward.
 
+A matmul reading the very input the one before it read (q / k / v, gate / up) keeps no copy of
+it: its tap's input is empty, and W hands it the input kept with the first of them.
+
 Taps are handed out in call order. A stack of layers run by a scan (whose body is traced once)
 takes its layers' taps stacked, as part of the scan's input (`stack_taps`), and hands each
 layer its own inside the body (`layer_taps`): `StackRunner.run_stack` (lm.model.layer_stack) does.
@@ -31,15 +34,17 @@ from lm.model.matmul import _matmul, _split, input_gradient_matmul, weight_gradi
 
 class _Recording:
     """Notes the input and result shapes of each weight matmul, and of each stack's layer (the
-    body's first trace), in call order."""
+    body's first trace), in call order; an input the matmul before read too as empty."""
 
     def __init__(self):
-        self.seen, self.stacks, self.traced = [], [], False
+        self.seen, self.stacks, self.traced, self.last_x = [], [], False, None
 
     def matmul(self, spec, out_dtype, x, w):
         y = _matmul(spec, out_dtype, x, w)
         if not self.traced:
-            self.seen.append((jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype)))
+            shared = x is self.last_x
+            self.seen.append((jax.ShapeDtypeStruct((0,) if shared else x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype)))
+        self.last_x = x
         return y
 
     def stack(self, layers: int):
@@ -67,19 +72,24 @@ class _Recording:
 
 class _Handing:
     """Hands each weight matmul its tap (B) or its stash (W) in call order; a stack its layers'
-    stacked, and each layer inside the scan its own."""
+    stacked, and each layer inside the scan its own. In W (`stashed`) a stash whose input is
+    empty (shared with the matmul before) is handed that matmul's input."""
 
-    def __init__(self, matmul: Callable, items):
-        self.split_matmul, self.items = matmul, iter(items)
+    def __init__(self, matmul: Callable, items, stashed: bool = False):
+        self.split_matmul, self.items, self.stashed, self.last_x = matmul, iter(items), stashed, None
 
     def matmul(self, spec, out_dtype, x, w):
-        return self.split_matmul(spec, out_dtype, x, w, next(self.items))
+        item = next(self.items)
+        if self.stashed and item[0].shape == (0,) and x.shape != (0,):
+            item = (self.last_x, *item[1:])
+        self.last_x = item[0]
+        return self.split_matmul(spec, out_dtype, x, w, item)
 
     def stack(self, layers: int):
         return next(self.items)
 
     def layer(self, items):
-        return _Handing(self.split_matmul, items)
+        return _Handing(self.split_matmul, items, self.stashed)
 
 
 @contextlib.contextmanager
@@ -130,7 +140,7 @@ def split_vjp(fn: Callable, params, x):
 
     def weight_backward(stash):
         def replay(params):
-            with _matmuls_as(_Handing(weight_gradient_matmul, stash)):
+            with _matmuls_as(_Handing(weight_gradient_matmul, stash, stashed=True)):
                 return fn(params, jnp.zeros(x.shape, x.dtype))  # the input is not needed: only the matmuls' pairs
 
         out, replay_pullback = jax.vjp(replay, params)
