@@ -106,13 +106,13 @@ class Memory:
     def _tap_bytes(self) -> float:
         """Bytes per local token and layer of a split backward's taps (`lm.model.split_backward`):
         each weight matmul's input and output gradient in the compute dtype, per tensor shard
-        where the matmul is split; a mixture of experts' grouped matmuls keep none (their weight
-        gradients come in B)."""
+        where the matmul is split, an input several matmuls read once (q / k / v's, gate / up's);
+        a mixture of experts' grouped matmuls keep none (their weight gradients come in B)."""
         m, e = self.run.model, self.run.compute_bytes
         d, q, kv, f = m.embed_dim, m.q_width, m.kv_width, m.mlp_dim
-        attention = (3 * d + q) + (q + 2 * kv + d)  # q, k, v, o: inputs, then output gradients
+        attention = (d + q) + (q + 2 * kv + d)  # q / k / v's input and o's, then q, k, v, o's output gradients
         up = 2 if m.mlp == "swiglu" else 1
-        mlp = 0.0 if m.moe else (up * d + f) + (up * f + d)
+        mlp = 0.0 if m.moe else (d + f) + (up * f + d)
         return (attention + mlp) * e / self.parallelism.tensor
 
     def _kept_bytes(self, sequence_parallel: bool | None = None) -> dict:
@@ -171,7 +171,7 @@ class Memory:
             stash, share = pipelined["stash_depth"], pipelined.get("chunk_share", 1.0)  # ZB-V's depths count half-stage chunks
             # B's taps until W, for every microbatch between its B and its W, and two more sets:
             # the one B has just made and the one its branch's select writes (measured: `llama_8b`
-            # {stage 4, fsdp 2} on H100s, 57 GiB of taps at depth 4 where 4 sets are 40 GiB).
+            # {stage 4, fsdp 2} M = 8 on H100s, ZB-H1's temporaries 59.8 GiB here, 58.9 compiled).
             depth = pipelined.get("w_stash_depth", 0)
             taps = (depth + 2 * (depth > 0)) * share * self._tap_bytes() * self.layers * self.local_tokens
             if self._recomputes_ticks:  # every stage input the schedule keeps, plus one tick's layers on recompute
