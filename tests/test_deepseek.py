@@ -116,7 +116,9 @@ def test_latent_attention_pipelines_as_on_one_device(schedule):
     ref_losses, ref_params = run_steps(small_config({}, **LATENT, train__grad_accum=2), jax.devices()[:1])
     losses, params = run_steps(small_config({"stage": 2, "data": 2, "tensor": 2}, **LATENT, pipeline__schedule=schedule))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5), params, ref_params)
+    # The tensor split reorders float32 sums: one parameter in 16384 differed by 2.07e-5 on an
+    # AVX-512 host (at the code before and after 2026-12-02's taps change alike).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5), params, ref_params)
 
 
 @pytest.mark.slow
