@@ -648,6 +648,20 @@ def test_a_pipeline_slot_writes_each_ring_entry_once_in_place(h100s, monkeypatch
 
 
 @pytest.mark.slow
+def test_a_zero_bubble_pipelines_slot_loop_is_not_double_buffered_under_fsdp(h100s):
+    """With FSDP, XLA unrolls loops by two to alternate buffers (`SHARDED_WEIGHTS_OPTIONS`), but
+    not a split-backward pipeline's slot loop, where it costs (`lm.compiler.targets`): no
+    double-buffered clone in ZB-H1's program; the per-stage 1F1B's (the control) has them."""
+    def clones(schedule: str) -> int:
+        c = small_config({"stage": 2, "fsdp": 4}, model__num_layers=4, train__batch_size=32, pipeline__microbatches=4,
+                         pipeline__schedule=schedule, pipeline__remat="none")
+        return compiled_train_step(setup(c, 256, h100s)).as_text().count(".double_buffer")
+
+    assert clones("zero_bubble") == 0
+    assert clones("1f1b_per_stage") > 0
+
+
+@pytest.mark.slow
 def test_1f1b_temporaries_stay_flat_in_the_microbatches_on_h100s(h100s):
     def temporaries(microbatches: int, **schedule) -> int:  # microbatches of 2 sequences per FSDP shard
         step = compiled_step(h100s, {"stage": 2, "fsdp": 4}, model__num_layers=4, train__batch_size=8 * microbatches,

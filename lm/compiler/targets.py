@@ -170,6 +170,10 @@ def target_of(device) -> str | None:
 # the loop by two (MaxText's GPU flag) lets the iterations alternate buffers instead. Without
 # FSDP it only costs (llama_1b on one H100: 47.0% -> 45.2% MFU), so it is set with FSDP only.
 SHARDED_WEIGHTS_OPTIONS = {"xla_gpu_enable_while_loop_double_buffering": True}
+# Not for a split-backward pipeline's slot loop (`pipeline.schedule` zero_bubble / zbv / dualpipev):
+# its two iterations' switches then hold each other's rings and sums. `llama_8b` `{stage 4, fsdp 2}`
+# M = 8 on 8 H100s by the kernel model: ZB-H1 3,717.1 -> 3,560.1 ms, ZB-V 4,198.0 -> 4,088.8,
+# DualPipeV 3,585.7 -> 3,530.9 without it (1F1B's lockstep and per-stage loops lose 13 and 26 ms).
 
 
 # `train.gemm_fusion=elementwise`: XLA's GEMM fusion v2 takes every elementwise producer and
@@ -188,14 +192,15 @@ def elementwise_gemm_fusion(choice: str, fp8: bool, tensor_parallel: bool) -> bo
     return choice == "elementwise" or (choice == "auto" and not fp8 and not tensor_parallel)
 
 
-def compiler_options(device, sharded_weights: bool = False, elementwise_gemms: bool = False) -> dict:
+def compiler_options(device, sharded_weights: bool = False, elementwise_gemms: bool = False, split_backward_slots: bool = False) -> dict:
     """The compiler options meshlm sets for programs compiled for `device` (one of a mesh's),
     `sharded_weights` where FSDP splits the weights, `elementwise_gemms` where the GEMMs take
-    their elementwise neighbours in (`elementwise_gemm_fusion`); for a compile-only GPU, XLA's
-    kernel cache too (`lm.compiler.kernel_cache`)."""
+    their elementwise neighbours in (`elementwise_gemm_fusion`), `split_backward_slots` where a
+    zero-bubble pipeline's slots loop; for a compile-only GPU, XLA's kernel cache too
+    (`lm.compiler.kernel_cache`)."""
     if device.platform != "gpu":
         return {}
-    options = GPU_COMPILER_OPTIONS | (SHARDED_WEIGHTS_OPTIONS if sharded_weights else {})
+    options = GPU_COMPILER_OPTIONS | (SHARDED_WEIGHTS_OPTIONS if sharded_weights and not split_backward_slots else {})
     options |= ELEMENTWISE_GEMM_FUSION_OPTIONS if elementwise_gemms else {}
     target = _COMPILE_ONLY_TARGET.get(device)
     if target and (path := kernel_cache.working_file(target)):

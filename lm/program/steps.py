@@ -33,6 +33,7 @@ from lm.program.optimizer import optimizer, schedule, state_shardings
 from lm.program.spec import RunSpec
 from sharding import constrain
 from sharding.pipeline import split_microbatches
+from sharding.schedules import SPLIT_BACKWARD
 
 
 @struct.dataclass
@@ -92,19 +93,16 @@ class Program:
         # Context parallelism: the order that balances causal attention over the sequence's shards.
         shards = sharding.axis_size(mesh, self.rules, "length")
         self.sequence_order = sharding.load_balanced_order(c.train.seq_len, shards) if shards > 1 else None
-        # FSDP: the weights split along `embed`; the GEMMs' fusion as `train.gemm_fusion` says for this precision and mesh.
+        # FSDP: the weights split along `embed`; the GEMMs' fusion as `train.gemm_fusion` says; a zero-bubble pipeline's slots.
         fused = targets.elementwise_gemm_fusion(c.train.gemm_fusion, self.policy.fp8 is not None, mesh.shape["tensor"] > 1)
-        options = targets.compiler_options(mesh.devices.flat[0], sharding.axis_size(mesh, self.rules, "embed") > 1, fused)
+        split_slots = mesh.shape["stage"] > 1 and c.pipeline.schedule in SPLIT_BACKWARD
+        options = targets.compiler_options(mesh.devices.flat[0], sharding.axis_size(mesh, self.rules, "embed") > 1, fused, split_slots)
         jit = lambda fn, **kw: sharding.jit(fn, mesh, self.rules, compiler_options=options or None, **kw)  # noqa: E731
         self.init_state = jit(self._init, static_argnums=0, out_shardings=self.state_shardings)
         # A fresh state around given (e.g. imported) parameters, which it takes over.
         self.init_from = jit(self._init, static_argnums=0, out_shardings=self.state_shardings, donate_argnums=1)
-        self.train_step = jit(
-            self._train_step,
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, replicated),
-            donate_argnums=0,
-        )
+        self.train_step = jit(self._train_step, in_shardings=(self.state_shardings, self.batch_sharding),
+                              out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         self.eval_step = jit(
             lambda state, batch: self._loss(state.params, loss_weights(batch), state.fp8, differentiated=False)[0],
             in_shardings=(self.state_shardings, self.batch_sharding),
