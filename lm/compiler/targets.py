@@ -170,10 +170,10 @@ def target_of(device) -> str | None:
 # the loop by two (MaxText's GPU flag) lets the iterations alternate buffers instead. Without
 # FSDP it only costs (llama_1b on one H100: 47.0% -> 45.2% MFU), so it is set with FSDP only.
 SHARDED_WEIGHTS_OPTIONS = {"xla_gpu_enable_while_loop_double_buffering": True}
-# Not for a split-backward pipeline's slot loop (`pipeline.schedule` zero_bubble / zbv / dualpipev):
-# its two iterations' switches then hold each other's rings and sums. `llama_8b` `{stage 4, fsdp 2}`
-# M = 8 on 8 H100s by the kernel model: ZB-H1 3,717.1 -> 3,560.1 ms, ZB-V 4,198.0 -> 4,088.8,
-# DualPipeV 3,585.7 -> 3,530.9 without it (1F1B's lockstep and per-stage loops lose 13 and 26 ms).
+# Not for a split-backward pipeline's slot loop (`pipeline.schedule` zero_bubble / zbv / dualpipev),
+# where it measured slower (why, not looked into). `llama_8b` `{stage 4, fsdp 2}` M = 8 on 8 H100s
+# by the kernel model: ZB-H1 3,717.1 -> 3,560.1 ms, ZB-V 4,198.0 -> 4,088.8, DualPipeV 3,585.7 ->
+# 3,530.9 without it (1F1B's lockstep and per-stage loops lose 13 and 26 ms without it).
 
 
 # `train.gemm_fusion=elementwise`: XLA's GEMM fusion v2 takes every elementwise producer and
